@@ -1,1 +1,7 @@
-//! kvroute core.
+//! kvroute's routing core.
+//!
+//! Host-independent: no proxy-wasm, no I/O, no clocks, no global randomness.
+//! The wasm filter, the emulator and the simulator all call this code; none
+//! of them re-implements it. See `ARCHITECTURE.md` at the repository root.
+
+pub mod request;

@@ -1,0 +1,755 @@
+//! Parsing of OpenAI-compatible request bodies into what routing needs.
+//!
+//! One pass with `serde_json` over the buffered body. Strings without escapes
+//! are borrowed from the body; the only large copy is the rendered prompt,
+//! which is built once. Everything the routing core does not read (sampling
+//! parameters, logprobs, …) is skipped without being materialised.
+//!
+//! The *rendered prompt* is a byte string that stands in for what the model
+//! server will tokenize. It need not equal the chat template's output; it must
+//! only be stable (same request → same bytes) and prefix-preserving (a request
+//! that extends another's conversation renders to a byte-extension of it), so
+//! that equal prefixes give equal leading blocks.
+//!
+//! Chat rendering, per message in order:
+//! `<|role|>` [`<|name:NAME|>`] `\n` text-content `\n` [`<|tool_calls|>` raw-json `\n`]
+//! preceded by `<|tools|>` raw-json `\n` when `tools` is present. A non-text
+//! content part renders as `<|TYPE:HASH|>`, where HASH is the xxh3-64 of the
+//! part's raw JSON in hex, so two different images never share a block.
+
+use serde::de::{self, IgnoredAny, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::fmt;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Which OpenAI-compatible API a request targets, chosen by path suffix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiKind {
+    /// `/v1/chat/completions`
+    ChatCompletions,
+    /// `/v1/completions`
+    Completions,
+    /// `/v1/responses`
+    Responses,
+    /// `/v1/embeddings` (parsed for `model` only)
+    Embeddings,
+}
+
+impl ApiKind {
+    /// Picks the API from a request path. The query string is ignored, and any
+    /// prefix before `/v1/...` is allowed (gateways often mount under a prefix).
+    pub fn from_path(path: &str) -> Option<ApiKind> {
+        let path = path.split(['?', '#']).next().unwrap_or("");
+        let path = path.strip_suffix('/').unwrap_or(path);
+        if path.ends_with("/v1/chat/completions") {
+            Some(ApiKind::ChatCompletions)
+        } else if path.ends_with("/v1/completions") {
+            Some(ApiKind::Completions)
+        } else if path.ends_with("/v1/responses") {
+            Some(ApiKind::Responses)
+        } else if path.ends_with("/v1/embeddings") {
+            Some(ApiKind::Embeddings)
+        } else {
+            None
+        }
+    }
+}
+
+/// The prompt as routing sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    /// Rendered text prompt (UTF-8 bytes; see the module doc for the format).
+    Text(Vec<u8>),
+    /// A token-ID prompt (`/v1/completions` with `prompt: [ints]`).
+    TokenIds(Vec<u32>),
+}
+
+impl Prompt {
+    /// True when there is nothing to hash.
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Prompt::Text(t) => t.is_empty(),
+            Prompt::TokenIds(t) => t.is_empty(),
+        }
+    }
+}
+
+/// What the routing core needs from one request body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InferenceRequest {
+    pub kind: ApiKind,
+    pub model: String,
+    pub prompt: Prompt,
+    /// `max_tokens`, `max_completion_tokens` or `max_output_tokens`, whichever
+    /// is given (the smallest if several are).
+    pub max_output_tokens: Option<u64>,
+    pub stream: bool,
+    /// vLLM's `cache_salt`: requests with different salts never share blocks.
+    pub cache_salt: Option<String>,
+}
+
+/// Limits applied while parsing. serde_json itself refuses nesting deeper
+/// than 128 levels, so deep bodies fail fast without recursion blow-ups.
+#[derive(Clone, Debug)]
+pub struct ParseLimits {
+    /// Bodies longer than this are refused before parsing (bytes).
+    pub max_body_bytes: usize,
+}
+
+impl Default for ParseLimits {
+    fn default() -> Self {
+        ParseLimits {
+            max_body_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+/// Why a body could not be used for routing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ParseError {
+    /// The body is empty.
+    Empty,
+    /// The body is larger than `ParseLimits::max_body_bytes`.
+    TooLarge { limit: usize, actual: usize },
+    /// Not JSON, wrong types, invalid UTF-8 or nested too deeply; the message
+    /// comes from serde_json and gives the line and column.
+    Json(String),
+    /// `model` is absent or empty.
+    MissingModel,
+    /// No prompt: no `messages`, `prompt` or `input`, or an empty one.
+    MissingPrompt,
+}
+
+impl fmt::Display for ParseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ParseError::Empty => write!(f, "request body is empty"),
+            ParseError::TooLarge { limit, actual } => write!(
+                f,
+                "request body is {actual} bytes, over the {limit}-byte limit (routing.maxBodyBytes)"
+            ),
+            ParseError::Json(m) => write!(f, "request body is not a valid request: {m}"),
+            ParseError::MissingModel => write!(f, "request body has no \"model\""),
+            ParseError::MissingPrompt => {
+                write!(f, "request body has no prompt (messages, prompt or input)")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ParseError {}
+
+impl ParseError {
+    /// A short stable label for counters and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ParseError::Empty => "empty",
+            ParseError::TooLarge { .. } => "too_large",
+            ParseError::Json(_) => "invalid_json",
+            ParseError::MissingModel => "missing_model",
+            ParseError::MissingPrompt => "missing_prompt",
+        }
+    }
+}
+
+/// Parses a request body of the given API kind.
+pub fn parse_request(
+    kind: ApiKind,
+    body: &[u8],
+    limits: &ParseLimits,
+) -> Result<InferenceRequest, ParseError> {
+    if body.is_empty() {
+        return Err(ParseError::Empty);
+    }
+    if body.len() > limits.max_body_bytes {
+        return Err(ParseError::TooLarge {
+            limit: limits.max_body_bytes,
+            actual: body.len(),
+        });
+    }
+    // A request is a JSON object; serde's derive would also accept an array.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ParseError::Json("expected a JSON object".into()));
+    }
+    let json_err = |e: serde_json::Error| ParseError::Json(e.to_string());
+    let (common, prompt) = match kind {
+        ApiKind::ChatCompletions => {
+            let mut b: ChatBody = serde_json::from_slice(body).map_err(json_err)?;
+            let prompt = render_chat(b.tools, b.messages.as_deref())?;
+            (b.common(), prompt)
+        }
+        ApiKind::Completions => {
+            let mut b: CompletionBody = serde_json::from_slice(body).map_err(json_err)?;
+            let prompt = match b.prompt.take() {
+                Some(CompletionPrompt::Text(t)) => Prompt::Text(t.into_owned().into_bytes()),
+                Some(CompletionPrompt::Tokens(t)) => Prompt::TokenIds(t),
+                None => return Err(ParseError::MissingPrompt),
+            };
+            (b.common(), prompt)
+        }
+        ApiKind::Responses => {
+            let mut b: ResponsesBody = serde_json::from_slice(body).map_err(json_err)?;
+            let prompt = render_responses(b.instructions.as_deref(), b.input.take())?;
+            (b.common(), prompt)
+        }
+        ApiKind::Embeddings => {
+            let mut b: EmbeddingsBody = serde_json::from_slice(body).map_err(json_err)?;
+            (b.common(), Prompt::Text(Vec::new()))
+        }
+    };
+    let model = match common.model {
+        Some(m) if !m.is_empty() => m.into_owned(),
+        _ => return Err(ParseError::MissingModel),
+    };
+    if kind != ApiKind::Embeddings && prompt.is_empty() {
+        return Err(ParseError::MissingPrompt);
+    }
+    let max_output_tokens = [
+        common.max_tokens,
+        common.max_completion_tokens,
+        common.max_output_tokens,
+    ]
+    .into_iter()
+    .flatten()
+    .min();
+    Ok(InferenceRequest {
+        kind,
+        model,
+        prompt,
+        max_output_tokens,
+        stream: common.stream.unwrap_or(false),
+        cache_salt: common.cache_salt.map(Cow::into_owned),
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Body shapes. Unknown fields are ignored: OpenAI bodies carry many fields
+// routing does not read.
+
+/// Declares a body struct with the fields every API shares, plus its own.
+/// (Not `#[serde(flatten)]`: flatten buffers the whole body and cannot
+/// borrow raw JSON.)
+macro_rules! body_struct {
+    ($name:ident { $($field:tt)* }) => {
+        #[derive(Deserialize)]
+        struct $name<'a> {
+            #[serde(borrow, default)]
+            model: Option<Cow<'a, str>>,
+            #[serde(default)]
+            max_tokens: Option<u64>,
+            #[serde(default)]
+            max_completion_tokens: Option<u64>,
+            #[serde(default)]
+            max_output_tokens: Option<u64>,
+            #[serde(default)]
+            stream: Option<bool>,
+            #[serde(borrow, default)]
+            cache_salt: Option<Cow<'a, str>>,
+            $($field)*
+        }
+        impl<'a> $name<'a> {
+            fn common(&mut self) -> Common<'a> {
+                Common {
+                    model: self.model.take(),
+                    max_tokens: self.max_tokens,
+                    max_completion_tokens: self.max_completion_tokens,
+                    max_output_tokens: self.max_output_tokens,
+                    stream: self.stream,
+                    cache_salt: self.cache_salt.take(),
+                }
+            }
+        }
+    };
+}
+
+struct Common<'a> {
+    model: Option<Cow<'a, str>>,
+    max_tokens: Option<u64>,
+    max_completion_tokens: Option<u64>,
+    max_output_tokens: Option<u64>,
+    stream: Option<bool>,
+    cache_salt: Option<Cow<'a, str>>,
+}
+
+body_struct!(EmbeddingsBody {});
+
+body_struct!(ChatBody {
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
+});
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+}
+
+/// `content` is a string, or an array of typed parts.
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    Parts(Vec<&'a RawValue>),
+    Null,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Content<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, an array of content parts, or null")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Content::Text(Cow::Owned(v)))
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Content::Null)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Content::Null)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element::<&'de RawValue>()? {
+                    parts.push(p);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+/// A typed content part: `{"type":"text","text":"…"}` and friends.
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, rename = "type", default)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+body_struct!(CompletionBody {
+    #[serde(borrow, default)]
+    prompt: Option<CompletionPrompt<'a>>,
+});
+
+/// `prompt` is a string, a list of strings (batch: the first one routes),
+/// a list of token IDs, or a list of token-ID lists (batch: the first routes).
+enum CompletionPrompt<'a> {
+    Text(Cow<'a, str>),
+    Tokens(Vec<u32>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for CompletionPrompt<'a> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = CompletionPrompt<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, an array of strings, an array of token IDs, or an array of token-ID arrays")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(CompletionPrompt::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(CompletionPrompt::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(CompletionPrompt::Text(Cow::Owned(v)))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let first: Option<PromptItem<'a>> = seq.next_element()?;
+                let result = match first {
+                    None => CompletionPrompt::Text(Cow::Borrowed("")),
+                    Some(PromptItem::Text(t)) => CompletionPrompt::Text(t),
+                    Some(PromptItem::Tokens(t)) => CompletionPrompt::Tokens(t),
+                    Some(PromptItem::Token(t)) => {
+                        let mut ids = vec![t];
+                        while let Some(id) = seq.next_element::<u32>()? {
+                            ids.push(id);
+                        }
+                        return Ok(CompletionPrompt::Tokens(ids));
+                    }
+                };
+                // Batch: the remaining prompts do not influence routing.
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(result)
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+enum PromptItem<'a> {
+    Text(Cow<'a, str>),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptItem<'a> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = PromptItem<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, a token ID (0..2^32) or an array of token IDs")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                u32::try_from(v)
+                    .map(PromptItem::Token)
+                    .map_err(|_| E::custom(format!("token ID {v} is out of range")))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                u32::try_from(v)
+                    .map(PromptItem::Token)
+                    .map_err(|_| E::custom(format!("token ID {v} is out of range")))
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(PromptItem::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(PromptItem::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut ids = Vec::new();
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(PromptItem::Tokens(ids))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+body_struct!(ResponsesBody {
+    #[serde(borrow, default)]
+    instructions: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    input: Option<ResponsesInput<'a>>,
+});
+
+/// `input` is a string or a list of items; message items look like chat
+/// messages (`role` + `content` string or parts with `input_text`).
+enum ResponsesInput<'a> {
+    Text(Cow<'a, str>),
+    Items(Vec<Message<'a>>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for ResponsesInput<'a> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = ResponsesInput<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or an array of input items")
+            }
+            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(ResponsesInput::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(ResponsesInput::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut items = Vec::new();
+                while let Some(m) = seq.next_element::<Message<'a>>()? {
+                    items.push(m);
+                }
+                Ok(ResponsesInput::Items(items))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Rendering.
+
+fn render_chat(
+    tools: Option<&RawValue>,
+    messages: Option<&[Message<'_>]>,
+) -> Result<Prompt, ParseError> {
+    let messages = match messages {
+        Some(m) if !m.is_empty() => m,
+        _ => return Err(ParseError::MissingPrompt),
+    };
+    let mut out = Vec::with_capacity(estimate_render_len(messages) + tools.map_or(0, |t| t.get().len() + 16));
+    if let Some(t) = tools {
+        out.extend_from_slice(b"<|tools|>");
+        out.extend_from_slice(t.get().as_bytes());
+        out.push(b'\n');
+    }
+    for m in messages {
+        render_message(&mut out, m)?;
+    }
+    Ok(Prompt::Text(out))
+}
+
+fn render_responses(
+    instructions: Option<&str>,
+    input: Option<ResponsesInput<'_>>,
+) -> Result<Prompt, ParseError> {
+    let mut out = Vec::new();
+    if let Some(i) = instructions {
+        out.extend_from_slice(b"<|instructions|>\n");
+        out.extend_from_slice(i.as_bytes());
+        out.push(b'\n');
+    }
+    match input {
+        Some(ResponsesInput::Text(t)) => {
+            out.extend_from_slice(b"<|user|>\n");
+            out.extend_from_slice(t.as_bytes());
+            out.push(b'\n');
+        }
+        Some(ResponsesInput::Items(items)) => {
+            for m in &items {
+                render_message(&mut out, m)?;
+            }
+        }
+        None => {}
+    }
+    Ok(Prompt::Text(out))
+}
+
+fn estimate_render_len(messages: &[Message<'_>]) -> usize {
+    messages
+        .iter()
+        .map(|m| {
+            16 + match &m.content {
+                Some(Content::Text(t)) => t.len(),
+                Some(Content::Parts(p)) => p.iter().map(|r| r.get().len()).sum(),
+                _ => 0,
+            }
+        })
+        .sum()
+}
+
+fn render_message(out: &mut Vec<u8>, m: &Message<'_>) -> Result<(), ParseError> {
+    out.extend_from_slice(b"<|");
+    out.extend_from_slice(m.role.as_deref().unwrap_or("user").as_bytes());
+    out.extend_from_slice(b"|>");
+    if let Some(n) = &m.name {
+        out.extend_from_slice(b"<|name:");
+        out.extend_from_slice(n.as_bytes());
+        out.extend_from_slice(b"|>");
+    }
+    out.push(b'\n');
+    match &m.content {
+        Some(Content::Text(t)) => out.extend_from_slice(t.as_bytes()),
+        Some(Content::Parts(parts)) => {
+            for raw in parts {
+                render_part(out, raw)?;
+            }
+        }
+        Some(Content::Null) | None => {}
+    }
+    out.push(b'\n');
+    if let Some(tc) = m.tool_calls {
+        out.extend_from_slice(b"<|tool_calls|>");
+        out.extend_from_slice(tc.get().as_bytes());
+        out.push(b'\n');
+    }
+    Ok(())
+}
+
+fn render_part(out: &mut Vec<u8>, raw: &RawValue) -> Result<(), ParseError> {
+    // A bare string inside a content array is text too.
+    if let Ok(s) = serde_json::from_str::<Cow<'_, str>>(raw.get()) {
+        out.extend_from_slice(s.as_bytes());
+        return Ok(());
+    }
+    let part: Part<'_> =
+        serde_json::from_str(raw.get()).map_err(|e| ParseError::Json(e.to_string()))?;
+    let kind = part.kind.as_deref().unwrap_or("");
+    match (kind, &part.text) {
+        ("text" | "input_text" | "output_text" | "", Some(t)) => out.extend_from_slice(t.as_bytes()),
+        _ => {
+            let kind = if kind.is_empty() { "part" } else { kind };
+            let tag = format!("<|{kind}:{:016x}|>", xxh3_64(raw.get().as_bytes()));
+            out.extend_from_slice(tag.as_bytes());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: &str) -> Result<InferenceRequest, ParseError> {
+        parse_request(ApiKind::ChatCompletions, body.as_bytes(), &ParseLimits::default())
+    }
+
+    fn text(r: &InferenceRequest) -> &str {
+        match &r.prompt {
+            Prompt::Text(t) => std::str::from_utf8(t).unwrap(),
+            Prompt::TokenIds(_) => panic!("expected text"),
+        }
+    }
+
+    #[test]
+    fn path_selects_api() {
+        assert_eq!(ApiKind::from_path("/v1/chat/completions"), Some(ApiKind::ChatCompletions));
+        assert_eq!(ApiKind::from_path("/v1/chat/completions?x=1"), Some(ApiKind::ChatCompletions));
+        assert_eq!(ApiKind::from_path("/openai/v1/completions/"), Some(ApiKind::Completions));
+        assert_eq!(ApiKind::from_path("/v1/responses"), Some(ApiKind::Responses));
+        assert_eq!(ApiKind::from_path("/v1/embeddings"), Some(ApiKind::Embeddings));
+        assert_eq!(ApiKind::from_path("/v1/models"), None);
+        assert_eq!(ApiKind::from_path("/v1/chat/completionsX"), None);
+    }
+
+    #[test]
+    fn chat_golden_rendering() {
+        let r = chat(r#"{"model":"m","stream":true,"max_tokens":7,"cache_salt":"s",
+            "tools":[{"type":"function","function":{"name":"f"}}],
+            "messages":[{"role":"system","content":"You are terse."},
+                        {"role":"user","name":"bob","content":[{"type":"text","text":"Hi "},{"type":"text","text":"there"}]},
+                        {"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}]}"#)
+        .unwrap();
+        assert_eq!(r.model, "m");
+        assert!(r.stream);
+        assert_eq!(r.max_output_tokens, Some(7));
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        assert_eq!(
+            text(&r),
+            "<|tools|>[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}]\n\
+             <|system|>\nYou are terse.\n\
+             <|user|><|name:bob|>\nHi there\n\
+             <|assistant|>\n\n<|tool_calls|>[{\"id\":\"1\"}]\n"
+        );
+    }
+
+    #[test]
+    fn non_text_parts_get_stable_distinct_placeholders() {
+        let a = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"a.png"}}]}]}"#).unwrap();
+        let a2 = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"a.png"}}]}]}"#).unwrap();
+        let b = chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"b.png"}}]}]}"#).unwrap();
+        assert_eq!(a.prompt, a2.prompt);
+        assert_ne!(a.prompt, b.prompt);
+        assert!(text(&a).starts_with("<|user|>\n<|image_url:"));
+    }
+
+    #[test]
+    fn conversation_extension_is_byte_extension() {
+        let t1 = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"}]}"#).unwrap();
+        let t2 = chat(r#"{"model":"m","messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"},{"role":"assistant","content":"A1"},{"role":"user","content":"Q2"}]}"#).unwrap();
+        assert!(text(&t2).starts_with(text(&t1)));
+    }
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let p = |b: &str| parse_request(ApiKind::Completions, b.as_bytes(), &ParseLimits::default());
+        assert_eq!(p(r#"{"model":"m","prompt":"hello"}"#).unwrap().prompt, Prompt::Text(b"hello".to_vec()));
+        assert_eq!(p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap().prompt, Prompt::Text(b"a".to_vec()));
+        assert_eq!(p(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().prompt, Prompt::TokenIds(vec![1, 2, 3]));
+        assert_eq!(p(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap().prompt, Prompt::TokenIds(vec![4, 5]));
+        assert!(matches!(p(r#"{"model":"m","prompt":[-1]}"#), Err(ParseError::Json(_))));
+        assert!(matches!(p(r#"{"model":"m","prompt":[]}"#), Err(ParseError::MissingPrompt)));
+        assert!(matches!(p(r#"{"model":"m"}"#), Err(ParseError::MissingPrompt)));
+    }
+
+    #[test]
+    fn output_limit_fields() {
+        let p = |k, b: &str| parse_request(k, b.as_bytes(), &ParseLimits::default()).unwrap();
+        assert_eq!(p(ApiKind::ChatCompletions, r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":9}"#).max_output_tokens, Some(9));
+        assert_eq!(p(ApiKind::Responses, r#"{"model":"m","input":"x","max_output_tokens":5}"#).max_output_tokens, Some(5));
+        assert_eq!(p(ApiKind::Completions, r#"{"model":"m","prompt":"x","max_tokens":3,"max_completion_tokens":8}"#).max_output_tokens, Some(3));
+    }
+
+    #[test]
+    fn responses_rendering() {
+        let r = parse_request(
+            ApiKind::Responses,
+            br#"{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":[{"type":"input_text","text":"Hello"}]}]}"#,
+            &ParseLimits::default(),
+        )
+        .unwrap();
+        assert_eq!(text(&r), "<|instructions|>\nBe brief.\n<|user|>\nHello\n");
+    }
+
+    #[test]
+    fn embeddings_need_only_model() {
+        let r = parse_request(ApiKind::Embeddings, br#"{"model":"e","input":"x"}"#, &ParseLimits::default()).unwrap();
+        assert_eq!(r.model, "e");
+        assert!(r.prompt.is_empty());
+    }
+
+    #[test]
+    fn bad_input_is_a_typed_error() {
+        assert_eq!(chat(""), Err(ParseError::Empty));
+        assert!(matches!(chat("{"), Err(ParseError::Json(_))));
+        assert!(matches!(chat("[]"), Err(ParseError::Json(_))));
+        assert!(matches!(chat(r#"{"model":5,"messages":[]}"#), Err(ParseError::Json(_))));
+        assert_eq!(chat(r#"{"messages":[{"role":"user","content":"x"}]}"#), Err(ParseError::MissingModel));
+        assert_eq!(chat(r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#), Err(ParseError::MissingModel));
+        assert_eq!(chat(r#"{"model":"m","messages":[]}"#), Err(ParseError::MissingPrompt));
+        assert!(matches!(chat(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#), Err(ParseError::Json(_))));
+        // Invalid UTF-8 inside a string.
+        let mut b = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
+        b.extend_from_slice(&[0xff, 0xfe]);
+        b.extend_from_slice(br#""}]}"#);
+        assert!(matches!(parse_request(ApiKind::ChatCompletions, &b, &ParseLimits::default()), Err(ParseError::Json(_))));
+    }
+
+    #[test]
+    fn deep_nesting_never_recurses_without_bound() {
+        let nested = |depth: usize| format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        // In a field routing reads: refused (serde_json stops at 128 levels,
+        // or the shape is wrong); either way a typed error, not a crash.
+        for depth in [200, 10_000, 1_000_000] {
+            let b = format!(r#"{{"model":"m","messages":[{{"role":"user","content":{}}}]}}"#, nested(depth));
+            assert!(matches!(chat(&b), Err(ParseError::Json(_))), "depth {depth}");
+            let b = format!(r#"{{"model":"m","messages":{}}}"#, nested(depth));
+            assert!(matches!(chat(&b), Err(ParseError::Json(_))), "depth {depth}");
+        }
+        // In a field routing ignores: skipped iteratively by serde_json, so
+        // it cannot overflow the stack; memory is bounded by the body limit.
+        let b = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"extra":{}}}"#, nested(1_000_000));
+        assert_eq!(chat(&b).unwrap().model, "m");
+        // Deep objects in a read field hit serde_json's recursion limit.
+        let deep_obj = format!("{}1{}", r#"{"a":"#.repeat(10_000), "}".repeat(10_000));
+        let b = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x","name":{deep_obj}}}]}}"#);
+        assert!(matches!(chat(&b), Err(ParseError::Json(_))));
+    }
+
+    #[test]
+    fn size_limit() {
+        let limits = ParseLimits { max_body_bytes: 10 };
+        assert_eq!(
+            parse_request(ApiKind::ChatCompletions, b"01234567890", &limits),
+            Err(ParseError::TooLarge { limit: 10, actual: 11 })
+        );
+    }
+
+    #[test]
+    fn ten_megabyte_string() {
+        let big = "a".repeat(10 * 1024 * 1024);
+        let body = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{big}"}}]}}"#);
+        let r = chat(&body).unwrap();
+        assert_eq!(text(&r).len(), big.len() + "<|user|>\n\n".len());
+    }
+
+    #[test]
+    fn escaped_strings_are_decoded() {
+        let r = chat(r#"{"model":"m\u0031","messages":[{"role":"user","content":"a\nb\u00e9"}]}"#).unwrap();
+        assert_eq!(r.model, "m1");
+        assert_eq!(text(&r), "<|user|>\na\nbé\n");
+    }
+}
