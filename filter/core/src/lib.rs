@@ -5,3 +5,4 @@
 //! of them re-implements it. See `ARCHITECTURE.md` at the repository root.
 
 pub mod request;
+pub mod blocks;
