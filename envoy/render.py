@@ -1,0 +1,344 @@
+#!/usr/bin/env python3
+"""Render an Envoy 1.40 bootstrap that runs kvroute in front of vLLM endpoints.
+
+The output is plain YAML meant to be read and copied. One source of truth for
+the local run script (envoy/run.sh), the end-to-end tests (tests/e2e) and the
+demo (scripts/demo.sh): they all call this file, so what the tests exercise is
+what a user gets.
+
+    python3 envoy/render.py --endpoints 127.0.0.1:18001,127.0.0.1:18002 > kvroute.yaml
+    python3 envoy/render.py --eds-file /etc/kvroute/vllm-eds.json > kvroute.yaml
+
+Only the Python standard library is used.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_WASM = os.path.join(REPO, "target", "wasm32-wasip1", "release", "kvroute_wasm.wasm")
+DEFAULT_PLUGIN_CONFIG = os.path.join(REPO, "envoy", "kvroute-config.json")
+
+# The model-server cluster. The filter names hosts of this cluster in the
+# destination header; the collector polls their /metrics through it too.
+VLLM_CLUSTER = "vllm"
+# A STATIC cluster pointing at Envoy's own admin listener, so the collector can
+# read /clusters?format=json (membership + health of the vllm cluster).
+ADMIN_CLUSTER = "envoy_admin"
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+# Envoy's default per-connection buffer limit is 1 MiB. The filter buffers a
+# whole request body (up to routing.maxBodyBytes, 4 MiB by default) before it
+# decides, so both the listener and the cluster get 8 MiB.
+DEFAULT_BUFFER_LIMIT_BYTES = 8 * 1024 * 1024
+
+
+def parse_hostport(text):
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"endpoint {text!r} is not ip:port (for example 127.0.0.1:8000)")
+    return host.strip("[]"), int(port)
+
+
+def plugin_config_for(config, endpoints, eds_file, refresh_ms):
+    """Fill the plugin config's `endpoints` section so it matches the cluster.
+
+    A config that already has an `endpoints` section is left alone: the user
+    said what they want.
+    """
+    config = json.loads(json.dumps(config))
+    if "endpoints" not in config:
+        if eds_file:
+            config["endpoints"] = {
+                "fromCluster": {"cluster": VLLM_CLUSTER, "adminCluster": ADMIN_CLUSTER, "refreshMs": refresh_ms}
+            }
+        else:
+            config["endpoints"] = {"static": list(endpoints)}
+    return config
+
+
+def _indent(text, spaces):
+    pad = " " * spaces
+    return "\n".join(pad + line if line else line for line in text.splitlines())
+
+
+def _readable_json(config):
+    """JSON with one top-level key per line and one list item per line."""
+
+    def flat(value):
+        return json.dumps(value, separators=(", ", ": "))
+
+    lines = []
+    items = list(config.items())
+    for i, (key, value) in enumerate(items):
+        comma = "," if i + 1 < len(items) else ""
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            inner = ",\n".join("    " + flat(v) for v in value)
+            lines.append(f"  {json.dumps(key)}: [\n{inner}\n  ]{comma}")
+        else:
+            lines.append(f"  {json.dumps(key)}: {flat(value)}{comma}")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def _plugin_configuration_yaml(config, indent):
+    """The plugin JSON as a google.protobuf.StringValue, JSON kept readable."""
+    body = _readable_json(config)
+    pad = " " * indent
+    return (
+        f'{pad}configuration:\n'
+        f'{pad}  "@type": type.googleapis.com/google.protobuf.StringValue\n'
+        f'{pad}  value: |\n'
+        f'{_indent(body, indent + 4)}\n'
+    )
+
+
+def _vm_config_yaml(wasm, indent):
+    pad = " " * indent
+    return (
+        f"{pad}vm_config:\n"
+        f"{pad}  vm_id: kvroute            # same vm_id for both roles => same shared data\n"
+        f"{pad}  runtime: envoy.wasm.runtime.v8\n"
+        f"{pad}  code:\n"
+        f"{pad}    local:\n"
+        f"{pad}      filename: {wasm}\n"
+    )
+
+
+def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
+    override_host = f"""    # The filter picks the host: it writes "{DESTINATION_HEADER}: ip:port[,fallback...]".
+    # Addresses that are not members of this cluster are skipped; with no usable
+    # address left, the fallback policy (round robin) picks. A client can never
+    # reach a non-member this way (the filter also strips any client copy).
+    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: {DESTINATION_HEADER}
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+"""
+    head = f"""  - name: {VLLM_CLUSTER}
+    connect_timeout: 2s
+    per_connection_buffer_limit_bytes: {buffer_limit}
+    # LLM traffic: many long-lived concurrent streams per model server.
+    circuit_breakers:
+      thresholds:
+      - max_connections: 4096
+        max_pending_requests: 4096
+        max_requests: 4096
+"""
+    if eds_file:
+        eds_dir = os.path.dirname(os.path.abspath(eds_file))
+        membership = f"""    # Membership from an EDS file; replace it atomically (write + rename) to
+    # add or remove model servers. The collector follows it through the admin API.
+    type: EDS
+    eds_cluster_config:
+      eds_config:
+        resource_api_version: V3
+        path_config_source:
+          path: {os.path.abspath(eds_file)}
+          watched_directory:
+            path: {eds_dir}
+"""
+    else:
+        lb = "".join(
+            f"        - endpoint: {{address: {{socket_address: {{address: {h}, port_value: {p}}}}}}}\n"
+            for h, p in (parse_hostport(e) for e in endpoints)
+        )
+        membership = f"""    type: STATIC
+    load_assignment:
+      cluster_name: {VLLM_CLUSTER}
+      endpoints:
+      - lb_endpoints:
+{lb}"""
+    return head + membership + override_host
+
+
+def render(
+    *,
+    listen_address="127.0.0.1",
+    listen_port=10000,
+    admin_port=9901,
+    endpoints=(),
+    eds_file=None,
+    plugin_config=None,
+    wasm=DEFAULT_WASM,
+    buffer_limit=DEFAULT_BUFFER_LIMIT_BYTES,
+    refresh_ms=500,
+):
+    """Return the bootstrap YAML as a string."""
+    if not endpoints and not eds_file:
+        raise ValueError("give --endpoints ip:port,... or --eds-file PATH")
+    if endpoints and eds_file:
+        raise ValueError("give either --endpoints or --eds-file, not both")
+    if plugin_config is None:
+        with open(DEFAULT_PLUGIN_CONFIG) as f:
+            plugin_config = json.load(f)
+    config = plugin_config_for(plugin_config, endpoints, eds_file, refresh_ms)
+    wasm = os.path.abspath(wasm)
+
+    return f"""# Envoy 1.40 bootstrap for kvroute. Generated by envoy/render.py; see envoy/README.md.
+# Envoy needs a node id/cluster to read EDS from a file; the values are free.
+node: {{id: kvroute, cluster: kvroute}}
+admin:
+  address:
+    socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}
+
+# Role 2 of the module: the collector, one VM on the main thread. It discovers
+# endpoints, polls their /metrics and reaps orphaned in-flight charges.
+bootstrap_extensions:
+- name: envoy.bootstrap.wasm
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.wasm.v3.WasmService
+    singleton: true
+    config:
+      name: kvroute-collector
+      root_id: kvroute-collector
+{_vm_config_yaml(wasm, 6)}{_plugin_configuration_yaml(config, 6)}
+static_resources:
+  listeners:
+  - name: kvroute
+    address:
+      socket_address: {{address: {listen_address}, port_value: {listen_port}}}
+    per_connection_buffer_limit_bytes: {buffer_limit}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: kvroute
+          route_config:
+            name: kvroute
+            virtual_hosts:
+            - name: models
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route:
+                  cluster: {VLLM_CLUSTER}
+                  # Generations stream for minutes: no overall deadline. The
+                  # connection manager's stream_idle_timeout (5 min) still applies.
+                  timeout: 0s
+                  # Retry only when the request never reached a model server,
+                  # so a prompt is never run twice. A retry takes the next
+                  # address of the destination header, then round robin.
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset-before-request
+                    num_retries: 1
+          http_filters:
+          # Role 1 of the module: the HTTP filter, one VM per worker thread.
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: kvroute
+                root_id: kvroute
+                # Lets the filter pause at request headers and still receive the
+                # body (Envoy >= 1.35). Without it the request hangs.
+                allow_on_headers_stop_iteration: true
+{_vm_config_yaml(wasm, 16)}{_plugin_configuration_yaml(config, 16)}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+
+  clusters:
+{_vllm_cluster_yaml(endpoints, eds_file, buffer_limit)}
+  - name: {ADMIN_CLUSTER}
+    connect_timeout: 1s
+    type: STATIC
+    load_assignment:
+      cluster_name: {ADMIN_CLUSTER}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}}}
+"""
+
+
+def eds_document(endpoints, version="1", cluster=VLLM_CLUSTER):
+    """An EDS file (DiscoveryResponse as JSON) for `--eds-file`."""
+    lb_endpoints = []
+    for e in endpoints:
+        host, port = parse_hostport(e)
+        lb_endpoints.append({"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}})
+    return {
+        "version_info": str(version),
+        "resources": [
+            {
+                "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+                "cluster_name": cluster,
+                "endpoints": [{"lb_endpoints": lb_endpoints}] if lb_endpoints else [],
+            }
+        ],
+    }
+
+
+def write_eds_file(path, endpoints, version):
+    """Replace an EDS file atomically: Envoy reloads on the rename."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(eds_document(endpoints, version), f, indent=2)
+    os.rename(tmp, path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--listen-address", default="127.0.0.1", help="listener bind address (default 127.0.0.1)")
+    p.add_argument("--listen-port", type=int, default=10000, help="listener port (default 10000)")
+    p.add_argument("--admin-port", type=int, default=9901, help="admin port, bound on 127.0.0.1 (default 9901)")
+    p.add_argument("--endpoints", default="", help="comma-separated ip:port list of model servers (STATIC cluster)")
+    p.add_argument("--eds-file", help="take cluster membership from this EDS file instead (written if missing)")
+    p.add_argument("--plugin-config", help=f"plugin configuration JSON (default {os.path.relpath(DEFAULT_PLUGIN_CONFIG, REPO)})")
+    p.add_argument("--wasm", default=DEFAULT_WASM, help="path of kvroute_wasm.wasm")
+    p.add_argument("--buffer-limit-bytes", type=int, default=DEFAULT_BUFFER_LIMIT_BYTES)
+    p.add_argument("--refresh-ms", type=int, default=500, help="discovery refresh period with --eds-file")
+    p.add_argument("-o", "--output", help="write here instead of stdout")
+    args = p.parse_args(argv)
+
+    endpoints = [e for e in args.endpoints.split(",") if e.strip()]
+    plugin_config = None
+    if args.plugin_config:
+        with open(args.plugin_config) as f:
+            plugin_config = json.load(f)
+    if not os.path.exists(args.wasm):
+        print(
+            f"render.py: warning: {args.wasm} does not exist yet; build it with\n"
+            "  cargo build --release --target wasm32-wasip1 -p kvroute-wasm",
+            file=sys.stderr,
+        )
+    if args.eds_file and not os.path.exists(args.eds_file):
+        write_eds_file(args.eds_file, [], "0")
+    try:
+        text = render(
+            listen_address=args.listen_address,
+            listen_port=args.listen_port,
+            admin_port=args.admin_port,
+            endpoints=endpoints,
+            eds_file=args.eds_file,
+            plugin_config=plugin_config,
+            wasm=args.wasm,
+            buffer_limit=args.buffer_limit_bytes,
+            refresh_ms=args.refresh_ms,
+        )
+    except ValueError as e:
+        print(f"render.py: {e}", file=sys.stderr)
+        return 2
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
