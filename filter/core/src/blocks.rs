@@ -88,8 +88,8 @@ pub fn prompt_blocks(req: &InferenceRequest, cfg: &BlockConfig) -> PromptBlocks 
 /// Blocks of a text prompt.
 pub fn text_blocks(text: &[u8], seed: u64, cfg: &BlockConfig) -> PromptBlocks {
     let prompt_tokens = estimate_tokens(text.len(), cfg.chars_per_token);
-    let block_bytes = (cfg.block_size_tokens.max(1) as usize)
-        .saturating_mul(cfg.chars_per_token.max(1) as usize);
+    let block_bytes =
+        (cfg.block_size_tokens.max(1) as usize).saturating_mul(cfg.chars_per_token.max(1) as usize);
     let n = (text.len() / block_bytes).min(cfg.max_blocks());
     let mut block_hashes = Vec::with_capacity(n);
     let mut prev = seed;
@@ -186,7 +186,10 @@ mod tests {
             let b = prompt_blocks(&req("m", None, &changed), &cfg(4));
             assert_eq!(a.block_hashes[..k], b.block_hashes[..k], "block {k}");
             for i in k..a.block_hashes.len() {
-                assert_ne!(a.block_hashes[i], b.block_hashes[i], "block {i} after change at {k}");
+                assert_ne!(
+                    a.block_hashes[i], b.block_hashes[i],
+                    "block {i} after change at {k}"
+                );
             }
         }
         // A longer prompt with the same start shares all leading blocks.

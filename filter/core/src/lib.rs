@@ -4,5 +4,6 @@
 //! The wasm filter, the emulator and the simulator all call this code; none
 //! of them re-implements it. See `ARCHITECTURE.md` at the repository root.
 
-pub mod request;
 pub mod blocks;
+pub mod request;
+pub mod scheduling;

@@ -490,7 +490,8 @@ fn render_chat(
         Some(m) if !m.is_empty() => m,
         _ => return Err(ParseError::MissingPrompt),
     };
-    let mut out = Vec::with_capacity(estimate_render_len(messages) + tools.map_or(0, |t| t.get().len() + 16));
+    let mut out =
+        Vec::with_capacity(estimate_render_len(messages) + tools.map_or(0, |t| t.get().len() + 16));
     if let Some(t) = tools {
         out.extend_from_slice(b"<|tools|>");
         out.extend_from_slice(t.get().as_bytes());
@@ -579,7 +580,9 @@ fn render_part(out: &mut Vec<u8>, raw: &RawValue) -> Result<(), ParseError> {
         serde_json::from_str(raw.get()).map_err(|e| ParseError::Json(e.to_string()))?;
     let kind = part.kind.as_deref().unwrap_or("");
     match (kind, &part.text) {
-        ("text" | "input_text" | "output_text" | "", Some(t)) => out.extend_from_slice(t.as_bytes()),
+        ("text" | "input_text" | "output_text" | "", Some(t)) => {
+            out.extend_from_slice(t.as_bytes())
+        }
         _ => {
             let kind = if kind.is_empty() { "part" } else { kind };
             let tag = format!("<|{kind}:{:016x}|>", xxh3_64(raw.get().as_bytes()));
@@ -594,7 +597,11 @@ mod tests {
     use super::*;
 
     fn chat(body: &str) -> Result<InferenceRequest, ParseError> {
-        parse_request(ApiKind::ChatCompletions, body.as_bytes(), &ParseLimits::default())
+        parse_request(
+            ApiKind::ChatCompletions,
+            body.as_bytes(),
+            &ParseLimits::default(),
+        )
     }
 
     fn text(r: &InferenceRequest) -> &str {
@@ -606,11 +613,26 @@ mod tests {
 
     #[test]
     fn path_selects_api() {
-        assert_eq!(ApiKind::from_path("/v1/chat/completions"), Some(ApiKind::ChatCompletions));
-        assert_eq!(ApiKind::from_path("/v1/chat/completions?x=1"), Some(ApiKind::ChatCompletions));
-        assert_eq!(ApiKind::from_path("/openai/v1/completions/"), Some(ApiKind::Completions));
-        assert_eq!(ApiKind::from_path("/v1/responses"), Some(ApiKind::Responses));
-        assert_eq!(ApiKind::from_path("/v1/embeddings"), Some(ApiKind::Embeddings));
+        assert_eq!(
+            ApiKind::from_path("/v1/chat/completions"),
+            Some(ApiKind::ChatCompletions)
+        );
+        assert_eq!(
+            ApiKind::from_path("/v1/chat/completions?x=1"),
+            Some(ApiKind::ChatCompletions)
+        );
+        assert_eq!(
+            ApiKind::from_path("/openai/v1/completions/"),
+            Some(ApiKind::Completions)
+        );
+        assert_eq!(
+            ApiKind::from_path("/v1/responses"),
+            Some(ApiKind::Responses)
+        );
+        assert_eq!(
+            ApiKind::from_path("/v1/embeddings"),
+            Some(ApiKind::Embeddings)
+        );
         assert_eq!(ApiKind::from_path("/v1/models"), None);
         assert_eq!(ApiKind::from_path("/v1/chat/completionsX"), None);
     }
@@ -655,22 +677,58 @@ mod tests {
 
     #[test]
     fn completions_prompt_shapes() {
-        let p = |b: &str| parse_request(ApiKind::Completions, b.as_bytes(), &ParseLimits::default());
-        assert_eq!(p(r#"{"model":"m","prompt":"hello"}"#).unwrap().prompt, Prompt::Text(b"hello".to_vec()));
-        assert_eq!(p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap().prompt, Prompt::Text(b"a".to_vec()));
-        assert_eq!(p(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().prompt, Prompt::TokenIds(vec![1, 2, 3]));
-        assert_eq!(p(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap().prompt, Prompt::TokenIds(vec![4, 5]));
-        assert!(matches!(p(r#"{"model":"m","prompt":[-1]}"#), Err(ParseError::Json(_))));
-        assert!(matches!(p(r#"{"model":"m","prompt":[]}"#), Err(ParseError::MissingPrompt)));
-        assert!(matches!(p(r#"{"model":"m"}"#), Err(ParseError::MissingPrompt)));
+        let p =
+            |b: &str| parse_request(ApiKind::Completions, b.as_bytes(), &ParseLimits::default());
+        assert_eq!(
+            p(r#"{"model":"m","prompt":"hello"}"#).unwrap().prompt,
+            Prompt::Text(b"hello".to_vec())
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":["a","b"]}"#).unwrap().prompt,
+            Prompt::Text(b"a".to_vec())
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap().prompt,
+            Prompt::TokenIds(vec![1, 2, 3])
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap().prompt,
+            Prompt::TokenIds(vec![4, 5])
+        );
+        assert!(matches!(
+            p(r#"{"model":"m","prompt":[-1]}"#),
+            Err(ParseError::Json(_))
+        ));
+        assert!(matches!(
+            p(r#"{"model":"m","prompt":[]}"#),
+            Err(ParseError::MissingPrompt)
+        ));
+        assert!(matches!(
+            p(r#"{"model":"m"}"#),
+            Err(ParseError::MissingPrompt)
+        ));
     }
 
     #[test]
     fn output_limit_fields() {
         let p = |k, b: &str| parse_request(k, b.as_bytes(), &ParseLimits::default()).unwrap();
         assert_eq!(p(ApiKind::ChatCompletions, r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":9}"#).max_output_tokens, Some(9));
-        assert_eq!(p(ApiKind::Responses, r#"{"model":"m","input":"x","max_output_tokens":5}"#).max_output_tokens, Some(5));
-        assert_eq!(p(ApiKind::Completions, r#"{"model":"m","prompt":"x","max_tokens":3,"max_completion_tokens":8}"#).max_output_tokens, Some(3));
+        assert_eq!(
+            p(
+                ApiKind::Responses,
+                r#"{"model":"m","input":"x","max_output_tokens":5}"#
+            )
+            .max_output_tokens,
+            Some(5)
+        );
+        assert_eq!(
+            p(
+                ApiKind::Completions,
+                r#"{"model":"m","prompt":"x","max_tokens":3,"max_completion_tokens":8}"#
+            )
+            .max_output_tokens,
+            Some(3)
+        );
     }
 
     #[test]
@@ -686,7 +744,12 @@ mod tests {
 
     #[test]
     fn embeddings_need_only_model() {
-        let r = parse_request(ApiKind::Embeddings, br#"{"model":"e","input":"x"}"#, &ParseLimits::default()).unwrap();
+        let r = parse_request(
+            ApiKind::Embeddings,
+            br#"{"model":"e","input":"x"}"#,
+            &ParseLimits::default(),
+        )
+        .unwrap();
         assert_eq!(r.model, "e");
         assert!(r.prompt.is_empty());
     }
@@ -696,16 +759,34 @@ mod tests {
         assert_eq!(chat(""), Err(ParseError::Empty));
         assert!(matches!(chat("{"), Err(ParseError::Json(_))));
         assert!(matches!(chat("[]"), Err(ParseError::Json(_))));
-        assert!(matches!(chat(r#"{"model":5,"messages":[]}"#), Err(ParseError::Json(_))));
-        assert_eq!(chat(r#"{"messages":[{"role":"user","content":"x"}]}"#), Err(ParseError::MissingModel));
-        assert_eq!(chat(r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#), Err(ParseError::MissingModel));
-        assert_eq!(chat(r#"{"model":"m","messages":[]}"#), Err(ParseError::MissingPrompt));
-        assert!(matches!(chat(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#), Err(ParseError::Json(_))));
+        assert!(matches!(
+            chat(r#"{"model":5,"messages":[]}"#),
+            Err(ParseError::Json(_))
+        ));
+        assert_eq!(
+            chat(r#"{"messages":[{"role":"user","content":"x"}]}"#),
+            Err(ParseError::MissingModel)
+        );
+        assert_eq!(
+            chat(r#"{"model":"","messages":[{"role":"user","content":"x"}]}"#),
+            Err(ParseError::MissingModel)
+        );
+        assert_eq!(
+            chat(r#"{"model":"m","messages":[]}"#),
+            Err(ParseError::MissingPrompt)
+        );
+        assert!(matches!(
+            chat(r#"{"model":"m","messages":[{"role":"user","content":5}]}"#),
+            Err(ParseError::Json(_))
+        ));
         // Invalid UTF-8 inside a string.
         let mut b = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
         b.extend_from_slice(&[0xff, 0xfe]);
         b.extend_from_slice(br#""}]}"#);
-        assert!(matches!(parse_request(ApiKind::ChatCompletions, &b, &ParseLimits::default()), Err(ParseError::Json(_))));
+        assert!(matches!(
+            parse_request(ApiKind::ChatCompletions, &b, &ParseLimits::default()),
+            Err(ParseError::Json(_))
+        ));
     }
 
     #[test]
@@ -714,18 +795,32 @@ mod tests {
         // In a field routing reads: refused (serde_json stops at 128 levels,
         // or the shape is wrong); either way a typed error, not a crash.
         for depth in [200, 10_000, 1_000_000] {
-            let b = format!(r#"{{"model":"m","messages":[{{"role":"user","content":{}}}]}}"#, nested(depth));
-            assert!(matches!(chat(&b), Err(ParseError::Json(_))), "depth {depth}");
+            let b = format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":{}}}]}}"#,
+                nested(depth)
+            );
+            assert!(
+                matches!(chat(&b), Err(ParseError::Json(_))),
+                "depth {depth}"
+            );
             let b = format!(r#"{{"model":"m","messages":{}}}"#, nested(depth));
-            assert!(matches!(chat(&b), Err(ParseError::Json(_))), "depth {depth}");
+            assert!(
+                matches!(chat(&b), Err(ParseError::Json(_))),
+                "depth {depth}"
+            );
         }
         // In a field routing ignores: skipped iteratively by serde_json, so
         // it cannot overflow the stack; memory is bounded by the body limit.
-        let b = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"extra":{}}}"#, nested(1_000_000));
+        let b = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"extra":{}}}"#,
+            nested(1_000_000)
+        );
         assert_eq!(chat(&b).unwrap().model, "m");
         // Deep objects in a read field hit serde_json's recursion limit.
         let deep_obj = format!("{}1{}", r#"{"a":"#.repeat(10_000), "}".repeat(10_000));
-        let b = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x","name":{deep_obj}}}]}}"#);
+        let b = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x","name":{deep_obj}}}]}}"#
+        );
         assert!(matches!(chat(&b), Err(ParseError::Json(_))));
     }
 
@@ -734,7 +829,10 @@ mod tests {
         let limits = ParseLimits { max_body_bytes: 10 };
         assert_eq!(
             parse_request(ApiKind::ChatCompletions, b"01234567890", &limits),
-            Err(ParseError::TooLarge { limit: 10, actual: 11 })
+            Err(ParseError::TooLarge {
+                limit: 10,
+                actual: 11
+            })
         );
     }
 
@@ -748,7 +846,8 @@ mod tests {
 
     #[test]
     fn escaped_strings_are_decoded() {
-        let r = chat(r#"{"model":"m\u0031","messages":[{"role":"user","content":"a\nb\u00e9"}]}"#).unwrap();
+        let r = chat(r#"{"model":"m\u0031","messages":[{"role":"user","content":"a\nb\u00e9"}]}"#)
+            .unwrap();
         assert_eq!(r.model, "m1");
         assert_eq!(text(&r), "<|user|>\na\nbé\n");
     }

@@ -1,0 +1,239 @@
+//! `prefix-cache-affinity-filter`: sticky until saturated.
+//!
+//! - affinity(e) = matched blocks / request blocks.
+//! - sticky = { e : affinity(e) ≥ affinityThreshold }.
+//! - ttft(e) ms = inflight_tokens(e) / peakPrefillThroughput × 1000.
+//! - If sticky is empty: every candidate passes (`no-affinity`).
+//! - If `maxTTFTPenaltyMs` > 0, some candidate is not sticky, and
+//!   min_sticky ttft − min_nonsticky ttft > maxTTFTPenaltyMs (strictly):
+//!   every candidate passes (`saturation-release`). As a token gap this is
+//!   τ = peakPrefillThroughput × maxTTFTPenaltyMs / 1000.
+//! - Otherwise only the sticky candidates pass (`sticky`).
+//! - With probability `explorationProbability`, every candidate passes
+//!   (`exploration`) before any of the above.
+//! - With ≤ 1 candidate, or `affinityThreshold` ≤ 0, the filter does not
+//!   apply: every candidate passes.
+//!
+//! `maxTTFTPenaltyMs = 0` means "always stick" (the hot-spotting baseline).
+
+use super::{Candidate, RequestView, Rng};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct AffinityFilter {
+    pub affinity_threshold: f64,
+    pub max_ttft_penalty_ms: f64,
+    /// tokens / second
+    pub peak_prefill_throughput: f64,
+    pub exploration_probability: f64,
+}
+
+impl Default for AffinityFilter {
+    fn default() -> Self {
+        AffinityFilter {
+            affinity_threshold: 0.8,
+            max_ttft_penalty_ms: 18_000.0,
+            peak_prefill_throughput: 15_928.0,
+            exploration_probability: 0.0,
+        }
+    }
+}
+
+/// Which branch of the filter decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FilterBranch {
+    NotApplicable,
+    Exploration,
+    NoAffinity,
+    SaturationRelease,
+    Sticky,
+}
+
+impl AffinityFilter {
+    /// Estimated TTFT in ms from in-flight tokens.
+    pub fn ttft_ms(&self, c: &Candidate) -> f64 {
+        if self.peak_prefill_throughput > 0.0 {
+            c.inflight_tokens as f64 / self.peak_prefill_throughput * 1000.0
+        } else {
+            0.0
+        }
+    }
+
+    /// Narrows `passing` (indices into `cands`) in place and says why.
+    pub fn apply(
+        &self,
+        req: &RequestView,
+        cands: &[Candidate],
+        passing: &mut Vec<usize>,
+        rng: &mut Rng,
+    ) -> FilterBranch {
+        if passing.len() <= 1 || self.affinity_threshold <= 0.0 {
+            return FilterBranch::NotApplicable;
+        }
+        if self.exploration_probability > 0.0 && rng.next_f64() < self.exploration_probability {
+            return FilterBranch::Exploration;
+        }
+        let is_sticky = |i: usize| cands[i].affinity(req) >= self.affinity_threshold;
+        let mut best_sticky = f64::INFINITY;
+        let mut best_other = f64::INFINITY;
+        let mut any_sticky = false;
+        let mut any_other = false;
+        for &i in passing.iter() {
+            let t = self.ttft_ms(&cands[i]);
+            if is_sticky(i) {
+                any_sticky = true;
+                best_sticky = best_sticky.min(t);
+            } else {
+                any_other = true;
+                best_other = best_other.min(t);
+            }
+        }
+        if !any_sticky {
+            return FilterBranch::NoAffinity;
+        }
+        if self.max_ttft_penalty_ms > 0.0
+            && any_other
+            && best_sticky - best_other > self.max_ttft_penalty_ms
+        {
+            return FilterBranch::SaturationRelease;
+        }
+        passing.retain(|&i| is_sticky(i));
+        FilterBranch::Sticky
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(blocks: u32) -> RequestView {
+        RequestView {
+            prompt_tokens: u64::from(blocks) * 10,
+            total_blocks: blocks,
+            block_size_tokens: 10,
+            max_output_tokens: None,
+        }
+    }
+
+    fn cand(matched: u32, inflight: u64) -> Candidate {
+        Candidate {
+            matched_blocks: matched,
+            inflight_tokens: inflight,
+            ..Default::default()
+        }
+    }
+
+    fn run(f: &AffinityFilter, r: &RequestView, c: &[Candidate]) -> (FilterBranch, Vec<usize>) {
+        let mut p: Vec<usize> = (0..c.len()).collect();
+        let b = f.apply(r, c, &mut p, &mut Rng::new(1));
+        (b, p)
+    }
+
+    #[test]
+    fn threshold_edge_is_inclusive() {
+        let f = AffinityFilter::default();
+        // 4 of 5 blocks = exactly 0.8 → sticky.
+        assert_eq!(
+            run(&f, &req(5), &[cand(4, 0), cand(0, 0)]),
+            (FilterBranch::Sticky, vec![0])
+        );
+        // 79 of 100 blocks = 0.79 → not sticky.
+        assert_eq!(
+            run(&f, &req(100), &[cand(79, 0), cand(0, 0)]).0,
+            FilterBranch::NoAffinity
+        );
+    }
+
+    #[test]
+    fn gate_fires_strictly_above_penalty() {
+        // τ = 1000 tok/s × 2000 ms = 2000 tokens.
+        let f = AffinityFilter {
+            max_ttft_penalty_ms: 2000.0,
+            peak_prefill_throughput: 1000.0,
+            ..Default::default()
+        };
+        let r = req(10);
+        assert_eq!(
+            run(&f, &r, &[cand(10, 2500), cand(0, 500)]).0,
+            FilterBranch::Sticky
+        );
+        assert_eq!(
+            run(&f, &r, &[cand(10, 2501), cand(0, 500)]),
+            (FilterBranch::SaturationRelease, vec![0, 1])
+        );
+        // The best sticky endpoint counts, not the worst.
+        assert_eq!(
+            run(&f, &r, &[cand(10, 9000), cand(10, 100), cand(0, 0)]),
+            (FilterBranch::Sticky, vec![0, 1])
+        );
+    }
+
+    #[test]
+    fn zero_penalty_never_releases() {
+        let f = AffinityFilter {
+            max_ttft_penalty_ms: 0.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            run(&f, &req(10), &[cand(10, u64::MAX / 4), cand(0, 0)]),
+            (FilterBranch::Sticky, vec![0])
+        );
+    }
+
+    #[test]
+    fn all_sticky_means_no_gate() {
+        let f = AffinityFilter {
+            max_ttft_penalty_ms: 1.0,
+            peak_prefill_throughput: 1.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            run(&f, &req(10), &[cand(10, 1_000_000), cand(10, 0)]),
+            (FilterBranch::Sticky, vec![0, 1])
+        );
+    }
+
+    #[test]
+    fn not_applicable_cases() {
+        let f = AffinityFilter::default();
+        assert_eq!(
+            run(&f, &req(10), &[cand(10, 0)]),
+            (FilterBranch::NotApplicable, vec![0])
+        );
+        assert_eq!(
+            run(&f, &req(10), &[]),
+            (FilterBranch::NotApplicable, vec![])
+        );
+        let off = AffinityFilter {
+            affinity_threshold: 0.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            run(&off, &req(10), &[cand(10, 0), cand(0, 0)]).0,
+            FilterBranch::NotApplicable
+        );
+        // A prompt shorter than one block has no affinity anywhere.
+        assert_eq!(
+            run(&f, &req(0), &[cand(0, 0), cand(0, 0)]).0,
+            FilterBranch::NoAffinity
+        );
+    }
+
+    #[test]
+    fn exploration_passes_all_with_its_probability() {
+        let f = AffinityFilter {
+            exploration_probability: 0.25,
+            ..Default::default()
+        };
+        let c = [cand(10, 0), cand(0, 0)];
+        let mut rng = Rng::new(42);
+        let mut explored = 0;
+        for _ in 0..10_000 {
+            let mut p = vec![0, 1];
+            if f.apply(&req(10), &c, &mut p, &mut rng) == FilterBranch::Exploration {
+                explored += 1;
+                assert_eq!(p, vec![0, 1]);
+            }
+        }
+        assert!((2200..2800).contains(&explored), "{explored}");
+    }
+}

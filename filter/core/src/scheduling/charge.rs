@@ -1,0 +1,114 @@
+//! What `inflight-load-producer` charges an endpoint when it is picked.
+//!
+//! prompt part = uncached prompt tokens of the request on that endpoint,
+//! released at the first response byte (prefill is done);
+//! output part (only with `addEstimatedOutputTokens`) =
+//! min(round(prompt_tokens × outputRatio), max_output_tokens, maxEstimatedOutputTokens),
+//! released with the request count at the end of the stream.
+
+use super::{Candidate, RequestView};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct InflightConfig {
+    pub add_estimated_output_tokens: bool,
+    /// estimated output tokens per prompt token
+    pub output_ratio: f64,
+    /// tokens; `None` = no cap
+    pub max_estimated_output_tokens: Option<u64>,
+}
+
+impl Default for InflightConfig {
+    fn default() -> Self {
+        InflightConfig {
+            add_estimated_output_tokens: false,
+            output_ratio: 1.0,
+            max_estimated_output_tokens: None,
+        }
+    }
+}
+
+/// The in-flight charge of one request on one endpoint, in tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Charge {
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+}
+
+impl Charge {
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.output_tokens)
+    }
+}
+
+impl InflightConfig {
+    pub fn charge(&self, req: &RequestView, cand: &Candidate) -> Charge {
+        let prompt_tokens = cand.uncached_tokens(req);
+        let output_tokens = if self.add_estimated_output_tokens {
+            let est = (req.prompt_tokens as f64 * self.output_ratio).round();
+            let est = if est.is_finite() && est > 0.0 {
+                est as u64
+            } else {
+                0
+            };
+            [
+                Some(est),
+                req.max_output_tokens,
+                self.max_estimated_output_tokens,
+            ]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(0)
+        } else {
+            0
+        };
+        Charge {
+            prompt_tokens,
+            output_tokens,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn charges_uncached_and_capped_output() {
+        let r = RequestView {
+            prompt_tokens: 1000,
+            total_blocks: 15,
+            block_size_tokens: 64,
+            max_output_tokens: Some(300),
+        };
+        let warm = Candidate {
+            matched_blocks: 10,
+            ..Default::default()
+        };
+        let off = InflightConfig::default();
+        assert_eq!(
+            off.charge(&r, &warm),
+            Charge {
+                prompt_tokens: 360,
+                output_tokens: 0
+            }
+        );
+        let on = InflightConfig {
+            add_estimated_output_tokens: true,
+            output_ratio: 0.5,
+            max_estimated_output_tokens: None,
+        };
+        assert_eq!(
+            on.charge(&r, &Candidate::default()),
+            Charge {
+                prompt_tokens: 1000,
+                output_tokens: 300
+            }
+        );
+        let capped = InflightConfig {
+            max_estimated_output_tokens: Some(10),
+            ..on
+        };
+        assert_eq!(capped.charge(&r, &warm).output_tokens, 10);
+    }
+}

@@ -1,0 +1,91 @@
+//! llm-d-compatible scheduling: one profile = filters, then weighted scorers,
+//! then a picker.
+//!
+//! The input is a snapshot of candidate endpoints (the host reads it from
+//! shared state); the output is a primary endpoint, an ordered fallback list
+//! and an explanation. Nothing here touches shared state or the clock; the
+//! randomness comes from an injected, seeded [`Rng`].
+//!
+//! One concept per file, each with its formula at the top:
+//! [`affinity_filter`], the scorers ([`token_load`], [`active_request`],
+//! [`queue`], [`kv_cache_utilization`], [`prefix_cache`], [`no_hit_lru`]),
+//! the pickers ([`max_score`], [`weighted_random`]), [`rng`],
+//! [`scheduler`] which runs a profile, and [`charge`] for the in-flight
+//! accounting a decision causes.
+
+pub mod active_request;
+pub mod affinity_filter;
+pub mod charge;
+pub mod kv_cache_utilization;
+pub mod max_score;
+pub mod no_hit_lru;
+pub mod prefix_cache;
+pub mod queue;
+pub mod rng;
+pub mod scheduler;
+pub mod token_load;
+pub mod weighted_random;
+
+pub use rng::Rng;
+pub use scheduler::{Branch, CandidateReport, Decision, Picker, Scheduler, Scorer};
+
+/// What the scheduler needs to know about the request.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RequestView {
+    /// Estimated prompt tokens.
+    pub prompt_tokens: u64,
+    /// Full prompt blocks that were hashed (the affinity denominator).
+    pub total_blocks: u32,
+    /// Tokens per block.
+    pub block_size_tokens: u32,
+    /// The client's output cap (`max_tokens` and friends), if any.
+    pub max_output_tokens: Option<u64>,
+}
+
+/// Polled vLLM metrics of one endpoint. The host passes `None` when it has
+/// none or they are older than `collector.metricsStaleAfterMs`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EndpointMetrics {
+    /// `vllm:num_requests_waiting`
+    pub waiting_requests: f64,
+    /// `vllm:num_requests_running`
+    pub running_requests: f64,
+    /// `vllm:kv_cache_usage_perc`, in [0, 1].
+    pub kv_cache_usage: f64,
+}
+
+/// One candidate endpoint as the scheduler sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Candidate {
+    /// Longest run of the request's blocks, from block 0, that this endpoint
+    /// is believed to hold.
+    pub matched_blocks: u32,
+    /// In-flight tokens charged to this endpoint (uncached prompt tokens not
+    /// yet prefilled, plus any output estimate).
+    pub inflight_tokens: u64,
+    /// In-flight requests on this endpoint.
+    pub inflight_requests: u64,
+    pub metrics: Option<EndpointMetrics>,
+    /// When this endpoint last received a cold request (a monotone stamp,
+    /// larger = more recent), for `no-hit-lru-scorer`; `None` if never.
+    pub last_cold_pick: Option<u64>,
+}
+
+impl Candidate {
+    /// Affinity = matched blocks / request blocks, in [0, 1]; 0 when the
+    /// request has no full block.
+    pub fn affinity(&self, req: &RequestView) -> f64 {
+        if req.total_blocks == 0 {
+            0.0
+        } else {
+            f64::from(self.matched_blocks.min(req.total_blocks)) / f64::from(req.total_blocks)
+        }
+    }
+
+    /// Prompt tokens this endpoint would have to prefill:
+    /// `prompt_tokens − min(prompt_tokens, matched_blocks × block_size)`.
+    pub fn uncached_tokens(&self, req: &RequestView) -> u64 {
+        let cached = u64::from(self.matched_blocks) * u64::from(req.block_size_tokens);
+        req.prompt_tokens - cached.min(req.prompt_tokens)
+    }
+}

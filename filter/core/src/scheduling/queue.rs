@@ -1,0 +1,54 @@
+//! `queue-scorer` (legacy blend): min-max normalised `vllm:num_requests_waiting`.
+//!
+//! score(e) = (max − waiting(e)) / (max − min) over candidates with metrics;
+//! 1 for all when max = min; 0.5 (neutral) for a candidate without fresh metrics.
+
+use super::Candidate;
+
+pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
+    let waiting = |i: usize| cands[i].metrics.map(|m| m.waiting_requests);
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for &i in idx {
+        if let Some(w) = waiting(i) {
+            lo = lo.min(w);
+            hi = hi.max(w);
+        }
+    }
+    for (o, &i) in out.iter_mut().zip(idx) {
+        *o = match waiting(i) {
+            None => 0.5,
+            Some(_) if hi <= lo => 1.0,
+            Some(w) => (hi - w) / (hi - lo),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduling::EndpointMetrics;
+
+    fn c(w: Option<f64>) -> Candidate {
+        Candidate {
+            metrics: w.map(|w| EndpointMetrics {
+                waiting_requests: w,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn min_max_normalised() {
+        let mut out = [0.0; 4];
+        score(
+            &[c(Some(2.0)), c(Some(6.0)), c(Some(4.0)), c(None)],
+            &[0, 1, 2, 3],
+            &mut out,
+        );
+        assert_eq!(out, [1.0, 0.0, 0.5, 0.5]);
+        let mut out = [0.0; 2];
+        score(&[c(Some(3.0)), c(Some(3.0))], &[0, 1], &mut out);
+        assert_eq!(out, [1.0, 1.0]);
+    }
+}

@@ -1,0 +1,369 @@
+//! Runs one scheduling profile: filters → weighted scorers → picker.
+//!
+//! total(e) = Σ weight_k × score_k(e) over the profile's scorers (not
+//! normalised by the weights, as in llm-d). Scorers see only the candidates
+//! that passed the filters. The fallback list is the rest of the passing set
+//! in picker order, then the filtered-out candidates by ascending in-flight
+//! tokens, cut to `max_fallbacks`.
+
+use super::active_request::ActiveRequestScorer;
+use super::affinity_filter::{AffinityFilter, FilterBranch};
+use super::charge::InflightConfig;
+use super::token_load::TokenLoadScorer;
+use super::{kv_cache_utilization, max_score, no_hit_lru, prefix_cache, queue, weighted_random};
+use super::{Candidate, RequestView, Rng};
+
+/// A scorer of the profile.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Scorer {
+    TokenLoad(TokenLoadScorer),
+    ActiveRequest(ActiveRequestScorer),
+    Queue,
+    KvCacheUtilization,
+    PrefixCache,
+    NoHitLru,
+}
+
+impl Scorer {
+    /// The llm-d plugin type name.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Scorer::TokenLoad(_) => "token-load-scorer",
+            Scorer::ActiveRequest(_) => "active-request-scorer",
+            Scorer::Queue => "queue-scorer",
+            Scorer::KvCacheUtilization => "kv-cache-utilization-scorer",
+            Scorer::PrefixCache => "prefix-cache-scorer",
+            Scorer::NoHitLru => "no-hit-lru-scorer",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Picker {
+    MaxScore,
+    WeightedRandom,
+}
+
+/// Which branch decided, for the explanation and counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Branch {
+    /// Only sticky endpoints were considered.
+    Sticky,
+    /// The warm endpoints were saturated; all were considered.
+    SaturationRelease,
+    /// No endpoint held enough of the prompt; all were considered.
+    NoAffinity,
+    /// Exploration skipped the filter.
+    Exploration,
+    /// One candidate only.
+    Single,
+    /// No affinity filter in the profile (or threshold ≤ 0).
+    Unfiltered,
+}
+
+impl Branch {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Branch::Sticky => "sticky",
+            Branch::SaturationRelease => "saturation-release",
+            Branch::NoAffinity => "no-affinity",
+            Branch::Exploration => "exploration",
+            Branch::Single => "single",
+            Branch::Unfiltered => "unfiltered",
+        }
+    }
+}
+
+/// Per-candidate explanation of a decision.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CandidateReport {
+    pub affinity: f64,
+    /// Estimated TTFT (ms) from in-flight tokens, as the affinity filter sees it.
+    pub ttft_ms: f64,
+    pub passed_filter: bool,
+    /// Weighted total; `None` if the candidate was filtered out.
+    pub score: Option<f64>,
+}
+
+/// The outcome of scheduling one request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// Index into the candidate slice.
+    pub primary: usize,
+    /// Indices into the candidate slice, best first, distinct, without the primary.
+    pub fallbacks: Vec<usize>,
+    pub branch: Branch,
+    /// True when no candidate held any block (no-hit-lru records these).
+    pub cold: bool,
+    /// One entry per candidate, in candidate order.
+    pub report: Vec<CandidateReport>,
+}
+
+/// A compiled scheduling profile.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scheduler {
+    pub filters: Vec<AffinityFilter>,
+    pub scorers: Vec<(Scorer, f64)>,
+    pub picker: Picker,
+    pub inflight: InflightConfig,
+    pub max_fallbacks: usize,
+}
+
+impl Default for Scheduler {
+    /// llm-d's optimized baseline: affinity filter + token-load scorer + max-score picker.
+    fn default() -> Self {
+        Scheduler {
+            filters: vec![AffinityFilter::default()],
+            scorers: vec![(Scorer::TokenLoad(TokenLoadScorer::default()), 1.0)],
+            picker: Picker::MaxScore,
+            inflight: InflightConfig::default(),
+            max_fallbacks: 2,
+        }
+    }
+}
+
+impl Scheduler {
+    /// Picks an endpoint; `None` only when there is no candidate.
+    pub fn schedule(
+        &self,
+        req: &RequestView,
+        cands: &[Candidate],
+        rng: &mut Rng,
+    ) -> Option<Decision> {
+        if cands.is_empty() {
+            return None;
+        }
+        let mut passing: Vec<usize> = (0..cands.len()).collect();
+        let mut branch = if cands.len() == 1 {
+            Branch::Single
+        } else {
+            Branch::Unfiltered
+        };
+        for f in &self.filters {
+            let b = f.apply(req, cands, &mut passing, rng);
+            branch = match b {
+                FilterBranch::NotApplicable => branch,
+                FilterBranch::Exploration => Branch::Exploration,
+                FilterBranch::NoAffinity => Branch::NoAffinity,
+                FilterBranch::SaturationRelease => Branch::SaturationRelease,
+                FilterBranch::Sticky => Branch::Sticky,
+            };
+        }
+
+        // Weighted scores over the passing set.
+        let mut totals = vec![0.0; passing.len()];
+        let mut buf = vec![0.0; passing.len()];
+        let lookahead: Vec<u64> = if self
+            .scorers
+            .iter()
+            .any(|(s, _)| matches!(s, Scorer::TokenLoad(_)))
+        {
+            cands
+                .iter()
+                .map(|c| self.inflight.charge(req, c).total())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for (scorer, weight) in &self.scorers {
+            match scorer {
+                Scorer::TokenLoad(s) => s.score(cands, &lookahead, &passing, &mut buf),
+                Scorer::ActiveRequest(s) => s.score(cands, &passing, &mut buf),
+                Scorer::Queue => queue::score(cands, &passing, &mut buf),
+                Scorer::KvCacheUtilization => {
+                    kv_cache_utilization::score(cands, &passing, &mut buf)
+                }
+                Scorer::PrefixCache => prefix_cache::score(req, cands, &passing, &mut buf),
+                Scorer::NoHitLru => no_hit_lru::score(req, cands, &passing, &mut buf),
+            }
+            for (t, s) in totals.iter_mut().zip(&buf) {
+                *t += weight * s;
+            }
+        }
+
+        let order = match self.picker {
+            Picker::MaxScore => max_score::rank(&totals, rng),
+            Picker::WeightedRandom => weighted_random::rank(&totals, rng),
+        };
+        let primary = passing[order[0]];
+
+        let mut fallbacks: Vec<usize> = order[1..].iter().map(|&k| passing[k]).collect();
+        if fallbacks.len() < self.max_fallbacks {
+            let mut rest: Vec<usize> = (0..cands.len()).filter(|i| !passing.contains(i)).collect();
+            rest.sort_by_key(|&i| (cands[i].inflight_tokens, i));
+            fallbacks.extend(rest);
+        }
+        fallbacks.truncate(self.max_fallbacks);
+
+        let ttft = self.filters.first().cloned().unwrap_or_default();
+        let mut report: Vec<CandidateReport> = cands
+            .iter()
+            .map(|c| CandidateReport {
+                affinity: c.affinity(req),
+                ttft_ms: ttft.ttft_ms(c),
+                passed_filter: false,
+                score: None,
+            })
+            .collect();
+        for (k, &i) in passing.iter().enumerate() {
+            report[i].passed_filter = true;
+            report[i].score = Some(totals[k]);
+        }
+
+        Some(Decision {
+            primary,
+            fallbacks,
+            branch,
+            cold: no_hit_lru::is_cold(req, cands, &passing),
+            report,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(blocks: u32) -> RequestView {
+        RequestView {
+            prompt_tokens: u64::from(blocks) * 64,
+            total_blocks: blocks,
+            block_size_tokens: 64,
+            max_output_tokens: None,
+        }
+    }
+
+    fn cand(matched: u32, tokens: u64, requests: u64) -> Candidate {
+        Candidate {
+            matched_blocks: matched,
+            inflight_tokens: tokens,
+            inflight_requests: requests,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn empty_and_single() {
+        let s = Scheduler::default();
+        assert_eq!(s.schedule(&req(4), &[], &mut Rng::new(1)), None);
+        let d = s
+            .schedule(&req(4), &[cand(0, 99, 9)], &mut Rng::new(1))
+            .unwrap();
+        assert_eq!(
+            (d.primary, d.branch, d.fallbacks.len()),
+            (0, Branch::Single, 0)
+        );
+    }
+
+    #[test]
+    fn sticky_beats_less_loaded_cold_endpoint_until_gap() {
+        let s = Scheduler::default();
+        // Warm endpoint 1 has more load than cold 0, within τ ≈ 286,704 tokens.
+        let c = [cand(0, 0, 0), cand(100, 200_000, 3), cand(0, 10, 1)];
+        let d = s.schedule(&req(100), &c, &mut Rng::new(1)).unwrap();
+        assert_eq!((d.primary, d.branch), (1, Branch::Sticky));
+        assert_eq!(d.fallbacks, vec![0, 2]);
+        assert!(!d.cold);
+        // Past τ the gate releases and token load picks the idle endpoint.
+        let c = [cand(0, 0, 0), cand(100, 300_000, 3), cand(0, 10, 1)];
+        let d = s.schedule(&req(100), &c, &mut Rng::new(1)).unwrap();
+        assert_eq!((d.primary, d.branch), (0, Branch::SaturationRelease));
+    }
+
+    #[test]
+    fn lookahead_prefers_warm_at_equal_inflight_load_without_filter() {
+        let s = Scheduler {
+            filters: vec![],
+            ..Default::default()
+        };
+        let c = [cand(0, 500, 1), cand(50, 500, 1)];
+        let d = s.schedule(&req(100), &c, &mut Rng::new(1)).unwrap();
+        assert_eq!((d.primary, d.branch), (1, Branch::Unfiltered));
+    }
+
+    #[test]
+    fn active_request_profile() {
+        let s = Scheduler {
+            scorers: vec![(Scorer::ActiveRequest(ActiveRequestScorer::default()), 1.0)],
+            ..Default::default()
+        };
+        let d = s
+            .schedule(
+                &req(1),
+                &[cand(0, 0, 5), cand(0, 1_000_000, 2), cand(0, 0, 7)],
+                &mut Rng::new(3),
+            )
+            .unwrap();
+        assert_eq!((d.primary, d.branch), (1, Branch::NoAffinity));
+        assert_eq!(d.fallbacks, vec![0, 2]);
+    }
+
+    #[test]
+    fn legacy_blend_weights() {
+        use crate::scheduling::EndpointMetrics;
+        let s = Scheduler {
+            filters: vec![],
+            scorers: vec![
+                (Scorer::PrefixCache, 3.0),
+                (Scorer::Queue, 2.0),
+                (Scorer::KvCacheUtilization, 2.0),
+                (Scorer::NoHitLru, 2.0),
+            ],
+            ..Default::default()
+        };
+        let m = |w: f64, u: f64| {
+            Some(EndpointMetrics {
+                waiting_requests: w,
+                running_requests: 0.0,
+                kv_cache_usage: u,
+            })
+        };
+        // e0: full hit, busy queue; e1: no hit, idle.
+        let c = [
+            Candidate {
+                matched_blocks: 10,
+                metrics: m(10.0, 0.9),
+                ..Default::default()
+            },
+            Candidate {
+                matched_blocks: 0,
+                metrics: m(0.0, 0.1),
+                ..Default::default()
+            },
+        ];
+        let d = s.schedule(&req(10), &c, &mut Rng::new(1)).unwrap();
+        // e0 = 3×1 + 2×0 + 2×0.1 + 2×0.5 = 4.2; e1 = 0 + 2×1 + 2×0.9 + 2×0.5 = 4.8.
+        let s0 = d.report[0].score.unwrap();
+        let s1 = d.report[1].score.unwrap();
+        assert!(
+            (s0 - 4.2).abs() < 1e-9 && (s1 - 4.8).abs() < 1e-9,
+            "{s0} {s1}"
+        );
+        assert_eq!(d.primary, 1);
+    }
+
+    #[test]
+    fn ties_are_broken_by_the_seeded_rng() {
+        let s = Scheduler::default();
+        let c = [cand(0, 0, 0), cand(0, 0, 0), cand(0, 0, 0), cand(0, 0, 0)];
+        let pick = |seed| {
+            s.schedule(&req(3), &c, &mut Rng::new(seed))
+                .unwrap()
+                .primary
+        };
+        assert_eq!(pick(17), pick(17));
+        let distinct: std::collections::BTreeSet<usize> = (0..64).map(pick).collect();
+        assert_eq!(distinct.len(), 4);
+    }
+
+    #[test]
+    fn fallbacks_respect_the_limit() {
+        let s = Scheduler {
+            max_fallbacks: 1,
+            ..Default::default()
+        };
+        let c = [cand(10, 0, 0), cand(0, 5, 0), cand(0, 1, 0)];
+        let d = s.schedule(&req(10), &c, &mut Rng::new(1)).unwrap();
+        assert_eq!((d.primary, d.fallbacks.clone()), (0, vec![2]));
+    }
+}
