@@ -1,0 +1,1 @@
+//! kvroute-sim: an emulated vLLM fleet and a load generator.
