@@ -245,6 +245,9 @@ static_resources:
                 # Lets the filter pause at request headers and still receive the
                 # body (Envoy >= 1.35). Without it the request hangs.
                 allow_on_headers_stop_iteration: true
+                # If a VM ever dies, rebuild it (1 s backoff) instead of
+                # answering 503 on that worker forever (FAIL_CLOSED).
+                failure_policy: FAIL_RELOAD
 {_vm_config_yaml(wasm, 16)}{_plugin_configuration_yaml(config, 16)}
           - name: envoy.filters.http.router
             typed_config:

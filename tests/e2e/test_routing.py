@@ -1,0 +1,209 @@
+"""Routing through real Envoy: stickiness, spread, saturation release,
+cross-worker shared state and stripping of a client-supplied destination.
+
+Prompt sizes: the core estimates 4 bytes per token and cuts 64-token blocks,
+so a block is 256 bytes of prompt text.
+"""
+
+import collections
+
+from conftest import (
+    DEST_HEADER,
+    chat,
+    completion,
+    in_background,
+    plugin_config,
+    request,
+    text,
+    wait_until,
+)
+
+PREFIX_BYTES = 16384  # 4096 tokens, 64 blocks
+SMALL_SUFFIX_BYTES = 512  # 2 blocks: affinity 64/66 on the warm endpoint
+HOLD_SUFFIX_BYTES = 3584  # 14 blocks: affinity 64/78 = 0.82 >= 0.8, ~900 uncached tokens
+HOLD_MS = 6000
+
+
+def _hold(envoy, prompt, hold_ms=HOLD_MS):
+    """Send a request the emulator holds for hold_ms before answering.
+
+    Returns the background (thread, result). Waits until the filter's state
+    shows one more in-flight request in total, so the next decision sees it.
+    """
+    before = sum(e["inflightRequests"] for e in envoy.state()["endpoints"])
+    t, res = in_background(
+        completion, envoy.port, prompt, headers={"x-emulator-delay-ms": str(hold_ms)}, timeout=hold_ms / 1000 + 30
+    )
+    wait_until(
+        lambda: sum(e["inflightRequests"] for e in envoy.state()["endpoints"]) > before,
+        timeout=10,
+        what="the held request to be charged in the filter state",
+    )
+    return t, res
+
+
+def test_shared_prefix_sticks_to_one_endpoint(fleet, envoy):
+    f = fleet(2)
+    e = envoy(endpoints=f.addresses)
+    prefix = text("sticky-prefix", PREFIX_BYTES)
+
+    first = completion(e.port, prefix + text("q0", SMALL_SUFFIX_BYTES))
+    assert first.status == 200, first
+    warm = first.served_by
+    assert warm in f.addresses, first
+    assert first.decision and first.decision.get("endpoint") == warm, first
+
+    branches = collections.Counter()
+    for i in range(1, 11):
+        r = completion(e.port, prefix + text(f"q{i}", SMALL_SUFFIX_BYTES))
+        assert r.status == 200, r
+        assert r.served_by == warm, f"turn {i} left the warm endpoint: {r}"
+        branches[r.decision["branch"]] += 1
+    assert branches == {"sticky": 10}, branches
+
+
+def test_distinct_prefixes_spread_by_inflight_load(fleet, envoy):
+    f = fleet(2)
+    e = envoy(endpoints=f.addresses)
+    held = []
+    for i in range(6):
+        held.append(_hold(e, text(f"distinct-{i}", 8192), hold_ms=4000))
+    served = collections.Counter()
+    for t, res in held:
+        t.join()
+        (r,) = res
+        assert not isinstance(r, Exception), r
+        assert r.status == 200, r
+        served[r.served_by] += 1
+    # Each new cold request goes to the endpoint with fewer in-flight tokens,
+    # so six equal-size requests split 3/3.
+    assert sorted(served.values()) == [3, 3], served
+    assert set(served) == set(f.addresses), served
+
+
+def _saturate(e, prefix, max_holds=8):
+    """Warm `prefix` on one endpoint, then alternate: add one held request
+    sharing the prefix (about 900 uncached tokens on the warm endpoint), send
+    one quick probe sharing the prefix. Stops after the first request that
+    leaves the warm endpoint.
+
+    Returns (warm, decisions): every request after the warm-up, in the order
+    the filter decided them, as ("hold"|"probe", Response).
+    """
+    first = completion(e.port, prefix + text("warm", SMALL_SUFFIX_BYTES))
+    assert first.status == 200, first
+    warm = first.served_by
+    order = []  # ("hold", result-list) or ("probe", Response), in decision order
+    held = []
+    try:
+        for i in range(max_holds):
+            t, res = _hold(e, prefix + text(f"hold-{i}", HOLD_SUFFIX_BYTES))
+            held.append(t)
+            order.append(("hold", res))
+            probe = completion(e.port, prefix + text(f"probe-{i}", SMALL_SUFFIX_BYTES))
+            assert probe.status == 200, probe
+            order.append(("probe", probe))
+            if probe.served_by != warm:
+                break
+    finally:
+        for t in held:
+            t.join()
+    decisions = []
+    for kind, r in order:
+        if kind == "hold":
+            (r,) = r
+            assert not isinstance(r, Exception), r
+        assert r.status == 200, r
+        decisions.append((kind, r))
+    return warm, decisions
+
+
+def test_spill_once_inflight_uncached_tokens_exceed_tau(fleet, envoy):
+    f = fleet(2)
+    # tau = peakPrefillThroughput x maxTTFTPenaltyMs = 1000 tok/s x 0.05 s = 50 tokens,
+    # so the gate opens at the first held request. The token-load scorer then
+    # keeps the warm endpoint until its in-flight uncached tokens outweigh the
+    # cold endpoint's cost of the whole prompt (~4200 tokens): about 5 holds.
+    cfg = plugin_config(affinity={"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 50})
+    e = envoy(cfg, endpoints=f.addresses)
+    prefix = text("spill-prefix", PREFIX_BYTES)
+
+    warm, decisions = _saturate(e, prefix)
+    moved = [i for i, (_, r) in enumerate(decisions) if r.served_by != warm]
+    assert moved, f"nothing spilled after {len(decisions)} requests sharing the prefix: {decisions}"
+    kind, spill = decisions[moved[0]]
+    assert spill.decision["branch"] == "saturation-release", (kind, spill)
+    assert spill.served_by in f.addresses
+    # Before that, every request sharing the prefix stayed on the warm endpoint.
+    assert all(r.served_by == warm for _, r in decisions[: moved[0]]), decisions
+    assert moved[0] >= 2, f"spilled before the warm endpoint was loaded: {decisions}"
+
+
+def test_zero_ttft_penalty_never_spills(fleet, envoy):
+    f = fleet(2)
+    cfg = plugin_config(affinity={"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 0})
+    e = envoy(cfg, endpoints=f.addresses)
+    prefix = text("nospill-prefix", PREFIX_BYTES)
+
+    warm, decisions = _saturate(e, prefix, max_holds=8)
+    assert len(decisions) == 16, decisions
+    for kind, r in decisions:
+        assert r.served_by == warm, f"{kind} left the warm endpoint: {r}"
+        assert r.decision["branch"] == "sticky", r
+
+
+def test_conversation_sticks_across_workers_and_connections(fleet, envoy):
+    f = fleet(2)
+    e = envoy(endpoints=f.addresses, concurrency=4)
+    conversations = []
+    for c in range(6):
+        conversations.append([{"role": "system", "content": text(f"system-{c}", 8192)}])
+    home = {}
+    for turn in range(4):
+        for c, messages in enumerate(conversations):
+            messages.append({"role": "user", "content": text(f"user-{c}-{turn}", 300)})
+            # Each call opens a fresh connection; Envoy spreads connections
+            # over its 4 workers, each with its own VM.
+            r = chat(e.port, messages)
+            assert r.status == 200, r
+            if turn == 0:
+                home[c] = r.served_by
+            else:
+                assert r.served_by == home[c], f"conversation {c} turn {turn} moved: {r}"
+                assert r.decision["branch"] == "sticky", r
+            reply = r.json()["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": reply})
+    # The turns really did arrive on more than one worker.
+    stats = e.admin("/stats?filter=worker_.*downstream_cx_total").body.decode()
+    used = [line for line in stats.splitlines() if f"127.0.0.1_{e.port}.worker_" in line and not line.endswith(" 0")]
+    assert len(used) >= 2, stats
+
+
+def test_client_destination_header_is_ignored(fleet, envoy):
+    f = fleet(2)
+    outsider = fleet(1)  # a live server that is not a member of the cluster
+    e = envoy(endpoints=f.addresses)
+    prefix = text("client-header-prefix", PREFIX_BYTES)
+    first = completion(e.port, prefix + text("a", SMALL_SUFFIX_BYTES))
+    warm = first.served_by
+    other = next(a for a in f.addresses if a != warm)
+
+    # Naming the other member, or several addresses, does not move a sticky request.
+    for value in (other, f"{other},{warm}", outsider.addresses[0], f"{outsider.addresses[0]},{other}"):
+        r = completion(e.port, prefix + text(value, SMALL_SUFFIX_BYTES), headers={DEST_HEADER: value})
+        assert r.status == 200, r
+        assert r.served_by == warm, f"client header {value!r} chose the endpoint: {r}"
+
+    # Requests the filter does not route still lose the header: round robin
+    # spreads them instead of all going to the named member.
+    served = collections.Counter()
+    for _ in range(8):
+        r = request(e.port, "GET", "/v1/models", headers={DEST_HEADER: other})
+        served[r.served_by] += 1
+    assert served[warm] >= 1, served
+
+    # Cold requests naming the outsider are answered by members only.
+    for i in range(4):
+        r = completion(e.port, text(f"cold-{i}", 2048), headers={DEST_HEADER: outsider.addresses[0]})
+        assert r.status == 200, r
+        assert r.served_by in f.addresses, r
