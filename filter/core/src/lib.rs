@@ -5,5 +5,6 @@
 //! of them re-implements it. See `ARCHITECTURE.md` at the repository root.
 
 pub mod blocks;
+pub mod config;
 pub mod request;
 pub mod scheduling;

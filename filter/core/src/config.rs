@@ -1,0 +1,1119 @@
+//! The plugin configuration: llm-d's `EndpointPickerConfig` shape
+//! (`plugins`, `schedulingProfiles`) plus kvroute's own sections
+//! (`endpoints`, `routing`, `collector`, `sharedState`).
+//!
+//! Strict: unknown fields and out-of-range values are errors that name the
+//! field path (`plugins[2].parameters.affinityThreshold`) and say what is
+//! allowed. A config is validated whole before anything uses it, so a
+//! rejected config is never half-applied. Defaults match llm-d's. The full
+//! reference is `docs/configuration.md`.
+
+use crate::blocks::BlockConfig;
+use crate::scheduling::active_request::ActiveRequestScorer;
+use crate::scheduling::affinity_filter::AffinityFilter;
+use crate::scheduling::charge::InflightConfig;
+use crate::scheduling::token_load::TokenLoadScorer;
+use crate::scheduling::{Picker, Scheduler, Scorer};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::Value;
+use std::fmt;
+use std::net::SocketAddr;
+
+/// A configuration error: where, and what is wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// JSON path of the offending field, e.g. `plugins[2].parameters.affinityThreshold`.
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "invalid kvroute config: {}", self.message)
+        } else {
+            write!(
+                f,
+                "invalid kvroute config at `{}`: {}",
+                self.path, self.message
+            )
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        path: path.into(),
+        message: message.into(),
+    }
+}
+
+/// Where endpoints come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EndpointSource {
+    /// A fixed list of `ip:port`.
+    Static(Vec<SocketAddr>),
+    /// Members of an Envoy cluster, read from Envoy's admin
+    /// `/clusters?format=json` through `admin_cluster`.
+    FromCluster {
+        cluster: String,
+        admin_cluster: String,
+        /// How often to re-read membership (ms).
+        refresh_ms: u64,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureMode {
+    /// No destination header; Envoy's fallback load balancer decides.
+    Open,
+    /// OpenAI-style JSON error: 400 for bad bodies, 503 for no endpoints.
+    Closed,
+}
+
+/// kvroute's `routing` section (the HTTP filter).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoutingConfig {
+    pub destination_header: String,
+    pub max_fallbacks: usize,
+    pub failure_mode: FailureMode,
+    /// bytes
+    pub max_body_bytes: usize,
+    /// Path suffixes that are routed (POST only).
+    pub paths: Vec<String>,
+    pub debug_header: bool,
+    /// GET on this path returns the shared state as JSON (off when `None`).
+    pub state_path: Option<String>,
+    /// Fixed RNG seed for reproducible tests; `None` seeds from the clock.
+    pub seed: Option<u64>,
+}
+
+/// kvroute's `collector` section (the singleton).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectorConfig {
+    /// Envoy cluster through which `/metrics` calls go; the destination
+    /// header names the endpoint. `None` disables polling.
+    pub metrics_cluster: Option<String>,
+    pub metrics_path: String,
+    /// ms
+    pub metrics_poll_interval_ms: u64,
+    /// ms
+    pub metrics_timeout_ms: u64,
+    /// ms; older metrics are ignored by scorers
+    pub metrics_stale_after_ms: u64,
+    /// ms; in-flight charges older than this are reaped (safety net)
+    pub reap_after_ms: u64,
+}
+
+/// kvroute's `sharedState` section.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedStateConfig {
+    /// bytes held by the prefix index in Envoy shared data
+    pub index_budget_bytes: u64,
+}
+
+/// `approx-prefix-cache-producer` parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefixProducerConfig {
+    pub blocks: BlockConfig,
+    /// Capacity from `vllm:cache_config_info` when available.
+    pub auto_tune: bool,
+    /// blocks per endpoint when metrics give none; 0 = unknown (only the
+    /// index's byte budget bounds what is remembered)
+    pub lru_capacity_per_server: u64,
+}
+
+/// The whole validated configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub scheduler: Scheduler,
+    pub prefix: PrefixProducerConfig,
+    pub endpoints: EndpointSource,
+    pub routing: RoutingConfig,
+    pub collector: CollectorConfig,
+    pub shared_state: SharedStateConfig,
+}
+
+impl Config {
+    /// Parses and validates a configuration document.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let raw: RawConfig = strict(bytes, "")?;
+        compile(raw)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Raw shapes (serde), strict.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawConfig {
+    #[serde(default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    plugins: Vec<RawPlugin>,
+    #[serde(default)]
+    scheduling_profiles: Vec<RawProfile>,
+    #[serde(default)]
+    endpoints: Option<RawEndpoints>,
+    #[serde(default)]
+    routing: RawRouting,
+    #[serde(default)]
+    collector: RawCollector,
+    #[serde(default)]
+    shared_state: RawSharedState,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlugin {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    parameters: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProfile {
+    name: String,
+    plugins: Vec<RawProfilePlugin>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawProfilePlugin {
+    plugin_ref: String,
+    #[serde(default)]
+    weight: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawEndpoints {
+    #[serde(default, rename = "static")]
+    static_list: Option<Vec<String>>,
+    #[serde(default)]
+    from_cluster: Option<RawFromCluster>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawFromCluster {
+    cluster: String,
+    #[serde(default = "default_admin_cluster")]
+    admin_cluster: String,
+    #[serde(default = "default_refresh_ms")]
+    refresh_ms: u64,
+}
+
+fn default_admin_cluster() -> String {
+    "envoy_admin".into()
+}
+fn default_refresh_ms() -> u64 {
+    1000
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawRouting {
+    destination_header: Option<String>,
+    max_fallbacks: Option<u64>,
+    failure_mode: Option<String>,
+    max_body_bytes: Option<u64>,
+    paths: Option<Vec<String>>,
+    debug_header: Option<bool>,
+    state_path: Option<String>,
+    seed: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawCollector {
+    metrics_cluster: Option<String>,
+    metrics_path: Option<String>,
+    metrics_poll_interval_ms: Option<u64>,
+    metrics_timeout_ms: Option<u64>,
+    metrics_stale_after_ms: Option<u64>,
+    reap_after_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawSharedState {
+    index_budget_bytes: Option<u64>,
+}
+
+// Plugin parameters, one struct per type, llm-d's names.
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ApproxPrefixParams {
+    auto_tune: Option<bool>,
+    block_size_tokens: Option<u64>,
+    max_prefix_blocks_to_match: Option<u64>,
+    max_prefix_tokens_to_match: Option<u64>,
+    lru_capacity_per_server: Option<u64>,
+    /// kvroute extension: bytes per estimated token.
+    chars_per_token: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct InflightParams {
+    add_estimated_output_tokens: Option<bool>,
+    output_ratio: Option<f64>,
+    max_estimated_output_tokens: Option<i64>,
+    prefix_match_info_producer_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AffinityParams {
+    affinity_threshold: Option<f64>,
+    exploration_probability: Option<f64>,
+    #[serde(rename = "maxTTFTPenaltyMs")]
+    max_ttft_penalty_ms: Option<f64>,
+    peak_prefill_throughput: Option<f64>,
+    ttft_source: Option<String>,
+    prefix_match_info_producer_name: Option<String>,
+    in_flight_load_producer_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TokenLoadParams {
+    queue_threshold_tokens: Option<i64>,
+    in_flight_load_producer_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ActiveRequestParams {
+    idle_threshold: Option<i64>,
+    max_busy_score: Option<f64>,
+    /// Deprecated in llm-d and ignored there too.
+    request_timeout: Option<String>,
+    in_flight_load_producer_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ProducerRefParams {
+    prefix_match_info_producer_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct NoHitLruParams {
+    lru_size: Option<i64>,
+    prefix_match_info_producer_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PickerParams {
+    max_num_of_endpoints: Option<i64>,
+}
+
+/// Deserialises with unknown-field rejection and a path in the error.
+fn strict<T: DeserializeOwned>(bytes: &[u8], base: &str) -> Result<T, ConfigError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    let out = serde_path_to_error::deserialize(de).map_err(|e| {
+        let inner = e.path().to_string();
+        err(join_path(base, &inner), e.into_inner().to_string())
+    })?;
+    Ok(out)
+}
+
+fn strict_value<T: DeserializeOwned + Default>(
+    v: &Option<Value>,
+    base: &str,
+) -> Result<T, ConfigError> {
+    match v {
+        None | Some(Value::Null) => Ok(T::default()),
+        Some(v) => serde_path_to_error::deserialize(v).map_err(|e| {
+            let inner = e.path().to_string();
+            err(join_path(base, &inner), e.into_inner().to_string())
+        }),
+    }
+}
+
+fn join_path(base: &str, inner: &str) -> String {
+    match (base.is_empty(), inner == "." || inner.is_empty()) {
+        (true, _) => inner.to_string(),
+        (false, true) => base.to_string(),
+        (false, false) => format!("{base}.{inner}"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Compilation: defaults, ranges, cross-references.
+
+const SUPPORTED_TYPES: &str = "approx-prefix-cache-producer, inflight-load-producer, \
+prefix-cache-affinity-filter, token-load-scorer, active-request-scorer, queue-scorer, \
+kv-cache-utilization-scorer, prefix-cache-scorer, no-hit-lru-scorer, max-score-picker, \
+weighted-random-picker";
+
+enum Compiled {
+    Prefix(PrefixProducerConfig),
+    Inflight(InflightConfig),
+    Filter(AffinityFilter),
+    Scorer(Scorer),
+    Picker(Picker),
+}
+
+fn range_f64(
+    path: &str,
+    v: Option<f64>,
+    default: f64,
+    lo: f64,
+    hi: f64,
+    what: &str,
+) -> Result<f64, ConfigError> {
+    let x = v.unwrap_or(default);
+    if !x.is_finite() || x < lo || x > hi {
+        return Err(err(path, format!("{x} is out of range: {what}")));
+    }
+    Ok(x)
+}
+
+fn range_u64(
+    path: &str,
+    v: Option<u64>,
+    default: u64,
+    lo: u64,
+    hi: u64,
+    unit: &str,
+) -> Result<u64, ConfigError> {
+    let x = v.unwrap_or(default);
+    if x < lo || x > hi {
+        return Err(err(
+            path,
+            format!("{x} is out of range: must be {lo}..={hi} {unit}"),
+        ));
+    }
+    Ok(x)
+}
+
+fn compile_plugin(
+    p: &RawPlugin,
+    path: &str,
+    producers: &[String],
+) -> Result<Compiled, ConfigError> {
+    let ppath = format!("{path}.parameters");
+    let check_producer = |field: &str, v: &Option<String>| -> Result<(), ConfigError> {
+        match v {
+            Some(n) if !producers.iter().any(|p| p == n) => Err(err(
+                format!("{ppath}.{field}"),
+                format!("no producer plugin named \"{n}\" in `plugins`"),
+            )),
+            _ => Ok(()),
+        }
+    };
+    Ok(match p.kind.as_str() {
+        "approx-prefix-cache-producer" => {
+            let q: ApproxPrefixParams = strict_value(&p.parameters, &ppath)?;
+            let bs = range_u64(
+                &format!("{ppath}.blockSizeTokens"),
+                q.block_size_tokens,
+                64,
+                1,
+                65_536,
+                "tokens",
+            )?;
+            let cpt = range_u64(
+                &format!("{ppath}.charsPerToken"),
+                q.chars_per_token,
+                4,
+                1,
+                64,
+                "bytes per token",
+            )?;
+            let max_tokens = match (q.max_prefix_tokens_to_match, q.max_prefix_blocks_to_match) {
+                (Some(t), _) if t > 0 => t,
+                (_, Some(b)) if b > 0 => b.saturating_mul(bs),
+                (Some(0), _) | (_, Some(0)) => 0,
+                _ => 131_072,
+            };
+            Compiled::Prefix(PrefixProducerConfig {
+                blocks: BlockConfig {
+                    block_size_tokens: bs as u32,
+                    chars_per_token: cpt as u32,
+                    max_prefix_tokens: max_tokens,
+                },
+                auto_tune: q.auto_tune.unwrap_or(true),
+                lru_capacity_per_server: q.lru_capacity_per_server.unwrap_or(0),
+            })
+        }
+        "inflight-load-producer" => {
+            let q: InflightParams = strict_value(&p.parameters, &ppath)?;
+            check_producer(
+                "prefixMatchInfoProducerName",
+                &q.prefix_match_info_producer_name,
+            )?;
+            let ratio = range_f64(
+                &format!("{ppath}.outputRatio"),
+                q.output_ratio,
+                1.0,
+                0.0,
+                1000.0,
+                "must be a finite number in [0, 1000]",
+            )?;
+            let cap = match q.max_estimated_output_tokens {
+                Some(n) if n < 0 => {
+                    return Err(err(
+                        format!("{ppath}.maxEstimatedOutputTokens"),
+                        format!("{n} is out of range: must be ≥ 0 tokens"),
+                    ))
+                }
+                Some(n) => Some(n as u64),
+                None => None,
+            };
+            Compiled::Inflight(InflightConfig {
+                add_estimated_output_tokens: q.add_estimated_output_tokens.unwrap_or(false),
+                output_ratio: ratio,
+                max_estimated_output_tokens: cap,
+            })
+        }
+        "prefix-cache-affinity-filter" => {
+            let q: AffinityParams = strict_value(&p.parameters, &ppath)?;
+            check_producer(
+                "prefixMatchInfoProducerName",
+                &q.prefix_match_info_producer_name,
+            )?;
+            check_producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
+            if let Some(s) = &q.ttft_source {
+                if s != "prefillThroughput" {
+                    return Err(err(
+                        format!("{ppath}.ttftSource"),
+                        format!("\"{s}\" is not supported by kvroute; use \"prefillThroughput\" (the latency predictor needs llm-d's sidecar)"),
+                    ));
+                }
+            }
+            let f = AffinityFilter {
+                affinity_threshold: range_f64(
+                    &format!("{ppath}.affinityThreshold"),
+                    q.affinity_threshold,
+                    0.8,
+                    0.0,
+                    1.0,
+                    "must be in [0, 1]",
+                )?,
+                exploration_probability: range_f64(
+                    &format!("{ppath}.explorationProbability"),
+                    q.exploration_probability,
+                    0.0,
+                    0.0,
+                    1.0,
+                    "must be in [0, 1]",
+                )?,
+                max_ttft_penalty_ms: range_f64(
+                    &format!("{ppath}.maxTTFTPenaltyMs"),
+                    q.max_ttft_penalty_ms,
+                    18_000.0,
+                    0.0,
+                    86_400_000.0,
+                    "must be ≥ 0 ms (0 = always stick)",
+                )?,
+                peak_prefill_throughput: range_f64(
+                    &format!("{ppath}.peakPrefillThroughput"),
+                    q.peak_prefill_throughput,
+                    15_928.0,
+                    0.0,
+                    1e12,
+                    "must be ≥ 0 tokens/s",
+                )?,
+            };
+            if f.max_ttft_penalty_ms > 0.0 && f.peak_prefill_throughput <= 0.0 {
+                return Err(err(
+                    format!("{ppath}.peakPrefillThroughput"),
+                    "must be > 0 tokens/s when maxTTFTPenaltyMs > 0",
+                ));
+            }
+            Compiled::Filter(f)
+        }
+        "token-load-scorer" => {
+            let q: TokenLoadParams = strict_value(&p.parameters, &ppath)?;
+            check_producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
+            let t = match q.queue_threshold_tokens {
+                None => 4_194_304,
+                Some(t) if t > 0 => t,
+                Some(t) => {
+                    return Err(err(
+                        format!("{ppath}.queueThresholdTokens"),
+                        format!("{t} is out of range: must be > 0 tokens"),
+                    ))
+                }
+            };
+            Compiled::Scorer(Scorer::TokenLoad(TokenLoadScorer {
+                queue_threshold_tokens: t as f64,
+            }))
+        }
+        "active-request-scorer" => {
+            let q: ActiveRequestParams = strict_value(&p.parameters, &ppath)?;
+            check_producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
+            let _ = q.request_timeout;
+            let idle = match q.idle_threshold {
+                None => 0,
+                Some(n) if n >= 0 => n as u64,
+                Some(n) => {
+                    return Err(err(
+                        format!("{ppath}.idleThreshold"),
+                        format!("{n} is out of range: must be ≥ 0 requests"),
+                    ))
+                }
+            };
+            Compiled::Scorer(Scorer::ActiveRequest(ActiveRequestScorer {
+                idle_threshold: idle,
+                max_busy_score: range_f64(
+                    &format!("{ppath}.maxBusyScore"),
+                    q.max_busy_score,
+                    1.0,
+                    0.0,
+                    1.0,
+                    "must be in [0, 1]",
+                )?,
+            }))
+        }
+        "queue-scorer" => {
+            strict_value::<NoParams>(&p.parameters, &ppath)?;
+            Compiled::Scorer(Scorer::Queue)
+        }
+        "kv-cache-utilization-scorer" => {
+            strict_value::<NoParams>(&p.parameters, &ppath)?;
+            Compiled::Scorer(Scorer::KvCacheUtilization)
+        }
+        "prefix-cache-scorer" => {
+            let q: ProducerRefParams = strict_value(&p.parameters, &ppath)?;
+            check_producer(
+                "prefixMatchInfoProducerName",
+                &q.prefix_match_info_producer_name,
+            )?;
+            Compiled::Scorer(Scorer::PrefixCache)
+        }
+        "no-hit-lru-scorer" => {
+            let q: NoHitLruParams = strict_value(&p.parameters, &ppath)?;
+            check_producer(
+                "prefixMatchInfoProducerName",
+                &q.prefix_match_info_producer_name,
+            )?;
+            if let Some(n) = q.lru_size {
+                if n <= 0 {
+                    return Err(err(
+                        format!("{ppath}.lruSize"),
+                        format!("{n} is out of range: must be > 0 endpoints"),
+                    ));
+                }
+            }
+            Compiled::Scorer(Scorer::NoHitLru)
+        }
+        "max-score-picker" | "weighted-random-picker" => {
+            let q: PickerParams = strict_value(&p.parameters, &ppath)?;
+            if let Some(n) = q.max_num_of_endpoints {
+                if n < 1 {
+                    return Err(err(
+                        format!("{ppath}.maxNumOfEndpoints"),
+                        format!("{n} is out of range: must be ≥ 1"),
+                    ));
+                }
+            }
+            Compiled::Picker(if p.kind == "max-score-picker" {
+                Picker::MaxScore
+            } else {
+                Picker::WeightedRandom
+            })
+        }
+        other => {
+            return Err(err(
+                format!("{path}.type"),
+                format!("unknown plugin type \"{other}\"; kvroute supports: {SUPPORTED_TYPES}"),
+            ))
+        }
+    })
+}
+
+// The duplicate checks read better as nested ifs than as match guards with side effects.
+#[allow(clippy::collapsible_match)]
+fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
+    if let Some(k) = &raw.kind {
+        if k != "EndpointPickerConfig" {
+            return Err(err(
+                "kind",
+                format!("\"{k}\" is not supported; use \"EndpointPickerConfig\" or leave it out"),
+            ));
+        }
+    }
+    let _ = raw.api_version;
+
+    // Names: `name` defaults to `type`; must be unique.
+    let names: Vec<String> = raw
+        .plugins
+        .iter()
+        .map(|p| p.name.clone().unwrap_or_else(|| p.kind.clone()))
+        .collect();
+    for (i, n) in names.iter().enumerate() {
+        if names[..i].contains(n) {
+            return Err(err(
+                format!("plugins[{i}].name"),
+                format!("duplicate plugin name \"{n}\"; give each instance its own `name`"),
+            ));
+        }
+    }
+    let producer_names: Vec<String> = raw
+        .plugins
+        .iter()
+        .zip(&names)
+        .filter(|(p, _)| p.kind.ends_with("-producer"))
+        .map(|(_, n)| n.clone())
+        .collect();
+
+    let mut compiled = Vec::with_capacity(raw.plugins.len());
+    let mut prefix = None;
+    let mut inflight = None;
+    for (i, p) in raw.plugins.iter().enumerate() {
+        let path = format!("plugins[{i}]");
+        let c = compile_plugin(p, &path, &producer_names)?;
+        match &c {
+            Compiled::Prefix(x) => {
+                if prefix.replace(x.clone()).is_some() {
+                    return Err(err(
+                        path,
+                        "kvroute supports one approx-prefix-cache-producer",
+                    ));
+                }
+            }
+            Compiled::Inflight(x) => {
+                if inflight.replace(x.clone()).is_some() {
+                    return Err(err(path, "kvroute supports one inflight-load-producer"));
+                }
+            }
+            _ => {}
+        }
+        compiled.push(c);
+    }
+
+    // Profile: exactly one (kvroute has no P/D disaggregation), or none →
+    // llm-d's optimized baseline over the configured plugins.
+    let mut filters = Vec::new();
+    let mut scorers = Vec::new();
+    let mut picker = None;
+    match raw.scheduling_profiles.len() {
+        0 => {
+            if raw.plugins.iter().any(|p| !p.kind.ends_with("-producer")) {
+                return Err(err("schedulingProfiles", "plugins other than producers are configured but no scheduling profile uses them; add a profile"));
+            }
+            let d = Scheduler::default();
+            filters = d.filters;
+            scorers = d.scorers;
+            picker = Some(d.picker);
+        }
+        1 => {
+            let prof = &raw.scheduling_profiles[0];
+            if prof.name.is_empty() {
+                return Err(err("schedulingProfiles[0].name", "must not be empty"));
+            }
+            for (j, r) in prof.plugins.iter().enumerate() {
+                let path = format!("schedulingProfiles[0].plugins[{j}]");
+                let Some(k) = names.iter().position(|n| *n == r.plugin_ref) else {
+                    return Err(err(
+                        format!("{path}.pluginRef"),
+                        format!(
+                            "no plugin named \"{}\" in `plugins` (names default to the type)",
+                            r.plugin_ref
+                        ),
+                    ));
+                };
+                let weight = match r.weight {
+                    None => 1.0,
+                    Some(w) if w.is_finite() && w >= 0.0 => w,
+                    Some(w) => {
+                        return Err(err(
+                            format!("{path}.weight"),
+                            format!("{w} is out of range: must be a finite number ≥ 0"),
+                        ))
+                    }
+                };
+                match &compiled[k] {
+                    Compiled::Filter(f) => {
+                        if r.weight.is_some() {
+                            return Err(err(format!("{path}.weight"), "only scorers take a weight"));
+                        }
+                        filters.push(f.clone())
+                    }
+                    Compiled::Scorer(s) => scorers.push((s.clone(), weight)),
+                    Compiled::Picker(p) => {
+                        if picker.replace(*p).is_some() {
+                            return Err(err(format!("{path}.pluginRef"), "a profile has one picker"));
+                        }
+                    }
+                    Compiled::Prefix(_) | Compiled::Inflight(_) => {
+                        return Err(err(format!("{path}.pluginRef"), format!("\"{}\" is a data producer; producers run for every request and are not listed in a profile", r.plugin_ref)))
+                    }
+                }
+            }
+        }
+        n => {
+            return Err(err("schedulingProfiles", format!("kvroute runs one scheduling profile; found {n} (prefill/decode disaggregation is not supported)")));
+        }
+    }
+
+    let routing = compile_routing(raw.routing)?;
+    let scheduler = Scheduler {
+        filters,
+        scorers,
+        picker: picker.unwrap_or(Picker::MaxScore),
+        inflight: inflight.unwrap_or_default(),
+        max_fallbacks: routing.max_fallbacks,
+    };
+    let prefix = prefix.unwrap_or(PrefixProducerConfig {
+        blocks: BlockConfig::default(),
+        auto_tune: true,
+        lru_capacity_per_server: 0,
+    });
+
+    let endpoints = match raw.endpoints {
+        None => return Err(err("endpoints", "required: give `{\"static\": [\"ip:port\", …]}` or `{\"fromCluster\": {\"cluster\": NAME}}`")),
+        Some(RawEndpoints { static_list: Some(_), from_cluster: Some(_) }) => {
+            return Err(err("endpoints", "give either `static` or `fromCluster`, not both"))
+        }
+        Some(RawEndpoints { static_list: Some(list), .. }) => {
+            let mut addrs = Vec::with_capacity(list.len());
+            for (i, s) in list.iter().enumerate() {
+                let a: SocketAddr = s.parse().map_err(|_| {
+                    err(format!("endpoints.static[{i}]"), format!("\"{s}\" is not an ip:port address (hostnames are not resolved; use fromCluster for DNS-backed clusters)"))
+                })?;
+                if addrs.contains(&a) {
+                    return Err(err(format!("endpoints.static[{i}]"), format!("duplicate endpoint {a}")));
+                }
+                addrs.push(a);
+            }
+            if addrs.len() > 1024 {
+                return Err(err("endpoints.static", "at most 1024 endpoints"));
+            }
+            EndpointSource::Static(addrs)
+        }
+        Some(RawEndpoints { from_cluster: Some(fc), .. }) => {
+            if fc.cluster.is_empty() {
+                return Err(err("endpoints.fromCluster.cluster", "must name an Envoy cluster"));
+            }
+            if fc.admin_cluster.is_empty() {
+                return Err(err("endpoints.fromCluster.adminCluster", "must name the Envoy cluster that points at the admin listener"));
+            }
+            EndpointSource::FromCluster {
+                refresh_ms: range_u64("endpoints.fromCluster.refreshMs", Some(fc.refresh_ms), 1000, 50, 3_600_000, "ms")?,
+                cluster: fc.cluster,
+                admin_cluster: fc.admin_cluster,
+            }
+        }
+        Some(_) => return Err(err("endpoints", "give `static` or `fromCluster`")),
+    };
+
+    let c = raw.collector;
+    let poll = range_u64(
+        "collector.metricsPollIntervalMs",
+        c.metrics_poll_interval_ms,
+        1000,
+        50,
+        3_600_000,
+        "ms",
+    )?;
+    let collector = CollectorConfig {
+        metrics_cluster: c.metrics_cluster.filter(|s| !s.is_empty()),
+        metrics_path: match c.metrics_path {
+            Some(p) if !p.starts_with('/') => {
+                return Err(err(
+                    "collector.metricsPath",
+                    format!("\"{p}\" must start with '/'"),
+                ))
+            }
+            Some(p) => p,
+            None => "/metrics".into(),
+        },
+        metrics_poll_interval_ms: poll,
+        metrics_timeout_ms: range_u64(
+            "collector.metricsTimeoutMs",
+            c.metrics_timeout_ms,
+            500,
+            10,
+            60_000,
+            "ms",
+        )?,
+        metrics_stale_after_ms: range_u64(
+            "collector.metricsStaleAfterMs",
+            c.metrics_stale_after_ms,
+            5 * poll.max(1000),
+            poll,
+            86_400_000,
+            "ms (at least metricsPollIntervalMs)",
+        )?,
+        reap_after_ms: range_u64(
+            "collector.reapAfterMs",
+            c.reap_after_ms,
+            600_000,
+            1_000,
+            86_400_000,
+            "ms",
+        )?,
+    };
+
+    let shared_state = SharedStateConfig {
+        index_budget_bytes: range_u64(
+            "sharedState.indexBudgetBytes",
+            raw.shared_state.index_budget_bytes,
+            64 << 20,
+            64 << 10,
+            1 << 30,
+            "bytes",
+        )?,
+    };
+
+    Ok(Config {
+        scheduler,
+        prefix,
+        endpoints,
+        routing,
+        collector,
+        shared_state,
+    })
+}
+
+fn compile_routing(r: RawRouting) -> Result<RoutingConfig, ConfigError> {
+    let header = r
+        .destination_header
+        .unwrap_or_else(|| "x-gateway-destination-endpoint".into());
+    if header.is_empty()
+        || header.starts_with(':')
+        || !header
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+    {
+        return Err(err(
+            "routing.destinationHeader",
+            format!("\"{header}\" is not a lowercase HTTP header name"),
+        ));
+    }
+    let failure_mode = match r.failure_mode.as_deref() {
+        None | Some("open") => FailureMode::Open,
+        Some("closed") => FailureMode::Closed,
+        Some(o) => {
+            return Err(err(
+                "routing.failureMode",
+                format!("\"{o}\" is not allowed; use \"open\" or \"closed\""),
+            ))
+        }
+    };
+    let paths = r.paths.unwrap_or_else(|| {
+        [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/embeddings",
+        ]
+        .map(String::from)
+        .to_vec()
+    });
+    for (i, p) in paths.iter().enumerate() {
+        if crate::request::ApiKind::from_path(p).is_none() {
+            return Err(err(format!("routing.paths[{i}]"), format!("\"{p}\" is not an OpenAI API path kvroute can parse (…/v1/chat/completions, …/v1/completions, …/v1/responses, …/v1/embeddings)")));
+        }
+    }
+    if let Some(s) = &r.state_path {
+        if !s.starts_with('/') {
+            return Err(err(
+                "routing.statePath",
+                format!("\"{s}\" must start with '/'"),
+            ));
+        }
+    }
+    Ok(RoutingConfig {
+        destination_header: header,
+        max_fallbacks: range_u64(
+            "routing.maxFallbacks",
+            r.max_fallbacks,
+            2,
+            0,
+            16,
+            "endpoints",
+        )? as usize,
+        failure_mode,
+        max_body_bytes: range_u64(
+            "routing.maxBodyBytes",
+            r.max_body_bytes,
+            4 << 20,
+            1024,
+            256 << 20,
+            "bytes",
+        )? as usize,
+        paths,
+        debug_header: r.debug_header.unwrap_or(false),
+        state_path: r.state_path,
+        seed: r.seed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASELINE: &str = r#"{"plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":64,"maxPrefixTokensToMatch":131072}},
+            {"type":"inflight-load-producer"},
+            {"type":"prefix-cache-affinity-filter","parameters":{"affinityThreshold":0.8,"maxTTFTPenaltyMs":18000,"peakPrefillThroughput":15928}},
+            {"type":"token-load-scorer"},{"type":"max-score-picker"}],
+ "schedulingProfiles":[{"name":"default","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"token-load-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
+
+    fn with_endpoints(doc: &str) -> String {
+        let mut v: Value = serde_json::from_str(doc).unwrap();
+        v["endpoints"] = serde_json::json!({"static": ["127.0.0.1:8001", "127.0.0.1:8002"]});
+        v.to_string()
+    }
+
+    fn reject(doc: &str) -> ConfigError {
+        Config::from_json(doc.as_bytes()).expect_err("config should be rejected")
+    }
+
+    #[test]
+    fn llm_d_baseline_is_accepted_as_is_and_means_the_baseline() {
+        let c = Config::from_json(with_endpoints(BASELINE).as_bytes()).unwrap();
+        assert_eq!(c.scheduler, Scheduler::default());
+        assert_eq!(c.prefix.blocks, BlockConfig::default());
+        assert_eq!(c.routing.failure_mode, FailureMode::Open);
+        assert_eq!(
+            c.routing.destination_header,
+            "x-gateway-destination-endpoint"
+        );
+    }
+
+    #[test]
+    fn baseline_without_endpoints_names_the_missing_section() {
+        assert_eq!(reject(BASELINE).path, "endpoints");
+    }
+
+    #[test]
+    fn unknown_and_out_of_range_fields_are_named() {
+        let doc = with_endpoints(
+            &BASELINE.replace("\"affinityThreshold\":0.8", "\"affinityThreshold\":1.5"),
+        );
+        let e = reject(&doc);
+        assert_eq!(e.path, "plugins[2].parameters.affinityThreshold");
+        assert!(e.message.contains("[0, 1]"), "{e}");
+
+        let doc =
+            with_endpoints(&BASELINE.replace("\"blockSizeTokens\":64", "\"blockSizeTokenz\":64"));
+        let e = reject(&doc);
+        assert_eq!(e.path, "plugins[0].parameters.blockSizeTokenz");
+        assert!(e.message.contains("unknown field"), "{e}");
+
+        let e = reject(&with_endpoints(
+            r#"{"routing":{"failureMode":"sometimes"}}"#,
+        ));
+        assert_eq!(e.path, "routing.failureMode");
+
+        let e = reject(&with_endpoints(r#"{"routing":{"maxFallback":1}}"#));
+        assert_eq!(e.path, "routing.maxFallback");
+
+        let e = reject(r#"{"endpoints":{"static":["localhost:80"]}}"#);
+        assert_eq!(e.path, "endpoints.static[0]");
+
+        let e = reject(&with_endpoints(
+            r#"{"plugins":[{"type":"magic-scorer"}],"schedulingProfiles":[{"name":"x","plugins":[]}]}"#,
+        ));
+        assert_eq!(e.path, "plugins[0].type");
+        assert!(e.message.contains("token-load-scorer"));
+
+        let e = reject(&with_endpoints(&BASELINE.replace(
+            "\"pluginRef\":\"token-load-scorer\"",
+            "\"pluginRef\":\"tokenload\"",
+        )));
+        assert_eq!(e.path, "schedulingProfiles[0].plugins[1].pluginRef");
+
+        let e = reject(&with_endpoints(
+            r#"{"plugins":[{"type":"token-load-scorer","parameters":{"queueThresholdTokens":"big"}}],"schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"token-load-scorer"}]}]}"#,
+        ));
+        assert_eq!(e.path, "plugins[0].parameters.queueThresholdTokens");
+
+        let e = reject(&with_endpoints(
+            r#"{"plugins":[{"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":-1}}],"schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"prefix-cache-affinity-filter"}]}]}"#,
+        ));
+        assert_eq!(e.path, "plugins[0].parameters.maxTTFTPenaltyMs");
+
+        assert!(reject("not json").message.contains("expected"));
+        assert_eq!(
+            reject(&with_endpoints(r#"{"sharedState":{"indexBudgetBytes":1}}"#)).path,
+            "sharedState.indexBudgetBytes"
+        );
+    }
+
+    #[test]
+    fn legacy_blend_and_named_instances() {
+        let doc = with_endpoints(
+            r#"{"plugins":[{"type":"approx-prefix-cache-producer"},
+            {"type":"prefix-cache-scorer"},{"type":"queue-scorer"},{"type":"kv-cache-utilization-scorer"},
+            {"type":"no-hit-lru-scorer"},{"name":"pick","type":"weighted-random-picker"}],
+            "schedulingProfiles":[{"name":"legacy","plugins":[{"pluginRef":"prefix-cache-scorer","weight":3},
+              {"pluginRef":"queue-scorer","weight":2},{"pluginRef":"kv-cache-utilization-scorer","weight":2},
+              {"pluginRef":"no-hit-lru-scorer","weight":2},{"pluginRef":"pick"}]}]}"#,
+        );
+        let c = Config::from_json(doc.as_bytes()).unwrap();
+        assert!(c.scheduler.filters.is_empty());
+        assert_eq!(c.scheduler.picker, Picker::WeightedRandom);
+        let weights: Vec<(&str, f64)> = c
+            .scheduler
+            .scorers
+            .iter()
+            .map(|(s, w)| (s.type_name(), *w))
+            .collect();
+        assert_eq!(
+            weights,
+            vec![
+                ("prefix-cache-scorer", 3.0),
+                ("queue-scorer", 2.0),
+                ("kv-cache-utilization-scorer", 2.0),
+                ("no-hit-lru-scorer", 2.0)
+            ]
+        );
+    }
+
+    #[test]
+    fn always_stick_and_active_request() {
+        let doc = with_endpoints(
+            r#"{"plugins":[{"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":0}},
+            {"type":"active-request-scorer","parameters":{"idleThreshold":2,"maxBusyScore":0.5}},{"type":"max-score-picker"}],
+            "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"active-request-scorer"},{"pluginRef":"max-score-picker"}]}]}"#,
+        );
+        let c = Config::from_json(doc.as_bytes()).unwrap();
+        assert_eq!(c.scheduler.filters[0].max_ttft_penalty_ms, 0.0);
+        assert_eq!(
+            c.scheduler.scorers[0].0,
+            Scorer::ActiveRequest(ActiveRequestScorer {
+                idle_threshold: 2,
+                max_busy_score: 0.5
+            })
+        );
+    }
+
+    #[test]
+    fn empty_plugins_mean_the_baseline() {
+        let c = Config::from_json(br#"{"endpoints":{"fromCluster":{"cluster":"vllm"}}}"#).unwrap();
+        assert_eq!(c.scheduler, Scheduler::default());
+        assert_eq!(
+            c.endpoints,
+            EndpointSource::FromCluster {
+                cluster: "vllm".into(),
+                admin_cluster: "envoy_admin".into(),
+                refresh_ms: 1000
+            }
+        );
+    }
+}
