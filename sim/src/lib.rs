@@ -1,1 +1,11 @@
 //! kvroute-sim: an emulated vLLM fleet and a load generator.
+//!
+//! - `engine`: the pure model of one vLLM server (timing, batching, prefix
+//!   cache). No I/O.
+//! - `kv_events`, `vllm_hash`, `prometheus`: vLLM's wire formats.
+//! - `emulator`: HTTP/ZMQ glue that serves an engine on a loopback port.
+//! - `loadgen`: workloads, arrival stages and per-stage reports.
+
+pub mod engine;
+pub mod kv_events;
+pub mod vllm_hash;
