@@ -1,0 +1,54 @@
+//! Read-modify-write over a [`Store`] with CAS and bounded retries.
+
+use crate::{Store, StoreError};
+
+/// How often a read-modify-write is retried after losing a CAS race before
+/// giving up. Contention is between a handful of worker VMs, so a race lost
+/// 64 times in a row means something is wrong; the caller counts it.
+pub const MAX_CAS_RETRIES: u32 = 64;
+
+/// Outcome of [`update`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct Updated<R> {
+    pub result: R,
+    /// CAS races lost before the write went through.
+    pub retries: u32,
+}
+
+/// Reads `key`, lets `f` change the decoded value, and writes it back with
+/// the CAS token of the read, retrying from a fresh read on a lost race.
+///
+/// `decode` gets `None` for a key that was never set. `f` returns `None` to
+/// leave the value unchanged (nothing is written).
+pub fn update<T, R>(
+    store: &dyn Store,
+    key: &str,
+    decode: impl Fn(Option<&[u8]>) -> T,
+    encode: impl Fn(&T) -> Vec<u8>,
+    mut f: impl FnMut(&mut T) -> Option<R>,
+) -> Result<Updated<Option<R>>, StoreError> {
+    let mut retries = 0;
+    loop {
+        let current = store.get(key)?;
+        let (mut value, cas) = match &current {
+            Some((bytes, cas)) => (decode(Some(bytes)), *cas),
+            None => (decode(None), 0),
+        };
+        let Some(result) = f(&mut value) else {
+            return Ok(Updated {
+                result: None,
+                retries,
+            });
+        };
+        match store.set(key, &encode(&value), cas) {
+            Ok(()) => {
+                return Ok(Updated {
+                    result: Some(result),
+                    retries,
+                })
+            }
+            Err(StoreError::CasMismatch) if retries < MAX_CAS_RETRIES => retries += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! The shared prefix index: which endpoint holds which prompt block.
+//!
+//! Bounded: the index is `shards` fixed-size values of [`SHARD_BYTES`] under
+//! `kvroute/ix/<n>`, with `shards = indexBudgetBytes / SHARD_BYTES`, so it
+//! never holds more than the budget, however many prompts arrive. A shard is
+//! a set-associative table of 16-byte entries
+//! `(block hash u64, slot u16, generation u16, recorded u32)`; a full set
+//! overwrites one of its ways.
+//!
+//! Eviction-aware: every endpoint has an insert counter (blocks newly
+//! inserted for it, in the load table). An entry records the counter after
+//! its insert, and is *held* while `counter − recorded < capacity` (capacity
+//! in blocks; 0 = unknown, then an entry is held until overwritten). That
+//! mimics vLLM's LRU without deleting anything, which shared data cannot do.
+//!
+//! Cheap: blocks are grouped by [`GROUP_BLOCKS`] consecutive blocks, and a
+//! group lives in the shard chosen by the hash of its first block, so one
+//! read-modify-write covers a group and shared prefixes land in the same
+//! shards. Block hashes are chained, so "endpoint holds block i" is nearly
+//! monotone in i, and the longest held prefix is found by binary search:
+//! about log2(blocks) shard reads, not one per block.
+
+use crate::cas::{update, Updated};
+use crate::{Store, StoreError};
+
+/// Bytes per shard value.
+pub const SHARD_BYTES: usize = 4096;
+/// Bytes per entry.
+pub const ENTRY_BYTES: usize = 16;
+/// Entries per set.
+pub const WAYS: usize = 4;
+/// Sets per shard.
+pub const SETS: usize = SHARD_BYTES / ENTRY_BYTES / WAYS;
+/// Consecutive blocks that share a shard.
+pub const GROUP_BLOCKS: usize = 16;
+
+/// Shard layout derived from the byte budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexGeometry {
+    pub shards: u32,
+}
+
+impl IndexGeometry {
+    /// As many shards as fit in `budget_bytes` (at least one).
+    pub fn from_budget(budget_bytes: u64) -> Self {
+        let shards = (budget_bytes / SHARD_BYTES as u64).clamp(1, u64::from(u32::MAX)) as u32;
+        IndexGeometry { shards }
+    }
+
+    /// Most bytes the index can occupy.
+    pub fn max_bytes(&self) -> u64 {
+        u64::from(self.shards) * SHARD_BYTES as u64
+    }
+
+    fn shard_key(&self, group_first_hash: u64) -> String {
+        format!(
+            "kvroute/ix/{}",
+            mix(group_first_hash) % u64::from(self.shards)
+        )
+    }
+}
+
+/// An endpoint as the index sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holder {
+    pub slot: u16,
+    pub generation: u16,
+    /// The endpoint's insert counter now (blocks).
+    pub insert_counter: u64,
+    /// Blocks the endpoint can hold; 0 = unknown.
+    pub capacity_blocks: u64,
+}
+
+impl Holder {
+    /// Is an entry written for this holder still held?
+    pub fn holds(&self, slot: u16, generation: u16, recorded: u32) -> bool {
+        slot == self.slot
+            && generation == self.generation
+            && (self.capacity_blocks == 0
+                || self.capacity_blocks >= u64::from(u32::MAX / 2)
+                || u64::from((self.insert_counter as u32).wrapping_sub(recorded))
+                    < self.capacity_blocks)
+    }
+}
+
+fn mix(h: u64) -> u64 {
+    // splitmix64 finaliser: spreads chained hashes over shards and sets.
+    let mut z = h;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn set_of(h: u64) -> usize {
+    (mix(h.rotate_left(29)) % SETS as u64) as usize
+}
+
+/// Hash 0 marks an empty entry, so a real 0 is stored as 1.
+fn key_hash(h: u64) -> u64 {
+    if h == 0 {
+        1
+    } else {
+        h
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    hash: u64,
+    slot: u16,
+    generation: u16,
+    recorded: u32,
+}
+
+fn read_entry(shard: &[u8], i: usize) -> Entry {
+    let o = i * ENTRY_BYTES;
+    let b = |r: std::ops::Range<usize>| shard.get(o + r.start..o + r.end);
+    let u64_at = |r| {
+        b(r).and_then(|s| s.try_into().ok())
+            .map(u64::from_le_bytes)
+            .unwrap_or(0)
+    };
+    let u16_at = |r| {
+        b(r).and_then(|s| s.try_into().ok())
+            .map(u16::from_le_bytes)
+            .unwrap_or(0)
+    };
+    let u32_at = |r| {
+        b(r).and_then(|s| s.try_into().ok())
+            .map(u32::from_le_bytes)
+            .unwrap_or(0)
+    };
+    Entry {
+        hash: u64_at(0..8),
+        slot: u16_at(8..10),
+        generation: u16_at(10..12),
+        recorded: u32_at(12..16),
+    }
+}
+
+fn write_entry(shard: &mut [u8], i: usize, e: Entry) {
+    let o = i * ENTRY_BYTES;
+    if let Some(dst) = shard.get_mut(o..o + ENTRY_BYTES) {
+        dst[0..8].copy_from_slice(&e.hash.to_le_bytes());
+        dst[8..10].copy_from_slice(&e.slot.to_le_bytes());
+        dst[10..12].copy_from_slice(&e.generation.to_le_bytes());
+        dst[12..16].copy_from_slice(&e.recorded.to_le_bytes());
+    }
+}
+
+fn shard_or_empty(bytes: Option<&[u8]>) -> Vec<u8> {
+    let mut v = bytes.map(<[u8]>::to_vec).unwrap_or_default();
+    v.resize(SHARD_BYTES, 0);
+    v
+}
+
+/// Result of a lookup.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Matches {
+    /// Per holder (same order): blocks held from block 0.
+    pub matched_blocks: Vec<u32>,
+    /// Shard values read.
+    pub shard_reads: u32,
+}
+
+/// Finds, for each holder, the longest run of `hashes` from block 0 it holds.
+pub fn longest_prefixes(
+    store: &dyn Store,
+    geo: &IndexGeometry,
+    hashes: &[u64],
+    holders: &[Holder],
+) -> Result<Matches, StoreError> {
+    let n = hashes.len();
+    let mut out = Matches {
+        matched_blocks: vec![0; holders.len()],
+        shard_reads: 0,
+    };
+    if n == 0 || holders.is_empty() {
+        return Ok(out);
+    }
+    let groups = n.div_ceil(GROUP_BLOCKS);
+    let mut shards: Vec<Option<Vec<u8>>> = vec![None; groups];
+    let mut held = |h: &Holder, i: usize, out: &mut Matches| -> Result<bool, StoreError> {
+        let g = i / GROUP_BLOCKS;
+        if shards[g].is_none() {
+            let key = geo.shard_key(hashes[g * GROUP_BLOCKS]);
+            out.shard_reads += 1;
+            shards[g] = Some(store.get(&key)?.map(|(v, _)| v).unwrap_or_default());
+        }
+        let shard = shards[g].as_deref().unwrap_or(&[]);
+        let hash = key_hash(hashes[i]);
+        let set = set_of(hash);
+        Ok((0..WAYS).any(|w| {
+            let e = read_entry(shard, set * WAYS + w);
+            e.hash == hash && h.holds(e.slot, e.generation, e.recorded)
+        }))
+    };
+    for (k, h) in holders.iter().enumerate() {
+        if !held(h, 0, &mut out)? {
+            continue;
+        }
+        let (mut lo, mut hi) = (0usize, n - 1);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if held(h, mid, &mut out)? {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        out.matched_blocks[k] = (lo + 1) as u32;
+    }
+    Ok(out)
+}
+
+/// Counts of an insert.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InsertStats {
+    pub shard_writes: u32,
+    pub cas_retries: u32,
+}
+
+/// Records that `holder` holds every block in `hashes`, with the holder's
+/// insert counter as it is *after* this request's charge. `is_live(slot,
+/// generation, recorded)` says whether another endpoint's entry is still
+/// held; dead entries are overwritten first.
+pub fn insert(
+    store: &dyn Store,
+    geo: &IndexGeometry,
+    hashes: &[u64],
+    holder: &Holder,
+    is_live: &dyn Fn(u16, u16, u32) -> bool,
+) -> Result<InsertStats, StoreError> {
+    let mut stats = InsertStats::default();
+    let recorded = holder.insert_counter as u32;
+    for group in hashes.chunks(GROUP_BLOCKS) {
+        let key = geo.shard_key(group[0]);
+        let Updated { retries, .. } = update(
+            store,
+            &key,
+            shard_or_empty,
+            |s: &Vec<u8>| s.clone(),
+            |shard: &mut Vec<u8>| {
+                for &h in group {
+                    upsert(shard, key_hash(h), holder, recorded, is_live);
+                }
+                Some(())
+            },
+        )?;
+        stats.shard_writes += 1;
+        stats.cas_retries += retries;
+    }
+    Ok(stats)
+}
+
+fn upsert(
+    shard: &mut [u8],
+    hash: u64,
+    holder: &Holder,
+    recorded: u32,
+    is_live: &dyn Fn(u16, u16, u32) -> bool,
+) {
+    let set = set_of(hash);
+    let base = set * WAYS;
+    let entries: [Entry; WAYS] = std::array::from_fn(|w| read_entry(shard, base + w));
+    let way = entries
+        .iter()
+        .position(|e| e.hash == hash && e.slot == holder.slot)
+        .or_else(|| {
+            entries
+                .iter()
+                .position(|e| e.hash == 0 || !is_live(e.slot, e.generation, e.recorded))
+        })
+        .unwrap_or(((mix(hash ^ u64::from(recorded)) >> 40) % WAYS as u64) as usize);
+    write_entry(
+        shard,
+        base + way,
+        Entry {
+            hash,
+            slot: holder.slot,
+            generation: holder.generation,
+            recorded,
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryStore;
+
+    fn chain(seed: u64, n: usize) -> Vec<u64> {
+        let mut v = Vec::with_capacity(n);
+        let mut h = seed;
+        for i in 0..n {
+            h = mix(h ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            v.push(h);
+        }
+        v
+    }
+
+    fn holder(slot: u16, counter: u64, cap: u64) -> Holder {
+        Holder {
+            slot,
+            generation: 1,
+            insert_counter: counter,
+            capacity_blocks: cap,
+        }
+    }
+
+    const ALWAYS: &dyn Fn(u16, u16, u32) -> bool = &|_, _, _| true;
+
+    #[test]
+    fn longest_prefix_per_endpoint() {
+        let s = MemoryStore::new();
+        let geo = IndexGeometry::from_budget(1 << 20);
+        let a = chain(1, 100);
+        insert(&s, &geo, &a[..60], &holder(0, 60, 0), ALWAYS).unwrap();
+        insert(&s, &geo, &a[..25], &holder(1, 25, 0), ALWAYS).unwrap();
+        let m = longest_prefixes(
+            &s,
+            &geo,
+            &a,
+            &[holder(0, 60, 0), holder(1, 25, 0), holder(2, 0, 0)],
+        )
+        .unwrap();
+        assert_eq!(m.matched_blocks, vec![60, 25, 0]);
+        // ~log2(100) probes per warm endpoint, shards memoised per group.
+        assert!(m.shard_reads <= 7, "{}", m.shard_reads);
+        // Another prompt sharing the first 30 blocks.
+        let mut b = a[..30].to_vec();
+        b.extend(chain(99, 40));
+        let m = longest_prefixes(&s, &geo, &b, &[holder(0, 60, 0), holder(1, 25, 0)]).unwrap();
+        assert_eq!(m.matched_blocks, vec![30, 25]);
+    }
+
+    #[test]
+    fn eviction_by_newer_inserts() {
+        let s = MemoryStore::new();
+        let geo = IndexGeometry::from_budget(1 << 20);
+        let a = chain(5, 10);
+        insert(&s, &geo, &a, &holder(0, 10, 100), ALWAYS).unwrap();
+        assert_eq!(
+            longest_prefixes(&s, &geo, &a, &[holder(0, 109, 100)])
+                .unwrap()
+                .matched_blocks,
+            vec![10]
+        );
+        assert_eq!(
+            longest_prefixes(&s, &geo, &a, &[holder(0, 110, 100)])
+                .unwrap()
+                .matched_blocks,
+            vec![0]
+        );
+        // A different generation of the slot never matches.
+        let other_gen = Holder {
+            generation: 2,
+            ..holder(0, 10, 100)
+        };
+        assert_eq!(
+            longest_prefixes(&s, &geo, &a, &[other_gen])
+                .unwrap()
+                .matched_blocks,
+            vec![0]
+        );
+    }
+
+    #[test]
+    fn bytes_stay_under_budget_for_many_distinct_prompts() {
+        let s = MemoryStore::new();
+        let budget = 256 << 10;
+        let geo = IndexGeometry::from_budget(budget);
+        for p in 0..20_000u64 {
+            insert(
+                &s,
+                &geo,
+                &chain(p + 1000, 8),
+                &holder((p % 8) as u16, p, 0),
+                ALWAYS,
+            )
+            .unwrap();
+        }
+        let used = s.bytes_with_prefix("kvroute/ix/") as u64;
+        assert!(used <= budget, "{used} > {budget}");
+        assert_eq!(used, geo.max_bytes(), "every shard touched at this volume");
+    }
+
+    #[test]
+    fn corrupt_shards_read_as_empty() {
+        let s = MemoryStore::new();
+        let geo = IndexGeometry::from_budget(SHARD_BYTES as u64);
+        s.set("kvroute/ix/0", b"short", 0).unwrap();
+        let a = chain(3, 4);
+        assert_eq!(
+            longest_prefixes(&s, &geo, &a, &[holder(0, 0, 0)])
+                .unwrap()
+                .matched_blocks,
+            vec![0]
+        );
+        insert(&s, &geo, &a, &holder(0, 4, 0), ALWAYS).unwrap();
+        assert_eq!(
+            longest_prefixes(&s, &geo, &a, &[holder(0, 4, 0)])
+                .unwrap()
+                .matched_blocks,
+            vec![4]
+        );
+    }
+}

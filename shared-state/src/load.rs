@@ -1,0 +1,357 @@
+//! Per-endpoint in-flight load, written by every worker VM.
+//!
+//! One value (`kvroute/load`) holds a record per slot, so a decision reads
+//! every endpoint's load with one get and charges it with one CAS.
+//!
+//! Charges are kept in 4 time buckets per endpoint, each `window` ms wide
+//! (`window = reapAfterMs / 2`). A request remembers its [`Ticket`] (slot,
+//! generation, bucket and the bucket's start), and releases against exactly
+//! that bucket. The reaper zeroes buckets whose every charge is older than
+//! `reapAfterMs` — charges of requests whose VM died — and counts them; a
+//! late release then finds the bucket's start changed and does nothing. So a
+//! charge is released at most once, counters never go below zero, and
+//! nothing needs a per-request key.
+
+use crate::codec::{Reader, Writer};
+use crate::MAX_ENDPOINTS;
+
+pub const BUCKETS: usize = 4;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bucket {
+    /// ms; start of the window this bucket holds charges for
+    pub start_ms: u64,
+    /// uncached prompt tokens not yet prefilled
+    pub prompt_tokens: u64,
+    /// estimated output tokens (only with `addEstimatedOutputTokens`)
+    pub output_tokens: u64,
+    pub requests: u32,
+}
+
+impl Bucket {
+    fn is_empty(&self) -> bool {
+        self.prompt_tokens == 0 && self.output_tokens == 0 && self.requests == 0
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadRecord {
+    /// The slot generation this record belongs to.
+    pub generation: u16,
+    /// Blocks inserted into the prefix index for this endpoint, ever
+    /// (monotone): the eviction clock.
+    pub insert_counter: u64,
+    /// Stamp of the last cold request routed here (no-hit-lru), 0 = never.
+    pub last_cold_pick: u64,
+    /// Requests whose charges the reaper removed (should stay 0).
+    pub reaped_requests: u32,
+    pub buckets: [Bucket; BUCKETS],
+}
+
+impl LoadRecord {
+    pub fn inflight_tokens(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| b.prompt_tokens.saturating_add(b.output_tokens))
+            .fold(0, u64::saturating_add)
+    }
+    pub fn inflight_requests(&self) -> u64 {
+        self.buckets.iter().map(|b| u64::from(b.requests)).sum()
+    }
+}
+
+/// What a request keeps to release its charge later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    pub slot: u16,
+    pub generation: u16,
+    pub bucket: u8,
+    pub bucket_start_ms: u64,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadTable {
+    pub records: Vec<LoadRecord>,
+}
+
+const MAGIC: u8 = 0x10;
+
+/// Bucket width for a reap bound: `reapAfterMs / 2`, at least 1 ms.
+pub fn window_ms(reap_after_ms: u64) -> u64 {
+    (reap_after_ms / 2).max(1)
+}
+
+impl LoadTable {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(3 + self.records.len() * 134);
+        w.u8(MAGIC);
+        w.u16(self.records.len() as u16);
+        for r in &self.records {
+            w.u16(r.generation);
+            w.u64(r.insert_counter);
+            w.u64(r.last_cold_pick);
+            w.u32(r.reaped_requests);
+            for b in &r.buckets {
+                w.u64(b.start_ms);
+                w.u64(b.prompt_tokens);
+                w.u64(b.output_tokens);
+                w.u32(b.requests);
+            }
+        }
+        w.buf
+    }
+
+    /// A missing or corrupt value decodes as an empty table.
+    pub fn decode(bytes: Option<&[u8]>) -> LoadTable {
+        bytes.and_then(Self::try_decode).unwrap_or_default()
+    }
+
+    fn try_decode(bytes: &[u8]) -> Option<LoadTable> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != MAGIC {
+            return None;
+        }
+        let n = r.u16()? as usize;
+        if n > MAX_ENDPOINTS {
+            return None;
+        }
+        let mut records = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut rec = LoadRecord {
+                generation: r.u16()?,
+                insert_counter: r.u64()?,
+                last_cold_pick: r.u64()?,
+                reaped_requests: r.u32()?,
+                ..Default::default()
+            };
+            for b in rec.buckets.iter_mut() {
+                *b = Bucket {
+                    start_ms: r.u64()?,
+                    prompt_tokens: r.u64()?,
+                    output_tokens: r.u64()?,
+                    requests: r.u32()?,
+                };
+            }
+            records.push(rec);
+        }
+        Some(LoadTable { records })
+    }
+
+    /// The record of `slot` if it belongs to `generation`.
+    pub fn get(&self, slot: u16, generation: u16) -> Option<&LoadRecord> {
+        self.records
+            .get(slot as usize)
+            .filter(|r| r.generation == generation)
+    }
+
+    /// The record of `slot`, reset if it belonged to an older generation.
+    fn record_mut(&mut self, slot: u16, generation: u16) -> Option<&mut LoadRecord> {
+        let s = slot as usize;
+        if s >= MAX_ENDPOINTS {
+            return None;
+        }
+        if self.records.len() <= s {
+            self.records.resize(s + 1, LoadRecord::default());
+        }
+        let rec = &mut self.records[s];
+        if rec.generation != generation {
+            *rec = LoadRecord {
+                generation,
+                ..Default::default()
+            };
+        }
+        Some(rec)
+    }
+
+    /// Charges a picked endpoint. `new_blocks` advances its eviction clock;
+    /// `cold_stamp` (non-zero) records a cold pick. Returns the ticket and
+    /// the insert counter after the charge.
+    #[allow(clippy::too_many_arguments)]
+    pub fn charge(
+        &mut self,
+        slot: u16,
+        generation: u16,
+        now_ms: u64,
+        window_ms: u64,
+        prompt_tokens: u64,
+        output_tokens: u64,
+        new_blocks: u64,
+        cold_stamp: u64,
+    ) -> Option<(Ticket, u64)> {
+        let rec = self.record_mut(slot, generation)?;
+        let window_ms = window_ms.max(1);
+        let start = now_ms / window_ms * window_ms;
+        let idx = ((now_ms / window_ms) % BUCKETS as u64) as usize;
+        let b = &mut rec.buckets[idx];
+        if b.start_ms != start {
+            // Leftovers are ≥ 2 × reapAfterMs old: their requests are gone.
+            rec.reaped_requests = rec.reaped_requests.saturating_add(b.requests);
+            *b = Bucket {
+                start_ms: start,
+                ..Default::default()
+            };
+        }
+        let b = &mut rec.buckets[idx];
+        b.prompt_tokens = b.prompt_tokens.saturating_add(prompt_tokens);
+        b.output_tokens = b.output_tokens.saturating_add(output_tokens);
+        b.requests = b.requests.saturating_add(1);
+        rec.insert_counter = rec.insert_counter.saturating_add(new_blocks);
+        if cold_stamp != 0 {
+            rec.last_cold_pick = cold_stamp;
+        }
+        Some((
+            Ticket {
+                slot,
+                generation,
+                bucket: idx as u8,
+                bucket_start_ms: start,
+                prompt_tokens,
+                output_tokens,
+            },
+            rec.insert_counter,
+        ))
+    }
+
+    fn bucket_of(&mut self, t: &Ticket) -> Option<&mut Bucket> {
+        let rec = self
+            .records
+            .get_mut(t.slot as usize)
+            .filter(|r| r.generation == t.generation)?;
+        rec.buckets
+            .get_mut(t.bucket as usize)
+            .filter(|b| b.start_ms == t.bucket_start_ms)
+    }
+
+    /// Releases the prompt part (prefill is done). Returns false when the
+    /// charge was already reaped or the endpoint's slot was reused.
+    pub fn release_prompt(&mut self, t: &Ticket) -> bool {
+        match self.bucket_of(t) {
+            Some(b) => {
+                b.prompt_tokens = b.prompt_tokens.saturating_sub(t.prompt_tokens);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Releases the request and its output part, and the prompt part too
+    /// unless `prompt_released`.
+    pub fn release_rest(&mut self, t: &Ticket, prompt_released: bool) -> bool {
+        match self.bucket_of(t) {
+            Some(b) => {
+                if !prompt_released {
+                    b.prompt_tokens = b.prompt_tokens.saturating_sub(t.prompt_tokens);
+                }
+                b.output_tokens = b.output_tokens.saturating_sub(t.output_tokens);
+                b.requests = b.requests.saturating_sub(1);
+                if b.requests == 0 {
+                    // Rounding can leave nothing behind: all requests are out.
+                    b.prompt_tokens = 0;
+                    b.output_tokens = 0;
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Zeroes buckets whose charges are all older than `reap_after_ms`.
+    /// Returns the requests reaped; `None` if nothing changed.
+    pub fn reap(&mut self, now_ms: u64, reap_after_ms: u64) -> Option<u64> {
+        let window = window_ms(reap_after_ms);
+        let mut reaped = 0u64;
+        let mut changed = false;
+        for rec in &mut self.records {
+            for b in rec.buckets.iter_mut() {
+                if !b.is_empty()
+                    && b.start_ms
+                        .saturating_add(window)
+                        .saturating_add(reap_after_ms)
+                        <= now_ms
+                {
+                    reaped += u64::from(b.requests);
+                    rec.reaped_requests = rec.reaped_requests.saturating_add(b.requests);
+                    *b = Bucket {
+                        start_ms: b.start_ms,
+                        ..Default::default()
+                    };
+                    // A distinct start so late releases cannot match.
+                    b.start_ms = u64::MAX;
+                    changed = true;
+                }
+            }
+        }
+        changed.then_some(reaped)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const W: u64 = 1000;
+
+    #[test]
+    fn charge_and_release_exactly_once() {
+        let mut t = LoadTable::default();
+        let (k, counter) = t.charge(2, 1, 5_000, W, 300, 50, 4, 0).unwrap();
+        assert_eq!(counter, 4);
+        let r = t.get(2, 1).unwrap();
+        assert_eq!((r.inflight_tokens(), r.inflight_requests()), (350, 1));
+        assert!(t.release_prompt(&k));
+        assert_eq!(t.get(2, 1).unwrap().inflight_tokens(), 50);
+        assert!(t.release_rest(&k, true));
+        let r = t.get(2, 1).unwrap();
+        assert_eq!((r.inflight_tokens(), r.inflight_requests()), (0, 0));
+        // A second release cannot go below zero.
+        t.release_rest(&k, true);
+        assert_eq!(t.get(2, 1).unwrap().inflight_requests(), 0);
+    }
+
+    #[test]
+    fn generation_change_resets_and_ignores_old_tickets() {
+        let mut t = LoadTable::default();
+        let (old, _) = t.charge(0, 1, 0, W, 100, 0, 1, 0).unwrap();
+        t.charge(0, 2, 0, W, 7, 0, 1, 0).unwrap();
+        assert!(!t.release_rest(&old, false));
+        assert_eq!(t.get(0, 2).unwrap().inflight_tokens(), 7);
+        assert_eq!(t.get(0, 1), None);
+    }
+
+    #[test]
+    fn reaper_removes_only_old_charges_and_late_release_is_a_no_op() {
+        let mut t = LoadTable::default();
+        let reap_after = 2 * W;
+        let (old, _) = t.charge(0, 1, 100, W, 10, 0, 0, 0).unwrap();
+        let (fresh, _) = t.charge(0, 1, 2_500, W, 20, 0, 0, 0).unwrap();
+        assert_eq!(t.reap(2_900, reap_after), None);
+        assert_eq!(t.reap(3_000, reap_after), Some(1));
+        let r = t.get(0, 1).unwrap();
+        assert_eq!(
+            (
+                r.inflight_tokens(),
+                r.inflight_requests(),
+                r.reaped_requests
+            ),
+            (20, 1, 1)
+        );
+        assert!(!t.release_rest(&old, false));
+        assert!(t.release_rest(&fresh, false));
+        assert_eq!(t.get(0, 1).unwrap().inflight_requests(), 0);
+    }
+
+    #[test]
+    fn round_trip() {
+        let mut t = LoadTable::default();
+        t.charge(3, 9, 123_456, W, 1, 2, 3, 77).unwrap();
+        let enc = t.encode();
+        assert_eq!(LoadTable::decode(Some(&enc)), t);
+        assert_eq!(
+            LoadTable::decode(Some(&enc[..enc.len() - 1])),
+            LoadTable::default()
+        );
+        assert_eq!(LoadTable::decode(None), LoadTable::default());
+    }
+}

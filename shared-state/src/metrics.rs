@@ -1,0 +1,157 @@
+//! The last polled vLLM metrics per endpoint, written by the collector only.
+//!
+//! A failed poll (timeout, 5xx, garbage) keeps the previous values and only
+//! bumps `failures`; readers judge freshness from `ok_at_ms`.
+
+use crate::codec::{Reader, Writer};
+use crate::MAX_ENDPOINTS;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MetricsSnapshot {
+    pub generation: u16,
+    /// ms; when the last successful poll finished (0 = never)
+    pub ok_at_ms: u64,
+    /// ms; when the last poll (any outcome) finished
+    pub attempted_at_ms: u64,
+    /// consecutive failed polls
+    pub failures: u32,
+    /// `vllm:num_requests_waiting`
+    pub waiting: f64,
+    /// `vllm:num_requests_running`
+    pub running: f64,
+    /// `vllm:kv_cache_usage_perc`, 0–1
+    pub kv_cache_usage: f64,
+    /// tokens per vLLM block (`vllm:cache_config_info{block_size}`), 0 = unknown
+    pub block_size: u32,
+    /// `vllm:cache_config_info{num_gpu_blocks}`, 0 = unknown
+    pub num_gpu_blocks: u64,
+    /// `vllm:prefix_cache_queries_total` (tokens)
+    pub prefix_queries: f64,
+    /// `vllm:prefix_cache_hits_total` (tokens)
+    pub prefix_hits: f64,
+}
+
+impl MetricsSnapshot {
+    /// True when the last successful poll is at most `stale_after_ms` old.
+    pub fn is_fresh(&self, now_ms: u64, stale_after_ms: u64) -> bool {
+        self.ok_at_ms != 0 && now_ms.saturating_sub(self.ok_at_ms) <= stale_after_ms
+    }
+
+    /// KV capacity in tokens (`num_gpu_blocks × block_size`), if known.
+    pub fn capacity_tokens(&self) -> Option<u64> {
+        (self.block_size > 0 && self.num_gpu_blocks > 0).then(|| {
+            self.num_gpu_blocks
+                .saturating_mul(u64::from(self.block_size))
+        })
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MetricsTable {
+    pub slots: Vec<MetricsSnapshot>,
+}
+
+const MAGIC: u8 = 0x3E;
+
+impl MetricsTable {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::with_capacity(3 + self.slots.len() * 90);
+        w.u8(MAGIC);
+        w.u16(self.slots.len() as u16);
+        for m in &self.slots {
+            w.u16(m.generation);
+            w.u64(m.ok_at_ms);
+            w.u64(m.attempted_at_ms);
+            w.u32(m.failures);
+            w.f64(m.waiting);
+            w.f64(m.running);
+            w.f64(m.kv_cache_usage);
+            w.u32(m.block_size);
+            w.u64(m.num_gpu_blocks);
+            w.f64(m.prefix_queries);
+            w.f64(m.prefix_hits);
+        }
+        w.buf
+    }
+
+    pub fn decode(bytes: Option<&[u8]>) -> MetricsTable {
+        bytes.and_then(Self::try_decode).unwrap_or_default()
+    }
+
+    fn try_decode(bytes: &[u8]) -> Option<MetricsTable> {
+        let mut r = Reader::new(bytes);
+        if r.u8()? != MAGIC {
+            return None;
+        }
+        let n = r.u16()? as usize;
+        if n > MAX_ENDPOINTS {
+            return None;
+        }
+        let mut slots = Vec::with_capacity(n);
+        for _ in 0..n {
+            slots.push(MetricsSnapshot {
+                generation: r.u16()?,
+                ok_at_ms: r.u64()?,
+                attempted_at_ms: r.u64()?,
+                failures: r.u32()?,
+                waiting: r.f64()?,
+                running: r.f64()?,
+                kv_cache_usage: r.f64()?,
+                block_size: r.u32()?,
+                num_gpu_blocks: r.u64()?,
+                prefix_queries: r.f64()?,
+                prefix_hits: r.f64()?,
+            });
+        }
+        Some(MetricsTable { slots })
+    }
+
+    /// The snapshot of `slot` if it belongs to `generation`.
+    pub fn get(&self, slot: u16, generation: u16) -> Option<&MetricsSnapshot> {
+        self.slots
+            .get(slot as usize)
+            .filter(|m| m.generation == generation)
+    }
+
+    /// The snapshot of `slot`, reset for a new generation.
+    pub fn entry(&mut self, slot: u16, generation: u16) -> Option<&mut MetricsSnapshot> {
+        let s = slot as usize;
+        if s >= MAX_ENDPOINTS {
+            return None;
+        }
+        if self.slots.len() <= s {
+            self.slots.resize(s + 1, MetricsSnapshot::default());
+        }
+        let m = &mut self.slots[s];
+        if m.generation != generation {
+            *m = MetricsSnapshot {
+                generation,
+                ..Default::default()
+            };
+        }
+        Some(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_generation() {
+        let mut t = MetricsTable::default();
+        let m = t.entry(2, 5).unwrap();
+        m.waiting = 3.0;
+        m.ok_at_ms = 10;
+        m.block_size = 16;
+        m.num_gpu_blocks = 100;
+        let enc = t.encode();
+        let d = MetricsTable::decode(Some(&enc));
+        assert_eq!(d, t);
+        assert_eq!(d.get(2, 5).unwrap().capacity_tokens(), Some(1600));
+        assert!(d.get(2, 5).unwrap().is_fresh(1010, 1000));
+        assert!(!d.get(2, 5).unwrap().is_fresh(1011, 1000));
+        assert_eq!(d.get(2, 4), None);
+        assert_eq!(MetricsTable::decode(Some(b"xx")), MetricsTable::default());
+    }
+}
