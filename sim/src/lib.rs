@@ -8,4 +8,7 @@
 
 pub mod engine;
 pub mod kv_events;
+pub mod prometheus;
+pub mod rng;
 pub mod vllm_hash;
+pub mod words;

@@ -204,3 +204,67 @@ fn sha256_cbor_block_hashes_match_python_reference() {
         assert_eq!(hasher.block_hashes_u64(&tokens, bs, salt), want64, "{name}");
     }
 }
+
+#[test]
+fn prometheus_parser_reads_real_vllm_metrics_by_name_and_label() {
+    use kvroute_sim::prometheus::{find, parse};
+    for (file, blocks) in [
+        ("metrics-vllm-0.32-cpu.txt", "65536"),
+        ("metrics-vllm-0.32-cpu-small-kv.txt", "256"),
+    ] {
+        let samples = parse(&testdata(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let m = [("model_name", "tiny")];
+        for name in [
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:time_to_first_token_seconds_count",
+        ] {
+            assert!(find(&samples, name, &m).is_some(), "{file}: {name}");
+        }
+        let info = samples
+            .iter()
+            .find(|s| s.name == "vllm:cache_config_info")
+            .unwrap();
+        assert_eq!(info.label("block_size"), Some("32"), "{file}");
+        assert_eq!(info.label("num_gpu_blocks"), Some(blocks), "{file}");
+        assert_eq!(
+            find(
+                &samples,
+                "vllm:time_to_first_token_seconds_bucket",
+                &[("le", "+Inf")]
+            ),
+            find(&samples, "vllm:time_to_first_token_seconds_count", &[]),
+        );
+    }
+}
+
+/// Every value in the real capture, re-formatted by our writer, gives the
+/// same text the Python client wrote.
+#[test]
+fn value_formatting_matches_the_python_client_on_every_captured_sample() {
+    let mut checked = 0;
+    for file in [
+        "metrics-vllm-0.32-cpu.txt",
+        "metrics-vllm-0.32-cpu-small-kv.txt",
+    ] {
+        for line in testdata(file)
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let token = line.rsplit(' ').next().unwrap();
+            let v: f64 = token.parse().unwrap();
+            assert_eq!(
+                kvroute_sim::prometheus::format_value(v),
+                token,
+                "{file}: {line}"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 500, "{checked}");
+}
