@@ -5,6 +5,8 @@
 //! of them re-implements it. See `ARCHITECTURE.md` at the repository root.
 
 pub mod blocks;
+pub mod collector;
 pub mod config;
+pub mod engine;
 pub mod request;
 pub mod scheduling;

@@ -1,0 +1,195 @@
+//! Reads the vLLM metrics routing uses from Prometheus text exposition.
+//!
+//! Labels are parsed by name (their order and set change between vLLM
+//! versions). A server with several engines (data parallel) exposes one
+//! series per engine: counts and counters are summed, `kv_cache_usage_perc`
+//! is averaged. `_created` series and unknown names are ignored.
+
+use std::fmt;
+
+/// The metrics kvroute reads from one vLLM server.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct VllmMetrics {
+    /// `vllm:num_requests_waiting`
+    pub waiting: f64,
+    /// `vllm:num_requests_running`
+    pub running: f64,
+    /// `vllm:kv_cache_usage_perc` (0–1), mean over engines
+    pub kv_cache_usage: f64,
+    /// `vllm:cache_config_info{block_size}` (tokens per block)
+    pub block_size: Option<u32>,
+    /// `vllm:cache_config_info{num_gpu_blocks}`
+    pub num_gpu_blocks: Option<u64>,
+    /// `vllm:prefix_cache_queries_total` (tokens)
+    pub prefix_queries: f64,
+    /// `vllm:prefix_cache_hits_total` (tokens)
+    pub prefix_hits: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MetricsError {
+    /// The text has none of the vLLM load metrics: not a vLLM server, or garbage.
+    NotVllm,
+}
+
+impl fmt::Display for MetricsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MetricsError::NotVllm => write!(
+                f,
+                "no vllm:num_requests_running / vllm:num_requests_waiting in /metrics; is this a vLLM server?"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for MetricsError {}
+
+/// Parses Prometheus text. Lines that do not parse are skipped.
+pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
+    let text = String::from_utf8_lossy(text);
+    let mut m = VllmMetrics::default();
+    let (mut seen_load, mut usage_sum, mut usage_n) = (false, 0.0, 0u32);
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((name, labels, value)) = split_sample(line) else {
+            continue;
+        };
+        match name {
+            "vllm:num_requests_waiting" => {
+                m.waiting += value;
+                seen_load = true;
+            }
+            "vllm:num_requests_running" => {
+                m.running += value;
+                seen_load = true;
+            }
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                usage_sum += value;
+                usage_n += 1;
+            }
+            "vllm:prefix_cache_queries_total" => m.prefix_queries += value,
+            "vllm:prefix_cache_hits_total" => m.prefix_hits += value,
+            "vllm:cache_config_info" => {
+                if let Some(bs) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
+                    m.block_size = Some(bs);
+                }
+                if let Some(n) = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()) {
+                    m.num_gpu_blocks = Some(n);
+                }
+            }
+            _ => {}
+        }
+    }
+    if !seen_load {
+        return Err(MetricsError::NotVllm);
+    }
+    if usage_n > 0 {
+        m.kv_cache_usage = (usage_sum / f64::from(usage_n)).clamp(0.0, 1.0);
+    }
+    Ok(m)
+}
+
+/// `name{labels} value [timestamp]` → (name, labels, value).
+fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
+    let (name, labels, rest) = match line.find('{') {
+        Some(open) => {
+            let close = open + line[open..].find('}')?;
+            (&line[..open], &line[open + 1..close], &line[close + 1..])
+        }
+        None => {
+            let sp = line.find([' ', '\t'])?;
+            (&line[..sp], "", &line[sp..])
+        }
+    };
+    let value = rest.split_whitespace().next()?;
+    let v: f64 = match value {
+        "NaN" => return None,
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    v.is_finite().then_some((name.trim(), labels, v))
+}
+
+/// The value of label `key` in `a="x",b="y"`.
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    loop {
+        let eq = rest.find('=')?;
+        let k = rest[..eq].trim().trim_start_matches(',').trim();
+        let after = rest[eq + 1..].trim_start().strip_prefix('"')?;
+        let mut end = None;
+        let bytes = after.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            match bytes[i] {
+                b'\\' => i += 2,
+                b'"' => {
+                    end = Some(i);
+                    break;
+                }
+                _ => i += 1,
+            }
+        }
+        let end = end?;
+        if k == key {
+            return Some(&after[..end]);
+        }
+        rest = &after[end + 1..];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn real_vllm_capture() {
+        let text = include_bytes!("../../../../testdata/vllm/metrics-vllm-0.32-cpu.txt");
+        let m = parse(text).unwrap();
+        assert_eq!(m.block_size, Some(32));
+        assert!(m.num_gpu_blocks.unwrap() > 0);
+        assert!(m.prefix_queries > 0.0);
+        assert!((0.0..=1.0).contains(&m.kv_cache_usage));
+        let small = parse(include_bytes!(
+            "../../../../testdata/vllm/metrics-vllm-0.32-cpu-small-kv.txt"
+        ))
+        .unwrap();
+        assert_eq!(small.num_gpu_blocks, Some(256));
+    }
+
+    #[test]
+    fn sums_engines_and_parses_labels_by_name() {
+        let text = br#"
+# HELP vllm:num_requests_running x
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 3.0
+vllm:num_requests_waiting{model_name="m",engine="0"} 4
+vllm:kv_cache_usage_perc{engine="0"} 0.2
+vllm:kv_cache_usage_perc{engine="1"} 0.4
+vllm:prefix_cache_hits_total{engine="0"} 10
+vllm:prefix_cache_hits_created{engine="0"} 1.7e9
+vllm:cache_config_info{num_gpu_blocks="1000",a="x\"y",block_size="16"} 1.0
+"#;
+        let m = parse(text).unwrap();
+        assert_eq!((m.running, m.waiting, m.prefix_hits), (5.0, 4.0, 10.0));
+        assert!((m.kv_cache_usage - 0.3).abs() < 1e-12);
+        assert_eq!((m.block_size, m.num_gpu_blocks), (Some(16), Some(1000)));
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert_eq!(parse(b"<html>oops</html>"), Err(MetricsError::NotVllm));
+        assert_eq!(parse(b""), Err(MetricsError::NotVllm));
+        assert_eq!(parse(&[0xff, 0x00, b'{', b'}']), Err(MetricsError::NotVllm));
+        assert_eq!(
+            parse(b"vllm:num_requests_running{engine=\"0 1"),
+            Err(MetricsError::NotVllm)
+        );
+        assert!(parse(b"vllm:num_requests_running NaN\nvllm:num_requests_waiting 1").is_ok());
+    }
+}

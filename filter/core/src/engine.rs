@@ -1,0 +1,525 @@
+//! The routing engine: one request from body to destination, and the
+//! collector's updates, over a [`Store`].
+//!
+//! This is everything the wasm glue does between host calls, written
+//! against the `Store` trait so it runs natively (tests, simulator) exactly
+//! as it runs in Envoy. The glue only moves bytes and headers.
+
+use crate::blocks::prompt_blocks;
+use crate::collector::{envoy_clusters, vllm_metrics};
+use crate::config::{Config, EndpointSource, FailureMode};
+use crate::request::{parse_request, ApiKind, ParseError, ParseLimits};
+use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
+use kvroute_shared_state::cas::update;
+use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
+use kvroute_shared_state::index::{self, Holder, IndexGeometry};
+use kvroute_shared_state::load::{window_ms, LoadTable, Ticket};
+use kvroute_shared_state::metrics::MetricsTable;
+use kvroute_shared_state::{Store, StoreError, ENDPOINTS_KEY, LOAD_KEY, METRICS_KEY};
+use std::fmt::Write as _;
+
+/// Why a request was not routed by kvroute.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unrouted {
+    BadBody(ParseError),
+    NoEndpoints,
+    /// Shared data refused a call (the message says how).
+    Store(String),
+}
+
+impl Unrouted {
+    /// A short stable label for counters and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Unrouted::BadBody(e) => e.label(),
+            Unrouted::NoEndpoints => "no_endpoints",
+            Unrouted::Store(_) => "shared_data",
+        }
+    }
+}
+
+/// What the filter does with a request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// Set the destination header to `destination` and continue.
+    Routed(Routed),
+    /// Continue without a destination header (fail-open): Envoy's fallback
+    /// load balancer decides.
+    FailOpen(Unrouted),
+    /// Answer locally with this status and OpenAI-style JSON (fail-closed).
+    Reject {
+        status: u32,
+        body: String,
+        why: Unrouted,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routed {
+    /// `ip:port[,fallback…]`
+    pub destination: String,
+    /// For releasing the charge; `None` if the charge could not be written.
+    pub ticket: Option<Ticket>,
+    pub decision: Decision,
+    /// Value of the debug header (`x-kvroute-decision`).
+    pub explanation: String,
+    pub stream: bool,
+}
+
+/// The engine for one configuration.
+#[derive(Clone, Debug)]
+pub struct Engine {
+    pub config: Config,
+    geometry: IndexGeometry,
+    limits: ParseLimits,
+}
+
+/// OpenAI-style error body.
+pub fn openai_error(message: &str, kind: &str, code: u32) -> String {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
+        .to_string()
+}
+
+impl Engine {
+    pub fn new(config: Config) -> Engine {
+        let geometry = IndexGeometry::from_budget(config.shared_state.index_budget_bytes);
+        let limits = ParseLimits {
+            max_body_bytes: config.routing.max_body_bytes,
+        };
+        Engine {
+            config,
+            geometry,
+            limits,
+        }
+    }
+
+    pub fn geometry(&self) -> IndexGeometry {
+        self.geometry
+    }
+
+    /// The endpoint table: the collector's, or the static list's before the
+    /// collector has written one.
+    pub fn endpoint_table(&self, store: &dyn Store) -> Result<EndpointTable, StoreError> {
+        if let Some((bytes, _)) = store.get(ENDPOINTS_KEY)? {
+            if let Some(t) = EndpointTable::decode(&bytes) {
+                return Ok(t);
+            }
+        }
+        Ok(match &self.config.endpoints {
+            EndpointSource::Static(list) => {
+                EndpointTable::from_static(&list.iter().map(|a| a.to_string()).collect::<Vec<_>>())
+            }
+            EndpointSource::FromCluster { .. } => EndpointTable::default(),
+        })
+    }
+
+    fn fail(&self, why: Unrouted) -> Outcome {
+        match self.config.routing.failure_mode {
+            FailureMode::Open => Outcome::FailOpen(why),
+            FailureMode::Closed => {
+                let (status, body) = match &why {
+                    Unrouted::BadBody(e) => (
+                        400,
+                        openai_error(&e.to_string(), "invalid_request_error", 400),
+                    ),
+                    Unrouted::NoEndpoints => (
+                        503,
+                        openai_error(
+                            "no model server endpoints are available",
+                            "service_unavailable",
+                            503,
+                        ),
+                    ),
+                    Unrouted::Store(m) => (503, openai_error(m, "service_unavailable", 503)),
+                };
+                Outcome::Reject { status, body, why }
+            }
+        }
+    }
+
+    /// Capacity of an endpoint in index blocks.
+    fn capacity_blocks(
+        &self,
+        metrics: Option<&kvroute_shared_state::metrics::MetricsSnapshot>,
+    ) -> u64 {
+        let bs = u64::from(self.config.prefix.blocks.block_size_tokens.max(1));
+        if self.config.prefix.auto_tune {
+            if let Some(tokens) = metrics.and_then(|m| m.capacity_tokens()) {
+                return (tokens / bs).max(1);
+            }
+        }
+        self.config.prefix.lru_capacity_per_server
+    }
+
+    /// Routes one request: parse, hash, read state, decide, charge, index.
+    pub fn route(
+        &self,
+        store: &dyn Store,
+        kind: ApiKind,
+        body: &[u8],
+        now_ms: u64,
+        rng: &mut Rng,
+    ) -> Outcome {
+        let req = match parse_request(kind, body, &self.limits) {
+            Ok(r) => r,
+            Err(e) => return self.fail(Unrouted::BadBody(e)),
+        };
+        let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
+        match self.route_parsed(
+            store,
+            &blocks.block_hashes,
+            blocks.prompt_tokens,
+            req.max_output_tokens,
+            now_ms,
+            rng,
+        ) {
+            Ok(Some(mut r)) => {
+                r.stream = req.stream;
+                Outcome::Routed(r)
+            }
+            Ok(None) => self.fail(Unrouted::NoEndpoints),
+            Err(e) => self.fail(Unrouted::Store(e.to_string())),
+        }
+    }
+
+    /// The part of [`route`](Self::route) after parsing (also used by the
+    /// simulator, which builds prompts directly).
+    pub fn route_parsed(
+        &self,
+        store: &dyn Store,
+        hashes: &[u64],
+        prompt_tokens: u64,
+        max_output_tokens: Option<u64>,
+        now_ms: u64,
+        rng: &mut Rng,
+    ) -> Result<Option<Routed>, StoreError> {
+        let table = self.endpoint_table(store)?;
+        let endpoints: Vec<&EndpointEntry> = table.endpoints.iter().filter(|e| e.healthy).collect();
+        if endpoints.is_empty() {
+            return Ok(None);
+        }
+        let load = LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
+        let metrics =
+            MetricsTable::decode(store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
+        let stale_after = self.config.collector.metrics_stale_after_ms;
+
+        let holders: Vec<Holder> = endpoints
+            .iter()
+            .map(|e| Holder {
+                slot: e.slot,
+                generation: e.generation,
+                insert_counter: load
+                    .get(e.slot, e.generation)
+                    .map_or(0, |r| r.insert_counter),
+                capacity_blocks: self.capacity_blocks(metrics.get(e.slot, e.generation)),
+            })
+            .collect();
+        let matches = index::longest_prefixes(store, &self.geometry, hashes, &holders)?;
+
+        let candidates: Vec<Candidate> = endpoints
+            .iter()
+            .zip(&matches.matched_blocks)
+            .map(|(e, &matched)| {
+                let rec = load.get(e.slot, e.generation);
+                let m = metrics
+                    .get(e.slot, e.generation)
+                    .filter(|m| m.is_fresh(now_ms, stale_after));
+                Candidate {
+                    matched_blocks: matched,
+                    inflight_tokens: rec.map_or(0, |r| r.inflight_tokens()),
+                    inflight_requests: rec.map_or(0, |r| r.inflight_requests()),
+                    metrics: m.map(|m| EndpointMetrics {
+                        waiting_requests: m.waiting,
+                        running_requests: m.running,
+                        kv_cache_usage: m.kv_cache_usage,
+                    }),
+                    last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
+                }
+            })
+            .collect();
+        let view = RequestView {
+            prompt_tokens,
+            total_blocks: hashes.len() as u32,
+            block_size_tokens: self.config.prefix.blocks.block_size_tokens,
+            max_output_tokens,
+        };
+        let Some(decision) = self.config.scheduler.schedule(&view, &candidates, rng) else {
+            return Ok(None);
+        };
+        let chosen = endpoints[decision.primary];
+        let cand = &candidates[decision.primary];
+        let charge = self.config.scheduler.inflight.charge(&view, cand);
+        let new_blocks = u64::from(view.total_blocks.saturating_sub(cand.matched_blocks));
+        let cold_stamp = if decision.cold { now_ms.max(1) } else { 0 };
+        let window = window_ms(self.config.collector.reap_after_ms);
+
+        // The charge must land: retry lost CAS races (bounded in `update`).
+        let charged = update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| {
+                t.charge(
+                    chosen.slot,
+                    chosen.generation,
+                    now_ms,
+                    window,
+                    charge.prompt_tokens,
+                    charge.output_tokens,
+                    new_blocks,
+                    cold_stamp,
+                )
+            },
+        );
+        let (ticket, counter_after) = match charged {
+            Ok(u) => match u.result {
+                Some((t, c)) => (Some(t), c),
+                None => (None, 0),
+            },
+            Err(e) => return Err(e),
+        };
+
+        // Record the blocks for the chosen endpoint (advisory: a failure
+        // only costs future affinity).
+        if ticket.is_some() && !hashes.is_empty() {
+            let me = Holder {
+                slot: chosen.slot,
+                generation: chosen.generation,
+                insert_counter: counter_after,
+                capacity_blocks: holders[decision.primary].capacity_blocks,
+            };
+            let is_live = |slot: u16, generation: u16, recorded: u32| {
+                holders
+                    .iter()
+                    .find(|h| h.slot == slot)
+                    .is_some_and(|h| h.holds(slot, generation, recorded))
+            };
+            let _ = index::insert(store, &self.geometry, hashes, &me, &is_live);
+        }
+
+        let mut destination = chosen.address.clone();
+        for &f in &decision.fallbacks {
+            destination.push(',');
+            destination.push_str(&endpoints[f].address);
+        }
+        let explanation = explain(&decision, &endpoints, charge.prompt_tokens);
+        Ok(Some(Routed {
+            destination,
+            ticket,
+            decision,
+            explanation,
+            stream: false,
+        }))
+    }
+
+    /// Releases the prompt part of a charge (first response byte).
+    pub fn release_prompt(&self, store: &dyn Store, ticket: &Ticket) -> Result<(), StoreError> {
+        update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| t.release_prompt(ticket).then_some(()),
+        )
+        .map(|_| ())
+    }
+
+    /// Releases the rest of a charge (end of stream, reset, abort…).
+    pub fn release_rest(
+        &self,
+        store: &dyn Store,
+        ticket: &Ticket,
+        prompt_released: bool,
+    ) -> Result<(), StoreError> {
+        update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| t.release_rest(ticket, prompt_released).then_some(()),
+        )
+        .map(|_| ())
+    }
+
+    // -----------------------------------------------------------------------
+    // Collector side.
+
+    /// Writes the initial tables: the static endpoint list, and empty load
+    /// and metrics tables if none exist yet (so workers always CAS against
+    /// an existing value).
+    pub fn collector_init(&self, store: &dyn Store) -> Result<(), StoreError> {
+        if let EndpointSource::Static(list) = &self.config.endpoints {
+            self.apply_membership(store, list.iter().map(|a| (a.to_string(), true)).collect())?;
+        }
+        if store.get(LOAD_KEY)?.is_none() {
+            store.set(LOAD_KEY, &LoadTable::default().encode(), 0)?;
+        }
+        if store.get(METRICS_KEY)?.is_none() {
+            store.set(METRICS_KEY, &MetricsTable::default().encode(), 0)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the endpoint table list exactly `members`. Returns true if it changed.
+    pub fn apply_membership(
+        &self,
+        store: &dyn Store,
+        members: Vec<(String, bool)>,
+    ) -> Result<bool, StoreError> {
+        let u = update(
+            store,
+            ENDPOINTS_KEY,
+            |b| b.and_then(EndpointTable::decode).unwrap_or_default(),
+            EndpointTable::encode,
+            |t: &mut EndpointTable| t.apply_membership(members.clone()).then_some(()),
+        )?;
+        Ok(u.result.is_some())
+    }
+
+    /// Applies an admin `/clusters?format=json` body.
+    pub fn apply_admin_clusters(&self, store: &dyn Store, body: &[u8]) -> Result<bool, String> {
+        let EndpointSource::FromCluster { cluster, .. } = &self.config.endpoints else {
+            return Ok(false);
+        };
+        let members = envoy_clusters::cluster_members(body, cluster).map_err(|e| e.to_string())?;
+        self.apply_membership(store, members)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Records one `/metrics` poll of (`slot`, `generation`): `Ok(body)` or a
+    /// failure (timeout, non-200). Garbage keeps the old values, marked as a
+    /// failure. Returns the parse error, if any.
+    pub fn record_metrics(
+        &self,
+        store: &dyn Store,
+        slot: u16,
+        generation: u16,
+        result: Result<&[u8], ()>,
+        now_ms: u64,
+    ) -> Result<Option<String>, StoreError> {
+        let parsed = result.map(vllm_metrics::parse);
+        let mut problem = None;
+        update(
+            store,
+            METRICS_KEY,
+            MetricsTable::decode,
+            MetricsTable::encode,
+            |t: &mut MetricsTable| {
+                let m = t.entry(slot, generation)?;
+                m.attempted_at_ms = now_ms;
+                match &parsed {
+                    Ok(Ok(v)) => {
+                        m.ok_at_ms = now_ms.max(1);
+                        m.failures = 0;
+                        m.waiting = v.waiting;
+                        m.running = v.running;
+                        m.kv_cache_usage = v.kv_cache_usage;
+                        m.block_size = v.block_size.unwrap_or(m.block_size);
+                        m.num_gpu_blocks = v.num_gpu_blocks.unwrap_or(m.num_gpu_blocks);
+                        m.prefix_queries = v.prefix_queries;
+                        m.prefix_hits = v.prefix_hits;
+                    }
+                    Ok(Err(e)) => {
+                        m.failures = m.failures.saturating_add(1);
+                        problem = Some(e.to_string());
+                    }
+                    Err(()) => m.failures = m.failures.saturating_add(1),
+                }
+                Some(())
+            },
+        )?;
+        Ok(problem)
+    }
+
+    /// Reaps charges older than `collector.reapAfterMs`. Returns the requests reaped.
+    pub fn reap(&self, store: &dyn Store, now_ms: u64) -> Result<u64, StoreError> {
+        let reap_after = self.config.collector.reap_after_ms;
+        let u = update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| t.reap(now_ms, reap_after),
+        )?;
+        Ok(u.result.unwrap_or(0))
+    }
+
+    /// The shared state as JSON, for `routing.statePath`.
+    pub fn state_json(&self, store: &dyn Store, now_ms: u64) -> Result<String, StoreError> {
+        let table = self.endpoint_table(store)?;
+        let load = LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
+        let metrics =
+            MetricsTable::decode(store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
+        let stale_after = self.config.collector.metrics_stale_after_ms;
+        let eps: Vec<serde_json::Value> = table
+            .endpoints
+            .iter()
+            .map(|e| {
+                let rec = load.get(e.slot, e.generation);
+                let m = metrics.get(e.slot, e.generation);
+                serde_json::json!({
+                    "address": e.address,
+                    "slot": e.slot,
+                    "generation": e.generation,
+                    "healthy": e.healthy,
+                    "inflightRequests": rec.map_or(0, |r| r.inflight_requests()),
+                    "inflightTokens": rec.map_or(0, |r| r.inflight_tokens()),
+                    "insertCounter": rec.map_or(0, |r| r.insert_counter),
+                    "reapedRequests": rec.map_or(0, |r| r.reaped_requests),
+                    "capacityBlocks": self.capacity_blocks(m),
+                    "metrics": m.filter(|m| m.ok_at_ms != 0).map(|m| serde_json::json!({
+                        "waiting": m.waiting,
+                        "running": m.running,
+                        "kvCacheUsage": m.kv_cache_usage,
+                        "blockSize": m.block_size,
+                        "numGpuBlocks": m.num_gpu_blocks,
+                        "prefixCacheQueries": m.prefix_queries,
+                        "prefixCacheHits": m.prefix_hits,
+                        "ageMs": now_ms.saturating_sub(m.ok_at_ms),
+                        "fresh": m.is_fresh(now_ms, stale_after),
+                        "failures": m.failures,
+                    })),
+                })
+            })
+            .collect();
+        let index_bytes = self.geometry.max_bytes();
+        Ok(serde_json::json!({
+            "endpointTableVersion": table.version,
+            "endpoints": eps,
+            "index": {"shards": self.geometry.shards, "maxBytes": index_bytes},
+        })
+        .to_string())
+    }
+}
+
+/// `branch=sticky;endpoint=ip:port;affinity=0.95;ttft_ms=12.3;uncached_tokens=123;candidates=4;passed=1`
+fn explain(d: &Decision, endpoints: &[&EndpointEntry], uncached: u64) -> String {
+    let r = &d.report[d.primary];
+    let mut s = String::with_capacity(160);
+    let _ = write!(
+        s,
+        "branch={};endpoint={};affinity={:.3};ttft_ms={:.1};uncached_tokens={};candidates={};passed={}",
+        d.branch.as_str(),
+        endpoints[d.primary].address,
+        r.affinity,
+        r.ttft_ms,
+        uncached,
+        d.report.len(),
+        d.report.iter().filter(|c| c.passed_filter).count(),
+    );
+    let best_other = d
+        .report
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != d.primary)
+        .map(|(_, c)| c.ttft_ms)
+        .fold(f64::INFINITY, f64::min);
+    if best_other.is_finite() {
+        let _ = write!(s, ";best_other_ttft_ms={best_other:.1}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests;

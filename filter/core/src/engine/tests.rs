@@ -1,0 +1,286 @@
+use super::*;
+use kvroute_shared_state::memory::MemoryStore;
+
+fn config(extra: &str) -> Config {
+    let doc = format!(
+        r#"{{"endpoints":{{"static":["127.0.0.1:1","127.0.0.1:2","127.0.0.1:3"]}},
+            "plugins":[{{"type":"approx-prefix-cache-producer","parameters":{{"blockSizeTokens":16}}}},
+                       {{"type":"prefix-cache-affinity-filter","parameters":{{"maxTTFTPenaltyMs":1000,"peakPrefillThroughput":1000}}}},
+                       {{"type":"token-load-scorer"}},{{"type":"max-score-picker"}}],
+            "schedulingProfiles":[{{"name":"d","plugins":[{{"pluginRef":"prefix-cache-affinity-filter"}},{{"pluginRef":"token-load-scorer"}},{{"pluginRef":"max-score-picker"}}]}}]
+            {extra}}}"#
+    );
+    Config::from_json(doc.as_bytes()).unwrap()
+}
+
+fn chat(system: &str, user: &str) -> Vec<u8> {
+    serde_json::json!({"model":"m","messages":[{"role":"system","content":system},{"role":"user","content":user}]})
+        .to_string()
+        .into_bytes()
+}
+
+fn routed(o: Outcome) -> Routed {
+    match o {
+        Outcome::Routed(r) => r,
+        other => panic!("expected Routed, got {other:?}"),
+    }
+}
+
+fn primary(r: &Routed) -> &str {
+    r.destination.split(',').next().unwrap()
+}
+
+fn inflight(e: &Engine, s: &MemoryStore) -> Vec<(u64, u64)> {
+    let v: serde_json::Value = serde_json::from_str(&e.state_json(s, 0).unwrap()).unwrap();
+    v["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["inflightTokens"].as_u64().unwrap(),
+                x["inflightRequests"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn shared_prefix_sticks_and_distinct_prefixes_spread() {
+    let e = Engine::new(config(""));
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let sys = "You are a helpful assistant. ".repeat(40); // ~1160 bytes ≈ 290 tokens
+    let mut rng = Rng::new(1);
+    let first = routed(e.route(&s, ApiKind::ChatCompletions, &chat(&sys, "q0"), 0, &mut rng));
+    let t = first.ticket.unwrap();
+    e.release_rest(&s, &t, false).unwrap();
+    for i in 1..10 {
+        let r = routed(e.route(
+            &s,
+            ApiKind::ChatCompletions,
+            &chat(&sys, &format!("question {i}")),
+            i,
+            &mut rng,
+        ));
+        assert_eq!(primary(&r), primary(&first), "turn {i}: {}", r.explanation);
+        assert!(
+            r.explanation.starts_with("branch=sticky"),
+            "{}",
+            r.explanation
+        );
+        e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    }
+    // Distinct prefixes while earlier ones are in flight spread out.
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 0..3 {
+        let r = routed(e.route(
+            &s,
+            ApiKind::ChatCompletions,
+            &chat(&format!("{i} other system prompt ").repeat(40), "q"),
+            100,
+            &mut rng,
+        ));
+        seen.insert(primary(&r).to_string());
+    }
+    assert_eq!(seen.len(), 3);
+}
+
+#[test]
+fn spill_past_tau_and_accounting_returns_to_zero() {
+    // τ = 1000 tok/s × 1000 ms = 1000 tokens.
+    let e = Engine::new(config(""));
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let sys = "x".repeat(4 * 16 * 40); // 640 tokens, 40 blocks
+    let mut rng = Rng::new(2);
+    let mut tickets = vec![];
+    let warm = routed(e.route(&s, ApiKind::ChatCompletions, &chat(&sys, "a"), 0, &mut rng));
+    let warm_ep = primary(&warm).to_string();
+    tickets.push(warm.ticket.unwrap());
+    let mut spilled = false;
+    for i in 0..20 {
+        // A shared 640-token prefix plus a distinct 100-token question: each
+        // warm request charges its ~100 uncached tokens, and the gap to an
+        // idle endpoint grows until it passes τ.
+        let question = format!("{i:04}").repeat(100);
+        let r = routed(e.route(
+            &s,
+            ApiKind::ChatCompletions,
+            &chat(&sys, &question),
+            1,
+            &mut rng,
+        ));
+        if primary(&r) != warm_ep {
+            assert!(
+                r.explanation.starts_with("branch=saturation-release"),
+                "{}",
+                r.explanation
+            );
+            spilled = true;
+        }
+        // Hold the prompt charge so load builds up.
+        tickets.push(r.ticket.unwrap());
+        if spilled {
+            break;
+        }
+    }
+    assert!(spilled, "never spilled");
+    // τ = 1000 tokens over ~100 tokens per request: 740 + 3 × 100 > 1000.
+    assert!(
+        (4..=6).contains(&tickets.len()),
+        "spilled after {} requests",
+        tickets.len()
+    );
+    for t in &tickets {
+        e.release_prompt(&s, t).unwrap();
+        e.release_rest(&s, t, true).unwrap();
+        // A second release is a no-op: counters never go below zero.
+        e.release_rest(&s, t, true).unwrap();
+    }
+    assert!(
+        inflight(&e, &s).iter().all(|&(t, r)| t == 0 && r == 0),
+        "{:?}",
+        inflight(&e, &s)
+    );
+}
+
+#[test]
+fn always_stick_never_spills() {
+    let c = config("").clone();
+    let mut c = c;
+    c.scheduler.filters[0].max_ttft_penalty_ms = 0.0;
+    let e = Engine::new(c);
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let sys = "y".repeat(4 * 16 * 40);
+    let mut rng = Rng::new(3);
+    let first = primary(&routed(e.route(
+        &s,
+        ApiKind::ChatCompletions,
+        &chat(&sys, "a"),
+        0,
+        &mut rng,
+    )))
+    .to_string();
+    for i in 0..200 {
+        let r = routed(e.route(
+            &s,
+            ApiKind::ChatCompletions,
+            &chat(&sys, &format!("b{i}")),
+            1,
+            &mut rng,
+        ));
+        assert_eq!(primary(&r), first);
+    }
+}
+
+#[test]
+fn failure_modes() {
+    let s = MemoryStore::new();
+    let open = Engine::new(config(""));
+    assert!(matches!(
+        open.route(&s, ApiKind::ChatCompletions, b"{nope", 0, &mut Rng::new(1)),
+        Outcome::FailOpen(Unrouted::BadBody(_))
+    ));
+    let closed = Engine::new(config(r#","routing":{"failureMode":"closed"}"#));
+    match closed.route(&s, ApiKind::ChatCompletions, b"{nope", 0, &mut Rng::new(1)) {
+        Outcome::Reject {
+            status: 400, body, ..
+        } => {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["error"]["type"], "invalid_request_error");
+        }
+        o => panic!("{o:?}"),
+    }
+    // fromCluster with no table yet: no endpoints.
+    let c = Config::from_json(
+        br#"{"endpoints":{"fromCluster":{"cluster":"vllm"}},"routing":{"failureMode":"closed"}}"#,
+    )
+    .unwrap();
+    let e = Engine::new(c);
+    assert!(matches!(
+        e.route(
+            &s,
+            ApiKind::ChatCompletions,
+            &chat("s", "u"),
+            0,
+            &mut Rng::new(1)
+        ),
+        Outcome::Reject { status: 503, .. }
+    ));
+}
+
+#[test]
+fn collector_membership_metrics_and_reaping() {
+    let c = Config::from_json(
+        br#"{"endpoints":{"fromCluster":{"cluster":"vllm"}},"collector":{"reapAfterMs":2000}}"#,
+    )
+    .unwrap();
+    let e = Engine::new(c);
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let admin = br#"{"cluster_statuses":[{"name":"vllm","host_statuses":[
+        {"address":{"socket_address":{"address":"127.0.0.1","port_value":7001}},"health_status":{"eds_health_status":"HEALTHY"}},
+        {"address":{"socket_address":{"address":"127.0.0.1","port_value":7002}},"health_status":{"eds_health_status":"HEALTHY"}}]}]}"#;
+    assert_eq!(e.apply_admin_clusters(&s, admin), Ok(true));
+    assert_eq!(e.apply_admin_clusters(&s, admin), Ok(false));
+    let mut rng = Rng::new(4);
+    let r = routed(e.route(
+        &s,
+        ApiKind::Completions,
+        br#"{"model":"m","prompt":"hello world"}"#,
+        10,
+        &mut rng,
+    ));
+    let t = r.ticket.unwrap();
+    // Metrics: good, then garbage keeps the old values.
+    let text = include_bytes!("../../../../testdata/vllm/metrics-vllm-0.32-cpu.txt");
+    assert_eq!(e.record_metrics(&s, 0, 1, Ok(text), 100).unwrap(), None);
+    assert!(e
+        .record_metrics(&s, 0, 1, Ok(b"garbage"), 200)
+        .unwrap()
+        .is_some());
+    e.record_metrics(&s, 1, 1, Err(()), 200).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 300).unwrap()).unwrap();
+    assert_eq!(v["endpoints"][0]["metrics"]["blockSize"], 32);
+    assert_eq!(v["endpoints"][0]["metrics"]["failures"], 1);
+    assert_eq!(v["endpoints"][0]["metrics"]["ageMs"], 200);
+    assert!(v["endpoints"][1]["metrics"].is_null());
+    // Nothing to reap yet; an orphan past the bound is reaped once.
+    assert_eq!(e.reap(&s, 1000).unwrap(), 0);
+    assert_eq!(e.reap(&s, 10 + 1000 + 2000 + 1000).unwrap(), 1);
+    assert_eq!(e.reap(&s, 100_000).unwrap(), 0);
+    e.release_rest(&s, &t, false).unwrap();
+    assert!(inflight(&e, &s).iter().all(|&(t, r)| t == 0 && r == 0));
+    // A member leaves: it is no longer routed to.
+    let one = br#"{"cluster_statuses":[{"name":"vllm","host_statuses":[
+        {"address":{"socket_address":{"address":"127.0.0.1","port_value":7002}}}]}]}"#;
+    assert_eq!(e.apply_admin_clusters(&s, one), Ok(true));
+    for i in 0..10 {
+        let r = routed(e.route(
+            &s,
+            ApiKind::Completions,
+            format!(r#"{{"model":"m","prompt":"p{i}"}}"#).as_bytes(),
+            20,
+            &mut rng,
+        ));
+        assert_eq!(r.destination, "127.0.0.1:7002");
+    }
+}
+
+#[test]
+fn index_stays_under_budget() {
+    let e = Engine::new(config(r#","sharedState":{"indexBudgetBytes":262144}"#));
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let mut rng = Rng::new(5);
+    for i in 0..5_000u64 {
+        let body =
+            serde_json::json!({"model":"m","prompt": format!("{i:08} ").repeat(64)}).to_string();
+        let r = routed(e.route(&s, ApiKind::Completions, body.as_bytes(), i, &mut rng));
+        e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    }
+    assert!(s.bytes_with_prefix("kvroute/ix/") <= 262_144);
+    assert!(inflight(&e, &s).iter().all(|&(t, r)| t == 0 && r == 0));
+}
