@@ -6,8 +6,11 @@
 //! - `emulator`: HTTP/ZMQ glue that serves an engine on a loopback port.
 //! - `loadgen`: workloads, arrival stages and per-stage reports.
 
+pub mod cli;
+pub mod emulator;
 pub mod engine;
 pub mod kv_events;
+pub mod loadgen;
 pub mod prometheus;
 pub mod rng;
 pub mod vllm_hash;

@@ -1,0 +1,150 @@
+//! `/metrics` of an emulated endpoint: the vLLM metric names routers read,
+//! with vLLM's label style (`engine="0"`, `model_name=…`, sorted labels).
+//! Latencies are in model seconds (the hardware being modelled).
+
+use super::endpoint::{Endpoint, Snapshot};
+use crate::prometheus::{format_value, Exposition};
+
+pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
+    let model = ep.cfg.model.as_str();
+    let base: [(&str, &str); 2] = [("engine", "0"), ("model_name", model)];
+    let created = ep.started_unix_s;
+    let mut e = Exposition::new();
+
+    e.family(
+        "vllm:num_requests_running",
+        "Requests in the running batch.",
+        "gauge",
+    );
+    e.sample("vllm:num_requests_running", &base, s.running as f64);
+    e.family(
+        "vllm:num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        "gauge",
+    );
+    e.sample("vllm:num_requests_waiting", &base, s.waiting as f64);
+    e.family(
+        "vllm:num_requests_waiting_by_reason",
+        "Waiting requests by reason; sums to vllm:num_requests_waiting.",
+        "gauge",
+    );
+    for (reason, v) in [("capacity", s.waiting), ("deferred", 0)] {
+        e.sample(
+            "vllm:num_requests_waiting_by_reason",
+            &[base[0], base[1], ("reason", reason)],
+            v as f64,
+        );
+    }
+    e.family(
+        "vllm:kv_cache_usage_perc",
+        "KV cache usage; 1 means full.",
+        "gauge",
+    );
+    e.sample("vllm:kv_cache_usage_perc", &base, s.kv_cache_usage);
+
+    let counters: [(&str, &str, u64); 5] = [
+        (
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in queried tokens.",
+            s.counters.prefix_cache_queries,
+        ),
+        (
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in cached tokens.",
+            s.counters.prefix_cache_hits,
+        ),
+        (
+            "vllm:num_preemptions",
+            "Preemptions.",
+            s.counters.preemptions,
+        ),
+        (
+            "vllm:prompt_tokens",
+            "Prefill tokens processed.",
+            s.counters.prompt_tokens,
+        ),
+        (
+            "vllm:generation_tokens",
+            "Generation tokens processed.",
+            s.counters.generation_tokens,
+        ),
+    ];
+    for (name, help, v) in counters {
+        let total = format!("{name}_total");
+        e.family(&total, help, "counter");
+        e.sample(&total, &base, v as f64);
+        let c = format!("{name}_created");
+        e.family(&c, help, "gauge");
+        e.sample(&c, &base, created);
+    }
+
+    e.family(
+        "vllm:request_success_total",
+        "Finished requests by reason.",
+        "counter",
+    );
+    for (reason, v) in [
+        ("stop", 0),
+        ("length", s.counters.requests_finished),
+        ("abort", s.counters.requests_aborted),
+        ("error", 0),
+    ] {
+        e.sample(
+            "vllm:request_success_total",
+            &[base[0], ("finished_reason", reason), base[1]],
+            v as f64,
+        );
+    }
+
+    let h = &s.ttft;
+    let name = "vllm:time_to_first_token_seconds";
+    e.family(name, "Time to first token, seconds.", "histogram");
+    let mut cumulative = 0u64;
+    for (i, bound) in h.bounds.iter().enumerate() {
+        cumulative += h.counts[i];
+        let le = format_value(*bound);
+        e.sample(
+            &format!("{name}_bucket"),
+            &[base[0], ("le", &le), base[1]],
+            cumulative as f64,
+        );
+    }
+    e.sample(
+        &format!("{name}_bucket"),
+        &[base[0], ("le", "+Inf"), base[1]],
+        h.count as f64,
+    );
+    e.sample(&format!("{name}_count"), &base, h.count as f64);
+    e.sample(&format!("{name}_sum"), &base, h.sum);
+    e.family(
+        &format!("{name}_created"),
+        "Time to first token, seconds.",
+        "gauge",
+    );
+    e.sample(&format!("{name}_created"), &base, created);
+
+    let cfg = &ep.cfg.engine;
+    let bs = cfg.block_size.to_string();
+    let blocks = cfg.num_gpu_blocks.to_string();
+    let size_tokens = (u64::from(cfg.block_size) * u64::from(cfg.num_gpu_blocks)).to_string();
+    e.family(
+        "vllm:cache_config_info",
+        "Cache configuration of the engine.",
+        "gauge",
+    );
+    e.sample(
+        "vllm:cache_config_info",
+        &[
+            ("block_size", &bs),
+            ("cache_dtype", "auto"),
+            ("enable_prefix_caching", "True"),
+            ("engine", "0"),
+            ("kv_cache_size_tokens", &size_tokens),
+            ("num_gpu_blocks", &blocks),
+            ("num_gpu_blocks_override", &blocks),
+            ("prefix_caching_hash_algo", "sha256_cbor"),
+        ],
+        1.0,
+    );
+    e.finish()
+}

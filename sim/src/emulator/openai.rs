@@ -1,0 +1,216 @@
+//! The OpenAI-compatible surface as vLLM serves it: turning a parsed request
+//! into engine input, and the JSON bodies and SSE chunks of the answers.
+
+use super::EmulatorConfig;
+use crate::engine::EngineRequest;
+use crate::vllm_hash::VllmBlockHasher;
+use crate::words::output_word;
+use kvroute_core::blocks::{prompt_blocks, BlockConfig};
+use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
+use serde_json::{json, Value};
+
+/// Stand-in vocabulary size for text prompts' event token IDs (Qwen3's).
+const STAND_IN_VOCAB: u32 = 151_936;
+
+/// Engine input for a request.
+///
+/// Text prompts use kvroute-core's token estimate and block hashes, so the
+/// emulated server cuts blocks exactly where the filter does. Token-ID
+/// prompts use vLLM's `sha256_cbor` hashes, so KV events match a real
+/// server started with the same `PYTHONHASHSEED`.
+pub fn engine_request(
+    req: &InferenceRequest,
+    cfg: &EmulatorConfig,
+    hasher: &VllmBlockHasher,
+    with_event_tokens: bool,
+) -> EngineRequest {
+    let bs = cfg.engine.block_size;
+    let output_tokens = req
+        .max_output_tokens
+        .unwrap_or(u64::from(cfg.default_max_tokens))
+        .clamp(1, u64::from(u32::MAX)) as u32;
+    let salt = req.cache_salt.as_deref().filter(|s| !s.is_empty());
+    match &req.prompt {
+        Prompt::Text(text) => {
+            let blocks = prompt_blocks(
+                req,
+                &BlockConfig {
+                    block_size_tokens: bs,
+                    chars_per_token: cfg.chars_per_token,
+                    max_prefix_tokens: 0,
+                },
+            );
+            let event_token_ids = with_event_tokens.then(|| {
+                text.chunks(cfg.chars_per_token.max(1) as usize)
+                    .map(|chunk| fnv1a(chunk) % STAND_IN_VOCAB)
+                    .collect::<Vec<u32>>()
+                    .into()
+            });
+            EngineRequest {
+                prompt_tokens: blocks.prompt_tokens.min(u64::from(u32::MAX)) as u32,
+                block_hashes: blocks.block_hashes,
+                event_token_ids,
+                first_block_extra_keys: None,
+                output_tokens,
+            }
+        }
+        Prompt::TokenIds(ids) => EngineRequest {
+            prompt_tokens: ids.len().min(u32::MAX as usize) as u32,
+            block_hashes: hasher.block_hashes_u64(ids, bs, salt),
+            event_token_ids: with_event_tokens.then(|| ids.clone().into()),
+            first_block_extra_keys: salt.map(|s| vec![s.to_owned()]),
+            output_tokens,
+        },
+    }
+}
+
+fn fnv1a(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, &b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// vLLM's error body: `{"error": {"message", "type", "param", "code"}}`.
+pub fn error_body(status: u16, message: &str) -> Value {
+    let kind = match status {
+        400 => "BadRequestError",
+        404 => "NotFoundError",
+        429 => "TooManyRequestsError",
+        500 => "InternalServerError",
+        503 => "ServiceUnavailableError",
+        _ => "Error",
+    };
+    json!({"error": {"message": message, "type": kind, "param": null, "code": status}})
+}
+
+/// What the answer to one request looks like.
+#[derive(Clone, Debug)]
+pub struct ResponseShape {
+    pub chat: bool,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub prompt_tokens: u32,
+    pub include_usage: bool,
+    /// Seeds the output words.
+    pub text_seed: u64,
+}
+
+impl ResponseShape {
+    pub fn new(
+        kind: ApiKind,
+        model: &str,
+        prompt_tokens: u32,
+        request_no: u64,
+        include_usage: bool,
+    ) -> Self {
+        let chat = kind == ApiKind::ChatCompletions;
+        let prefix = if chat { "chatcmpl" } else { "cmpl" };
+        ResponseShape {
+            chat,
+            id: format!("{prefix}-{request_no:032x}"),
+            created: super::endpoint::unix_now_s() as u64,
+            model: model.to_owned(),
+            prompt_tokens,
+            include_usage,
+            text_seed: request_no,
+        }
+    }
+
+    /// Output text of tokens `from..to` (one word per token, space-led).
+    pub fn text(&self, from: u32, to: u32) -> String {
+        let mut s = String::new();
+        for i in from..to {
+            s.push(' ');
+            s.push_str(output_word(self.text_seed, u64::from(i)));
+        }
+        s
+    }
+
+    pub fn usage(&self, completion_tokens: u32, cached_tokens: u32) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        })
+    }
+
+    fn chunk_object(&self) -> &'static str {
+        if self.chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        }
+    }
+
+    fn sse(v: &Value) -> String {
+        format!("data: {v}\n\n")
+    }
+
+    /// The chat stream's opening chunk (role, empty content).
+    pub fn role_chunk(&self) -> String {
+        Self::sse(&json!({
+            "id": self.id, "object": self.chunk_object(), "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
+        }))
+    }
+
+    /// A chunk carrying `text`; the last one has `finish_reason: "length"`.
+    pub fn content_chunk(&self, text: &str, last: bool) -> String {
+        let finish = if last { json!("length") } else { Value::Null };
+        let choice = if self.chat {
+            json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "stop_reason": null})
+        } else {
+            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null})
+        };
+        Self::sse(&json!({
+            "id": self.id, "object": self.chunk_object(), "created": self.created, "model": self.model,
+            "choices": [choice],
+        }))
+    }
+
+    /// The closing usage chunk (`stream_options.include_usage`).
+    pub fn usage_chunk(&self, completion_tokens: u32, cached_tokens: u32) -> String {
+        Self::sse(&json!({
+            "id": self.id, "object": self.chunk_object(), "created": self.created, "model": self.model,
+            "choices": [], "usage": self.usage(completion_tokens, cached_tokens),
+        }))
+    }
+
+    pub const DONE: &'static str = "data: [DONE]\n\n";
+
+    /// The whole non-streaming answer.
+    pub fn full_body(&self, completion_tokens: u32, cached_tokens: u32) -> Value {
+        let text = self.text(0, completion_tokens);
+        let usage = self.usage(completion_tokens, cached_tokens);
+        if self.chat {
+            json!({
+                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
+                                "audio": null, "function_call": null, "tool_calls": [], "reasoning_content": null},
+                    "logprobs": null, "finish_reason": "length", "stop_reason": null}],
+                "service_tier": null, "system_fingerprint": null, "usage": usage,
+                "prompt_logprobs": null, "kv_transfer_params": null,
+            })
+        } else {
+            json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+                             "stop_reason": null, "prompt_logprobs": null}],
+                "service_tier": null, "system_fingerprint": null, "usage": usage,
+                "kv_transfer_params": null,
+            })
+        }
+    }
+}
+
+/// `/v1/models`.
+pub fn models_body(model: &str, created: u64, max_model_len: u64) -> Value {
+    json!({
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": created, "owned_by": "vllm",
+                  "root": model, "parent": null, "max_model_len": max_model_len}],
+    })
+}

@@ -1,0 +1,5 @@
+//! The load generator: workloads of real-word prompts, Poisson and
+//! fixed-concurrency stages, and per-stage reports that read the endpoints'
+//! own prefix-cache counters before and after each stage.
+
+pub mod client;
