@@ -113,7 +113,8 @@ impl Engine {
         })
     }
 
-    fn fail(&self, why: Unrouted) -> Outcome {
+    /// What the failure mode says to do with a request kvroute cannot route.
+    pub fn fail_for(&self, why: Unrouted) -> Outcome {
         match self.config.routing.failure_mode {
             FailureMode::Open => Outcome::FailOpen(why),
             FailureMode::Closed => {
@@ -162,7 +163,7 @@ impl Engine {
     ) -> Outcome {
         let req = match parse_request(kind, body, &self.limits) {
             Ok(r) => r,
-            Err(e) => return self.fail(Unrouted::BadBody(e)),
+            Err(e) => return self.fail_for(Unrouted::BadBody(e)),
         };
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
         match self.route_parsed(
@@ -177,8 +178,8 @@ impl Engine {
                 r.stream = req.stream;
                 Outcome::Routed(r)
             }
-            Ok(None) => self.fail(Unrouted::NoEndpoints),
-            Err(e) => self.fail(Unrouted::Store(e.to_string())),
+            Ok(None) => self.fail_for(Unrouted::NoEndpoints),
+            Err(e) => self.fail_for(Unrouted::Store(e.to_string())),
         }
     }
 

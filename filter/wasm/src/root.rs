@@ -1,0 +1,97 @@
+//! The root context: reads the configuration, then acts as the filter's
+//! root (creating one [`RouteContext`](crate::http::RouteContext) per
+//! request) or as the collector, by `plugin_root_id`.
+
+use crate::collector::Collector;
+use crate::host::{self, Buffer, Level};
+use crate::http::RouteContext;
+use crate::stats::Stats;
+use crate::COLLECTOR_ROOT_ID;
+use kvroute_core::config::Config;
+use kvroute_core::engine::Engine;
+use kvroute_core::scheduling::Rng;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::ContextType;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// What a worker VM shares between its requests.
+pub struct Shared {
+    pub engine: Engine,
+    pub rng: RefCell<Rng>,
+    pub stats: Stats,
+}
+
+#[derive(Default)]
+pub struct Root {
+    shared: Option<Rc<Shared>>,
+    collector: Option<Collector>,
+}
+
+impl Context for Root {
+    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+        if let Some(c) = self.collector.as_mut() {
+            c.on_http_call_response(token_id, num_headers, body_size);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+        let bytes = match host::get_buffer(Buffer::PluginConfiguration, 0, plugin_configuration_size) {
+            Ok(Some(b)) => b,
+            Ok(None) => Vec::new(),
+            Err(e) => {
+                host::log(Level::Error, &format!("kvroute: cannot read the plugin configuration: {e}"));
+                return false;
+            }
+        };
+        let config = match Config::from_json(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                host::log(Level::Error, &format!("kvroute: {e}"));
+                return false;
+            }
+        };
+        let root_id = host::get_property(&["plugin_root_id"]).ok().flatten().unwrap_or_default();
+        let engine = Engine::new(config);
+        if root_id == COLLECTOR_ROOT_ID.as_bytes() {
+            match Collector::start(engine, Stats::define()) {
+                Ok(c) => self.collector = Some(c),
+                Err(e) => {
+                    host::log(Level::Error, &format!("kvroute collector: {e}"));
+                    return false;
+                }
+            }
+            host::log(Level::Info, "kvroute collector configured");
+        } else {
+            let seed = engine
+                .config
+                .routing
+                .seed
+                .unwrap_or_else(|| host::now_ns().unwrap_or(0) ^ 0x6b76_726f_7574_6521);
+            self.shared = Some(Rc::new(Shared {
+                engine,
+                rng: RefCell::new(Rng::new(seed)),
+                stats: Stats::define(),
+            }));
+            host::log(Level::Info, "kvroute filter configured");
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(c) = self.collector.as_mut() {
+            c.on_tick();
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // Must return Some: the SDK's dispatcher treats None as fatal.
+        Some(Box::new(RouteContext::new(self.shared.clone())))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
