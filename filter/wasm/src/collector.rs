@@ -61,16 +61,28 @@ impl Collector {
                 return;
             }
         };
-        if let EndpointSource::FromCluster { admin_cluster, refresh_ms, .. } = &self.engine.config.endpoints {
+        if let EndpointSource::FromCluster {
+            admin_cluster,
+            refresh_ms,
+            ..
+        } = &self.engine.config.endpoints
+        {
             let in_flight = self.pending.values().any(|p| matches!(p, Pending::Admin));
             if now >= self.next_refresh_ms && !in_flight {
                 self.next_refresh_ms = now + refresh_ms;
-                let headers = [(":method", "GET"), (":path", "/clusters?format=json"), (":authority", "envoy-admin")];
+                let headers = [
+                    (":method", "GET"),
+                    (":path", "/clusters?format=json"),
+                    (":authority", "envoy-admin"),
+                ];
                 match host::http_call(admin_cluster, &headers, 5_000) {
                     Ok(token) => {
                         self.pending.insert(token, Pending::Admin);
                     }
-                    Err(e) => host::log(Level::Warn, &format!("kvroute collector: admin call to cluster {admin_cluster}: {e}")),
+                    Err(e) => host::log(
+                        Level::Warn,
+                        &format!("kvroute collector: admin call to cluster {admin_cluster}: {e}"),
+                    ),
                 }
             }
         }
@@ -98,11 +110,19 @@ impl Collector {
         let table = match self.engine.endpoint_table(&host::HostStore) {
             Ok(t) => t,
             Err(e) => {
-                host::log(Level::Warn, &format!("kvroute collector: reading endpoints: {e}"));
+                host::log(
+                    Level::Warn,
+                    &format!("kvroute collector: reading endpoints: {e}"),
+                );
                 return;
             }
         };
-        let timeout = self.engine.config.collector.metrics_timeout_ms.min(u64::from(u32::MAX)) as u32;
+        let timeout = self
+            .engine
+            .config
+            .collector
+            .metrics_timeout_ms
+            .min(u64::from(u32::MAX)) as u32;
         let path = self.engine.config.collector.metrics_path.clone();
         let header = self.engine.config.routing.destination_header.clone();
         for e in &table.endpoints {
@@ -121,12 +141,27 @@ impl Collector {
             ];
             match host::http_call(&cluster, &headers, timeout) {
                 Ok(token) => {
-                    self.pending.insert(token, Pending::Metrics { slot: e.slot, generation: e.generation });
+                    self.pending.insert(
+                        token,
+                        Pending::Metrics {
+                            slot: e.slot,
+                            generation: e.generation,
+                        },
+                    );
                 }
                 Err(err) => {
                     self.stats.inc(Counter::MetricsPollFailures);
-                    host::log(Level::Warn, &format!("kvroute collector: /metrics call for {}: {err}", e.address));
-                    let _ = self.engine.record_metrics(&host::HostStore, e.slot, e.generation, Err(()), now);
+                    host::log(
+                        Level::Warn,
+                        &format!("kvroute collector: /metrics call for {}: {err}", e.address),
+                    );
+                    let _ = self.engine.record_metrics(
+                        &host::HostStore,
+                        e.slot,
+                        e.generation,
+                        Err(()),
+                        now,
+                    );
                 }
             }
         }
@@ -140,10 +175,14 @@ impl Collector {
         let status = if num_headers == 0 {
             None
         } else {
-            host::get_header(Map::HttpCallResponseHeaders, ":status").ok().flatten()
+            host::get_header(Map::HttpCallResponseHeaders, ":status")
+                .ok()
+                .flatten()
         };
         let body = if status.as_deref() == Some("200") {
-            host::get_buffer(Buffer::HttpCallResponseBody, 0, body_size).ok().flatten()
+            host::get_buffer(Buffer::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
         } else {
             None
         };
@@ -154,20 +193,35 @@ impl Collector {
                         host::log(Level::Warn, &format!("kvroute collector: {e}"));
                     }
                 }
-                None => host::log(Level::Warn, &format!("kvroute collector: admin /clusters answered {}", status.as_deref().unwrap_or("nothing (timeout or reset)"))),
+                None => host::log(
+                    Level::Warn,
+                    &format!(
+                        "kvroute collector: admin /clusters answered {}",
+                        status.as_deref().unwrap_or("nothing (timeout or reset)")
+                    ),
+                ),
             },
             Pending::Metrics { slot, generation } => {
                 let result = body.as_deref().ok_or(());
                 if result.is_err() {
                     self.stats.inc(Counter::MetricsPollFailures);
                 }
-                match self.engine.record_metrics(&host::HostStore, slot, generation, result, now) {
+                match self
+                    .engine
+                    .record_metrics(&host::HostStore, slot, generation, result, now)
+                {
                     Ok(Some(problem)) => {
                         self.stats.inc(Counter::MetricsPollFailures);
-                        host::log(Level::Debug, &format!("kvroute collector: slot {slot}: {problem}"));
+                        host::log(
+                            Level::Debug,
+                            &format!("kvroute collector: slot {slot}: {problem}"),
+                        );
                     }
                     Ok(None) => {}
-                    Err(e) => host::log(Level::Warn, &format!("kvroute collector: storing metrics: {e}")),
+                    Err(e) => host::log(
+                        Level::Warn,
+                        &format!("kvroute collector: storing metrics: {e}"),
+                    ),
                 }
             }
         }

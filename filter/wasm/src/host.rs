@@ -129,19 +129,12 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
-    fn proxy_http_call(
-        upstream_data: *const u8,
-        upstream_size: usize,
-        headers_data: *const u8,
-        headers_size: usize,
-        body_data: *const u8,
-        body_size: usize,
-        trailers_data: *const u8,
-        trailers_size: usize,
-        timeout: u32,
-        return_token: *mut u32,
+    fn proxy_define_metric(
+        metric_type: u32,
+        name_data: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
     ) -> u32;
-    fn proxy_define_metric(metric_type: u32, name_data: *const u8, name_size: usize, return_id: *mut u32) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
 }
 
@@ -168,7 +161,9 @@ pub fn log(level: Level, message: &str) {
 pub fn now_ms() -> HostResult<u64> {
     let mut t: u64 = 0;
     // SAFETY: valid out-pointer.
-    check("proxy_get_current_time_nanoseconds", unsafe { proxy_get_current_time_nanoseconds(&mut t) })?;
+    check("proxy_get_current_time_nanoseconds", unsafe {
+        proxy_get_current_time_nanoseconds(&mut t)
+    })?;
     Ok(t / 1_000_000)
 }
 
@@ -176,13 +171,17 @@ pub fn now_ms() -> HostResult<u64> {
 pub fn now_ns() -> HostResult<u64> {
     let mut t: u64 = 0;
     // SAFETY: valid out-pointer.
-    check("proxy_get_current_time_nanoseconds", unsafe { proxy_get_current_time_nanoseconds(&mut t) })?;
+    check("proxy_get_current_time_nanoseconds", unsafe {
+        proxy_get_current_time_nanoseconds(&mut t)
+    })?;
     Ok(t)
 }
 
 pub fn set_tick_period_ms(ms: u32) -> HostResult<()> {
     // SAFETY: plain value.
-    check("proxy_set_tick_period_milliseconds", unsafe { proxy_set_tick_period_milliseconds(ms) })
+    check("proxy_set_tick_period_milliseconds", unsafe {
+        proxy_set_tick_period_milliseconds(ms)
+    })
 }
 
 pub fn get_buffer(buffer: Buffer, start: usize, max: usize) -> HostResult<Option<Vec<u8>>> {
@@ -193,7 +192,10 @@ pub fn get_buffer(buffer: Buffer, start: usize, max: usize) -> HostResult<Option
         // SAFETY: host-allocated per the ABI.
         OK => Ok(unsafe { take(data, size) }),
         NOT_FOUND => Ok(None),
-        status => Err(HostError { call: "proxy_get_buffer_bytes", status }),
+        status => Err(HostError {
+            call: "proxy_get_buffer_bytes",
+            status,
+        }),
     }
 }
 
@@ -201,18 +203,29 @@ pub fn get_header(map: Map, key: &str) -> HostResult<Option<String>> {
     let mut data = null_mut();
     let mut size = 0;
     // SAFETY: valid pointers.
-    match unsafe { proxy_get_header_map_value(map as u32, key.as_ptr(), key.len(), &mut data, &mut size) } {
+    match unsafe {
+        proxy_get_header_map_value(map as u32, key.as_ptr(), key.len(), &mut data, &mut size)
+    } {
         // SAFETY: host-allocated per the ABI.
         OK => Ok(unsafe { take(data, size) }.map(|v| String::from_utf8_lossy(&v).into_owned())),
         NOT_FOUND => Ok(None),
-        status => Err(HostError { call: "proxy_get_header_map_value", status }),
+        status => Err(HostError {
+            call: "proxy_get_header_map_value",
+            status,
+        }),
     }
 }
 
 pub fn set_header(map: Map, key: &str, value: &str) -> HostResult<()> {
     // SAFETY: valid pointers.
     check("proxy_replace_header_map_value", unsafe {
-        proxy_replace_header_map_value(map as u32, key.as_ptr(), key.len(), value.as_ptr(), value.len())
+        proxy_replace_header_map_value(
+            map as u32,
+            key.as_ptr(),
+            key.len(),
+            value.as_ptr(),
+            value.len(),
+        )
     })
 }
 
@@ -220,7 +233,10 @@ pub fn remove_header(map: Map, key: &str) -> HostResult<()> {
     // SAFETY: valid pointers.
     match unsafe { proxy_remove_header_map_value(map as u32, key.as_ptr(), key.len()) } {
         OK | NOT_FOUND => Ok(()),
-        status => Err(HostError { call: "proxy_remove_header_map_value", status }),
+        status => Err(HostError {
+            call: "proxy_remove_header_map_value",
+            status,
+        }),
     }
 }
 
@@ -234,14 +250,22 @@ pub fn get_property(path: &[&str]) -> HostResult<Option<Vec<u8>>> {
         // SAFETY: host-allocated per the ABI.
         OK => Ok(unsafe { take(data, size) }),
         NOT_FOUND => Ok(None),
-        status => Err(HostError { call: "proxy_get_property", status }),
+        status => Err(HostError {
+            call: "proxy_get_property",
+            status,
+        }),
     }
 }
 
 /// Proxy-wasm header map serialisation: count, (key len, value len)*, then
 /// each key and value NUL-terminated.
 fn serialize_pairs(pairs: &[(&str, &str)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + pairs.iter().map(|(k, v)| k.len() + v.len() + 10).sum::<usize>());
+    let mut out = Vec::with_capacity(
+        4 + pairs
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 10)
+            .sum::<usize>(),
+    );
     out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
     for (k, v) in pairs {
         out.extend_from_slice(&(k.len() as u32).to_le_bytes());
@@ -260,32 +284,53 @@ pub fn send_local_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -
     let h = serialize_pairs(headers);
     // SAFETY: valid pointers.
     check("proxy_send_local_response", unsafe {
-        proxy_send_local_response(status, null(), 0, body.as_ptr(), body.len(), h.as_ptr(), h.len(), -1)
+        proxy_send_local_response(
+            status,
+            null(),
+            0,
+            body.as_ptr(),
+            body.len(),
+            h.as_ptr(),
+            h.len(),
+            -1,
+        )
     })
 }
 
 /// Starts an HTTP call; returns its token.
+///
+/// This one goes through the SDK: its dispatcher must learn the token to
+/// deliver the response to the right context, and only the SDK's own
+/// wrapper tells it. That wrapper panics on statuses other than Ok,
+/// BadArgument and InternalFailure, which Envoy does not return here.
 pub fn http_call(cluster: &str, headers: &[(&str, &str)], timeout_ms: u32) -> HostResult<u32> {
-    let h = serialize_pairs(headers);
-    let t = serialize_pairs(&[]);
-    let mut token = 0;
-    // SAFETY: valid pointers.
-    check("proxy_http_call", unsafe {
-        proxy_http_call(cluster.as_ptr(), cluster.len(), h.as_ptr(), h.len(), null(), 0, t.as_ptr(), t.len(), timeout_ms, &mut token)
-    })?;
-    Ok(token)
+    proxy_wasm::hostcalls::dispatch_http_call(
+        cluster,
+        headers.to_vec(),
+        None,
+        Vec::new(),
+        std::time::Duration::from_millis(u64::from(timeout_ms)),
+    )
+    .map_err(|status| HostError {
+        call: "proxy_http_call",
+        status: status as u32,
+    })
 }
 
 pub fn define_counter(name: &str) -> HostResult<u32> {
     let mut id = 0;
     // SAFETY: valid pointers.
-    check("proxy_define_metric", unsafe { proxy_define_metric(0, name.as_ptr(), name.len(), &mut id) })?;
+    check("proxy_define_metric", unsafe {
+        proxy_define_metric(0, name.as_ptr(), name.len(), &mut id)
+    })?;
     Ok(id)
 }
 
 pub fn increment(id: u32, by: i64) -> HostResult<()> {
     // SAFETY: plain values.
-    check("proxy_increment_metric", unsafe { proxy_increment_metric(id, by) })
+    check("proxy_increment_metric", unsafe {
+        proxy_increment_metric(id, by)
+    })
 }
 
 /// [`Store`] over Envoy shared data.
@@ -297,21 +342,37 @@ impl Store for HostStore {
         let mut size = 0;
         let mut cas = 0;
         // SAFETY: valid pointers.
-        match unsafe { proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) } {
+        match unsafe {
+            proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas)
+        } {
             // SAFETY: host-allocated per the ABI. A key set to an empty
             // value may come back as a null pointer.
             OK => Ok(Some((unsafe { take(data, size) }.unwrap_or_default(), cas))),
             NOT_FOUND => Ok(None),
-            status => Err(StoreError::Host(HostError { call: "proxy_get_shared_data", status }.to_string())),
+            status => Err(StoreError::Host(
+                HostError {
+                    call: "proxy_get_shared_data",
+                    status,
+                }
+                .to_string(),
+            )),
         }
     }
 
     fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
         // SAFETY: valid pointers.
-        match unsafe { proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas) } {
+        match unsafe {
+            proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas)
+        } {
             OK => Ok(()),
             CAS_MISMATCH => Err(StoreError::CasMismatch),
-            status => Err(StoreError::Host(HostError { call: "proxy_set_shared_data", status }.to_string())),
+            status => Err(StoreError::Host(
+                HostError {
+                    call: "proxy_set_shared_data",
+                    status,
+                }
+                .to_string(),
+            )),
         }
     }
 }

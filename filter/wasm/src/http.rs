@@ -69,7 +69,10 @@ impl RouteContext {
         }
         self.done = true;
         if let (Some(s), Some(t)) = (&self.shared, &self.ticket) {
-            if let Err(e) = s.engine.release_rest(&host::HostStore, t, self.prompt_released) {
+            if let Err(e) = s
+                .engine
+                .release_rest(&host::HostStore, t, self.prompt_released)
+            {
                 self.host_error("releasing the request charge", e);
             }
         }
@@ -77,7 +80,11 @@ impl RouteContext {
 
     /// Answers locally; returns Pause (the local reply ends the request).
     fn reply(&self, status: u32, body: &str) -> Action {
-        if let Err(e) = host::send_local_response(status, &[("content-type", "application/json")], body.as_bytes()) {
+        if let Err(e) = host::send_local_response(
+            status,
+            &[("content-type", "application/json")],
+            body.as_bytes(),
+        ) {
             self.host_error("sending a local response", e);
             return Action::Continue;
         }
@@ -86,7 +93,13 @@ impl RouteContext {
 
     fn unrouted(&self, shared: &Shared, why: &Unrouted) -> Action {
         shared.stats.inc(Counter::FailOpen);
-        host::log(Level::Debug, &format!("kvroute: not routed ({}), Envoy's load balancer decides", why.label()));
+        host::log(
+            Level::Debug,
+            &format!(
+                "kvroute: not routed ({}), Envoy's load balancer decides",
+                why.label()
+            ),
+        );
         Action::Continue
     }
 }
@@ -108,17 +121,32 @@ impl HttpContext for RouteContext {
         match host::get_header(Map::RequestHeaders, &routing.destination_header) {
             Ok(Some(_)) => {
                 shared.stats.inc(Counter::ClientHeaderStripped);
-                if let Err(e) = host::remove_header(Map::RequestHeaders, &routing.destination_header) {
+                if let Err(e) =
+                    host::remove_header(Map::RequestHeaders, &routing.destination_header)
+                {
                     // Cannot strip it: refuse rather than let the client pick.
                     self.host_error("removing the client's destination header", e);
-                    return self.reply(500, &kvroute_core::engine::openai_error("internal error", "internal_error", 500));
+                    return self.reply(
+                        500,
+                        &kvroute_core::engine::openai_error(
+                            "internal error",
+                            "internal_error",
+                            500,
+                        ),
+                    );
                 }
             }
             Ok(None) => {}
             Err(e) => self.host_error("reading request headers", e),
         }
-        let method = host::get_header(Map::RequestHeaders, ":method").ok().flatten().unwrap_or_default();
-        let path = host::get_header(Map::RequestHeaders, ":path").ok().flatten().unwrap_or_default();
+        let method = host::get_header(Map::RequestHeaders, ":method")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let path = host::get_header(Map::RequestHeaders, ":path")
+            .ok()
+            .flatten()
+            .unwrap_or_default();
 
         if let Some(state_path) = &routing.state_path {
             let bare = path.split('?').next().unwrap_or("");
@@ -126,7 +154,14 @@ impl HttpContext for RouteContext {
                 let now = host::now_ms().unwrap_or(0);
                 return match shared.engine.state_json(&host::HostStore, now) {
                     Ok(body) => self.reply(200, &body),
-                    Err(e) => self.reply(503, &kvroute_core::engine::openai_error(&e.to_string(), "service_unavailable", 503)),
+                    Err(e) => self.reply(
+                        503,
+                        &kvroute_core::engine::openai_error(
+                            &e.to_string(),
+                            "service_unavailable",
+                            503,
+                        ),
+                    ),
                 };
             }
         }
@@ -134,7 +169,10 @@ impl HttpContext for RouteContext {
             return Action::Continue;
         }
         let bare = path.split(['?', '#']).next().unwrap_or("");
-        let configured = routing.paths.iter().any(|p| bare.trim_end_matches('/').ends_with(p.trim_end_matches('/')));
+        let configured = routing.paths.iter().any(|p| {
+            bare.trim_end_matches('/')
+                .ends_with(p.trim_end_matches('/'))
+        });
         let Some(kind) = ApiKind::from_path(bare).filter(|_| configured) else {
             return Action::Continue;
         };
@@ -161,7 +199,10 @@ impl HttpContext for RouteContext {
         }
         let limit = shared.engine.config.routing.max_body_bytes;
         if body_size > limit {
-            let why = Unrouted::BadBody(ParseError::TooLarge { limit, actual: body_size });
+            let why = Unrouted::BadBody(ParseError::TooLarge {
+                limit,
+                actual: body_size,
+            });
             self.kind = None;
             return match shared.engine.fail_for(why.clone()) {
                 Outcome::Reject { body, .. } => {
@@ -187,7 +228,9 @@ impl HttpContext for RouteContext {
         let now = host::now_ms().unwrap_or(0);
         let outcome = {
             let mut rng = shared.rng.borrow_mut();
-            shared.engine.route(&host::HostStore, kind, &body, now, &mut rng)
+            shared
+                .engine
+                .route(&host::HostStore, kind, &body, now, &mut rng)
         };
         match outcome {
             Outcome::Routed(r) => {

@@ -29,7 +29,13 @@ pub struct Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
         if let Some(c) = self.collector.as_mut() {
             c.on_http_call_response(token_id, num_headers, body_size);
         }
@@ -38,14 +44,18 @@ impl Context for Root {
 
 impl RootContext for Root {
     fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
-        let bytes = match host::get_buffer(Buffer::PluginConfiguration, 0, plugin_configuration_size) {
-            Ok(Some(b)) => b,
-            Ok(None) => Vec::new(),
-            Err(e) => {
-                host::log(Level::Error, &format!("kvroute: cannot read the plugin configuration: {e}"));
-                return false;
-            }
-        };
+        let bytes =
+            match host::get_buffer(Buffer::PluginConfiguration, 0, plugin_configuration_size) {
+                Ok(Some(b)) => b,
+                Ok(None) => Vec::new(),
+                Err(e) => {
+                    host::log(
+                        Level::Error,
+                        &format!("kvroute: cannot read the plugin configuration: {e}"),
+                    );
+                    return false;
+                }
+            };
         let config = match Config::from_json(&bytes) {
             Ok(c) => c,
             Err(e) => {
@@ -53,7 +63,10 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let root_id = host::get_property(&["plugin_root_id"]).ok().flatten().unwrap_or_default();
+        let root_id = host::get_property(&["plugin_root_id"])
+            .ok()
+            .flatten()
+            .unwrap_or_default();
         let engine = Engine::new(config);
         if root_id == COLLECTOR_ROOT_ID.as_bytes() {
             match Collector::start(engine, Stats::define()) {
