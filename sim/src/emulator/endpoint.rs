@@ -108,6 +108,8 @@ pub struct Snapshot {
     pub counters: EngineCounters,
     pub ttft: Histogram,
     pub fault_responses: u64,
+    /// Model seconds lost to host lag since start (never reset).
+    pub host_lag_model_s: f64,
 }
 
 /// One emulated vLLM server.
@@ -127,6 +129,9 @@ pub struct Endpoint {
     kv_tx: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
     /// Responses replaced by an injected fault.
     pub fault_responses: AtomicU64,
+    /// Model microseconds skipped because the host fell behind the time
+    /// scale; non-zero means latencies are inflated (lower --time-scale).
+    pub host_lag_model_us: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -162,6 +167,7 @@ impl Endpoint {
             metrics_mode: Mutex::new(MetricsMode::Ok),
             kv_tx,
             fault_responses: AtomicU64::new(0),
+            host_lag_model_us: AtomicU64::new(0),
         })
     }
 
@@ -236,6 +242,7 @@ impl Endpoint {
             counters: engine.counters.clone(),
             ttft: engine.ttft.clone(),
             fault_responses: self.fault_responses.load(Ordering::Relaxed),
+            host_lag_model_s: self.host_lag_model_us.load(Ordering::Relaxed) as f64 / 1e6,
         }
     }
 
@@ -248,18 +255,33 @@ impl Endpoint {
 
 /// Runs the endpoint's iterations forever (until the task is aborted).
 pub async fn run_engine(ep: Arc<Endpoint>) {
+    // Wall-clock lag tolerated before the model clock is pulled forward
+    // (the host cannot keep up); smaller lags are caught up by not sleeping.
+    const MAX_LAG: Duration = Duration::from_millis(50);
+    let max_lag_model_s = MAX_LAG.as_secs_f64() * ep.clock.scale;
     let mut model_t = 0.0f64;
+    let mut idle = true;
     loop {
         let step = {
             let mut engine = lock(&ep.engine);
             if engine.has_work() {
-                model_t = model_t.max(ep.clock.now());
+                let now = ep.clock.now();
+                if idle {
+                    model_t = model_t.max(now);
+                } else if now - model_t > max_lag_model_s {
+                    // Model time the host could not deliver on time.
+                    let lag_us = ((now - model_t) * 1e6) as u64;
+                    ep.host_lag_model_us.fetch_add(lag_us, Ordering::Relaxed);
+                    model_t = now;
+                }
+                idle = false;
                 Some(engine.step(model_t))
             } else {
                 None
             }
         };
         let Some(step) = step else {
+            idle = true;
             ep.work.notified().await;
             continue;
         };

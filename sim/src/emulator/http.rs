@@ -265,6 +265,7 @@ fn stats(ep: &Endpoint) -> serde_json::Value {
         "block_size": ep.cfg.engine.block_size,
         "time_scale": ep.cfg.time_scale,
         "fault_responses": s.fault_responses,
+        "host_lag_model_s": s.host_lag_model_s,
         "metrics_mode": ep.metrics_mode().name(),
         "kv_events": ep.kv_events_enabled(),
     })

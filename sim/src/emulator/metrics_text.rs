@@ -146,5 +146,15 @@ pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
         ],
         1.0,
     );
+    e.family(
+        "kvroute_emulator_host_lag_seconds_total",
+        "Model seconds the emulator host fell behind its time scale (0 when it kept up).",
+        "counter",
+    );
+    e.sample(
+        "kvroute_emulator_host_lag_seconds_total",
+        &base,
+        s.host_lag_model_s,
+    );
     e.finish()
 }

@@ -3,3 +3,7 @@
 //! own prefix-cache counters before and after each stage.
 
 pub mod client;
+pub mod report;
+pub mod run;
+pub mod stages;
+pub mod workload;

@@ -1,0 +1,305 @@
+//! Drives a target (Envoy or one endpoint) through the stages and builds the
+//! reports. Counters are read directly from each endpoint's `/metrics`.
+
+use super::client::{HttpClient, Timed};
+use super::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
+use super::stages::{Stage, StageKind};
+use super::workload::{Workload, WorkloadSpec};
+use crate::prometheus;
+use crate::rng::SeededRng;
+use serde::Serialize;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    /// Base URL requests go to, e.g. `http://127.0.0.1:10000`.
+    pub target: String,
+    /// `host:port` of each model server, for counters and resets.
+    pub endpoints: Vec<String>,
+    pub workload: WorkloadSpec,
+    pub seed: u64,
+    pub stages: Vec<Stage>,
+    /// Model seconds per wall second; must match the emulators'.
+    pub time_scale: f64,
+    /// Wall-clock bound on one request.
+    pub request_timeout: Duration,
+    /// POST /emulator/reset to every endpoint before the first stage.
+    pub reset: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    pub target: String,
+    pub workload: String,
+    pub seed: u64,
+    pub time_scale: f64,
+    pub endpoints: Vec<String>,
+    pub stages: Vec<StageReport>,
+}
+
+/// Reads the prefix-cache and token counters of one endpoint.
+pub async fn read_counters(
+    client: &HttpClient,
+    endpoint: &str,
+) -> Result<EndpointCounters, String> {
+    let url = format!("http://{endpoint}/metrics");
+    let r = tokio::time::timeout(Duration::from_secs(5), client.get(&url))
+        .await
+        .map_err(|_| format!("{url}: no answer within 5 s"))??;
+    if !r.status.is_success() {
+        return Err(format!("{url}: HTTP {}", r.status));
+    }
+    let samples = prometheus::parse(&r.text()).map_err(|e| format!("{url}: {e}"))?;
+    let sum = |name: &str| -> Result<f64, String> {
+        let v: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.name == name)
+            .map(|s| s.value)
+            .collect();
+        if v.is_empty() {
+            Err(format!("{url}: no {name} (is this a vLLM server?)"))
+        } else {
+            Ok(v.iter().sum())
+        }
+    };
+    Ok(EndpointCounters {
+        prefix_cache_queries: sum("vllm:prefix_cache_queries_total")?,
+        prefix_cache_hits: sum("vllm:prefix_cache_hits_total")?,
+        prompt_tokens: sum("vllm:prompt_tokens_total")?,
+        generation_tokens: sum("vllm:generation_tokens_total")?,
+        host_lag_s: sum("kvroute_emulator_host_lag_seconds_total").unwrap_or(0.0),
+    })
+}
+
+async fn read_all(
+    client: &HttpClient,
+    endpoints: &[String],
+    log: &dyn Fn(&str),
+) -> Vec<Option<EndpointCounters>> {
+    let mut out = Vec::new();
+    for e in endpoints {
+        match read_counters(client, e).await {
+            Ok(c) => out.push(Some(c)),
+            Err(err) => {
+                log(&format!("warning: counters of {e} unreadable: {err}"));
+                out.push(None);
+            }
+        }
+    }
+    out
+}
+
+/// Turns a timed streamed response into a record.
+fn record(sent_at_s: f64, result: Result<Timed, String>, scale: f64) -> RequestRecord {
+    let t = match result {
+        Ok(t) => t,
+        Err(e) => {
+            return RequestRecord {
+                sent_at_s,
+                ok: false,
+                error: Some(classify_transport(&e)),
+                end_s: sent_at_s,
+                ..Default::default()
+            }
+        }
+    };
+    let served_by = t
+        .headers
+        .get("x-kvroute-served-by")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let end = t.chunks.last().map_or(t.head_after, |(d, _)| *d);
+    let end_s = sent_at_s + end.as_secs_f64() * scale;
+    let mut rec = RequestRecord {
+        sent_at_s,
+        served_by,
+        end_s,
+        ..Default::default()
+    };
+    if !t.status.is_success() {
+        rec.error = Some(format!("http {}", t.status.as_u16()));
+        return rec;
+    }
+    if let Some(e) = &t.body_error {
+        rec.error = Some(if e.contains("within") {
+            "timeout".into()
+        } else {
+            "stream broken".into()
+        });
+        return rec;
+    }
+    let body = t.body();
+    let text = String::from_utf8_lossy(&body);
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .collect();
+    if events.last() != Some(&"[DONE]") {
+        rec.error = Some("no [DONE]".into());
+        return rec;
+    }
+    let usage = events
+        .iter()
+        .rev()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned());
+    if let Some(u) = usage {
+        rec.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+        rec.completion_tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+        rec.cached_tokens = u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+    }
+    // Chunks that carry tokens: all but the usage/[DONE] tail.
+    let token_chunks: Vec<Duration> = t
+        .chunks
+        .iter()
+        .filter(|(_, b)| {
+            let s = String::from_utf8_lossy(b);
+            s.contains("\"choices\":[{") || s.contains("\"choices\": [{")
+        })
+        .map(|(d, _)| *d)
+        .collect();
+    if let (Some(first), Some(last)) = (token_chunks.first(), token_chunks.last()) {
+        rec.ttft_s = Some(first.as_secs_f64() * scale);
+        rec.decode_s = Some((*last - *first).as_secs_f64() * scale);
+    }
+    rec.ok = true;
+    rec
+}
+
+fn classify_transport(e: &str) -> String {
+    if e.contains("within") {
+        "timeout".into()
+    } else if e.contains("closed") || e.contains("reset") || e.contains("IncompleteMessage") {
+        "connection closed".into()
+    } else {
+        "transport".into()
+    }
+}
+
+async fn send_one(
+    client: &HttpClient,
+    cfg: &RunConfig,
+    req: super::workload::GenRequest,
+    stage_start: Instant,
+) -> RequestRecord {
+    let sent_at_s = stage_start.elapsed().as_secs_f64() * cfg.time_scale;
+    let url = format!("{}{}", cfg.target.trim_end_matches('/'), req.path);
+    let res = client
+        .post_timed(&url, req.body.to_string(), &[], cfg.request_timeout)
+        .await;
+    let mut r = record(sent_at_s, res, cfg.time_scale);
+    r.end_s = r.end_s.max(sent_at_s);
+    r
+}
+
+/// Runs one stage to completion (all its requests ended).
+async fn run_stage(
+    client: &HttpClient,
+    cfg: &Arc<RunConfig>,
+    workload: &Arc<Mutex<Workload>>,
+    stage: &Stage,
+    stage_no: u64,
+) -> Vec<RequestRecord> {
+    let wall = Duration::from_secs_f64(stage.duration_s / cfg.time_scale);
+    let start = Instant::now();
+    let records = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    let next =
+        |w: &Arc<Mutex<Workload>>| w.lock().unwrap_or_else(|p| p.into_inner()).next_request();
+    match stage.kind {
+        StageKind::Rate(rate) => {
+            let mut rng = SeededRng::derive(cfg.seed, 0x5EED ^ stage_no);
+            let mean_gap_s = 1.0 / (rate * cfg.time_scale);
+            let mut at = Duration::from_secs_f64(rng.exponential(mean_gap_s));
+            while at < wall {
+                tokio::time::sleep_until((start + at).into()).await;
+                let req = next(workload);
+                let (client, cfg, records) = (client.clone(), cfg.clone(), records.clone());
+                tasks.push(tokio::spawn(async move {
+                    let r = send_one(&client, &cfg, req, start).await;
+                    records.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                }));
+                at += Duration::from_secs_f64(rng.exponential(mean_gap_s));
+            }
+        }
+        StageKind::Concurrency(n) => {
+            for _ in 0..n {
+                let (client, cfg, records, workload) = (
+                    client.clone(),
+                    cfg.clone(),
+                    records.clone(),
+                    workload.clone(),
+                );
+                tasks.push(tokio::spawn(async move {
+                    while start.elapsed() < wall {
+                        let req = next(&workload);
+                        let r = send_one(&client, &cfg, req, start).await;
+                        records.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                    }
+                }));
+            }
+        }
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let mut v = std::mem::take(&mut *records.lock().unwrap_or_else(|p| p.into_inner()));
+    v.sort_by(|a, b| a.sent_at_s.total_cmp(&b.sent_at_s));
+    v
+}
+
+/// Runs every stage in order; `log` receives progress lines.
+pub async fn run(cfg: RunConfig, log: &dyn Fn(&str)) -> Result<RunReport, String> {
+    if !(cfg.time_scale > 0.0) {
+        return Err("--time-scale must be positive".into());
+    }
+    let client = HttpClient::new();
+    if cfg.reset {
+        for e in &cfg.endpoints {
+            match client
+                .post(&format!("http://{e}/emulator/reset"), "", &[])
+                .await
+            {
+                Ok(r) if r.status.is_success() => {}
+                Ok(r) => log(&format!(
+                    "warning: reset of {e} answered HTTP {} (not an emulator?)",
+                    r.status
+                )),
+                Err(err) => log(&format!("warning: reset of {e} failed: {err}")),
+            }
+        }
+    }
+    let cfg = Arc::new(cfg);
+    let workload = Arc::new(Mutex::new(Workload::new(cfg.workload.clone(), cfg.seed)));
+    let mut stages = Vec::new();
+    for (i, stage) in cfg.stages.iter().enumerate() {
+        log(&format!(
+            "stage {}/{}: {}",
+            i + 1,
+            cfg.stages.len(),
+            stage.label()
+        ));
+        let before = read_all(&client, &cfg.endpoints, log).await;
+        let records = run_stage(&client, &cfg, &workload, stage, i as u64).await;
+        let after = read_all(&client, &cfg.endpoints, log).await;
+        stages.push(stage_report(
+            stage.label(),
+            stage.duration_s,
+            &records,
+            &cfg.endpoints,
+            &before,
+            &after,
+        ));
+    }
+    Ok(RunReport {
+        target: cfg.target.clone(),
+        workload: cfg.workload.kind.name().into(),
+        seed: cfg.seed,
+        time_scale: cfg.time_scale,
+        endpoints: cfg.endpoints.clone(),
+        stages,
+    })
+}

@@ -1,0 +1,288 @@
+//! Workloads (DESIGN.md §5), each a deterministic stream of requests whose
+//! prompts are real words of the stated token lengths (`tokens × chars per
+//! token` bytes, the filter's estimate).
+//!
+//! | workload | prompt | output |
+//! |---|---|---|
+//! | shared-prefix | one of `groups` system prompts (6000 tok) + one of `prompts_per_group` questions (1200 tok) | 1000 |
+//! | code-generation | per-conversation system prompt (4000 tok) + the conversation so far + a 1500-token turn | 800 |
+//! | reasoning | one shared prompt (250 tok) + a unique user prompt (1000 tok) | 8000 |
+//! | chat-lab | shared system prompt (250 tok) + the user's persona (200 tok) + history + a short question (50 tok) | 150 |
+//!
+//! Multi-turn workloads replay recorded assistant turns (deterministic
+//! words), not what the server answered, so the prefix a turn extends is
+//! fixed by the seed, as in a conversation-replay dataset.
+
+use crate::rng::SeededRng;
+use crate::words::text_of_bytes;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WorkloadKind {
+    SharedPrefix,
+    CodeGeneration,
+    Reasoning,
+    ChatLab,
+}
+
+impl WorkloadKind {
+    pub fn parse(s: &str) -> Result<WorkloadKind, String> {
+        match s {
+            "shared-prefix" => Ok(WorkloadKind::SharedPrefix),
+            "code-generation" => Ok(WorkloadKind::CodeGeneration),
+            "reasoning" => Ok(WorkloadKind::Reasoning),
+            "chat-lab" => Ok(WorkloadKind::ChatLab),
+            other => Err(format!(
+                "unknown workload {other:?}: use shared-prefix, code-generation, reasoning or chat-lab"
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::SharedPrefix => "shared-prefix",
+            WorkloadKind::CodeGeneration => "code-generation",
+            WorkloadKind::Reasoning => "reasoning",
+            WorkloadKind::ChatLab => "chat-lab",
+        }
+    }
+}
+
+/// Which OpenAI API the requests use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+}
+
+/// Sizes of a workload; every length is in tokens.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkloadSpec {
+    pub kind: WorkloadKind,
+    pub model: String,
+    pub api: Api,
+    pub chars_per_token: u32,
+    /// shared-prefix: groups; code-generation: conversations; chat-lab: users.
+    pub groups: u32,
+    /// shared-prefix: questions per group; multi-turn: turns per conversation.
+    pub prompts_per_group: u32,
+    /// The shared / system part of each prompt.
+    pub system_tokens: u32,
+    /// chat-lab: persona per user; ignored elsewhere.
+    pub persona_tokens: u32,
+    /// The question / turn / user part.
+    pub question_tokens: u32,
+    pub output_tokens: u32,
+}
+
+impl WorkloadSpec {
+    /// The sizes DESIGN.md gives for a workload.
+    pub fn standard(kind: WorkloadKind) -> WorkloadSpec {
+        let base = WorkloadSpec {
+            kind,
+            model: "tiny".into(),
+            api: Api::Chat,
+            chars_per_token: 4,
+            groups: 0,
+            prompts_per_group: 0,
+            system_tokens: 0,
+            persona_tokens: 0,
+            question_tokens: 0,
+            output_tokens: 0,
+        };
+        match kind {
+            WorkloadKind::SharedPrefix => WorkloadSpec {
+                groups: 150,
+                prompts_per_group: 5,
+                system_tokens: 6000,
+                question_tokens: 1200,
+                output_tokens: 1000,
+                ..base
+            },
+            WorkloadKind::CodeGeneration => WorkloadSpec {
+                groups: 32,
+                prompts_per_group: 8,
+                system_tokens: 4000,
+                question_tokens: 1500,
+                output_tokens: 800,
+                ..base
+            },
+            WorkloadKind::Reasoning => WorkloadSpec {
+                groups: 1,
+                prompts_per_group: 1,
+                system_tokens: 250,
+                question_tokens: 1000,
+                output_tokens: 8000,
+                ..base
+            },
+            WorkloadKind::ChatLab => WorkloadSpec {
+                groups: 6,
+                prompts_per_group: 40,
+                system_tokens: 250,
+                persona_tokens: 200,
+                question_tokens: 50,
+                output_tokens: 150,
+                ..base
+            },
+        }
+    }
+}
+
+/// One request to send.
+#[derive(Clone, Debug)]
+pub struct GenRequest {
+    /// Path under the target, e.g. `/v1/chat/completions`.
+    pub path: &'static str,
+    pub body: Value,
+    /// Bytes of prompt text the request carries (system + history + turn).
+    pub prompt_bytes: usize,
+    /// Which group / conversation / user it belongs to.
+    pub group: u32,
+}
+
+/// Generates a workload's requests in a seeded order.
+pub struct Workload {
+    spec: WorkloadSpec,
+    seed: u64,
+    rng: SeededRng,
+    /// Text cache: (kind, a, b) → text.
+    texts: HashMap<(u8, u32, u32), String>,
+    /// Multi-turn: next turn per conversation, and the generation (a
+    /// conversation that finished all its turns starts over as a new one).
+    next_turn: Vec<u32>,
+    generation: Vec<u32>,
+}
+
+impl Workload {
+    pub fn new(spec: WorkloadSpec, seed: u64) -> Workload {
+        let n = spec.groups.max(1) as usize;
+        Workload {
+            rng: SeededRng::derive(seed, 0xA11),
+            spec,
+            seed,
+            texts: HashMap::new(),
+            next_turn: vec![0; n],
+            generation: vec![0; n],
+        }
+    }
+
+    pub fn spec(&self) -> &WorkloadSpec {
+        &self.spec
+    }
+
+    fn bytes(&self, tokens: u32) -> usize {
+        tokens as usize * self.spec.chars_per_token.max(1) as usize
+    }
+
+    /// Deterministic text `(kind, a, b)` of `tokens` tokens.
+    fn text(&mut self, kind: u8, a: u32, b: u32, tokens: u32) -> String {
+        let bytes = self.bytes(tokens);
+        let seed = self.seed;
+        self.texts
+            .entry((kind, a, b))
+            .or_insert_with(|| {
+                let stream = (u64::from(kind) << 56) ^ (u64::from(a) << 28) ^ u64::from(b);
+                text_of_bytes(bytes, &mut SeededRng::derive(seed, stream))
+            })
+            .clone()
+    }
+
+    fn fresh_text(&mut self, tokens: u32) -> String {
+        let bytes = self.bytes(tokens);
+        text_of_bytes(bytes, &mut self.rng)
+    }
+
+    /// The next request.
+    pub fn next_request(&mut self) -> GenRequest {
+        let s = self.spec.clone();
+        match s.kind {
+            WorkloadKind::SharedPrefix => {
+                let g = self.rng.below(u64::from(s.groups.max(1))) as u32;
+                let q = self.rng.below(u64::from(s.prompts_per_group.max(1))) as u32;
+                let system = self.text(1, g, 0, s.system_tokens);
+                let question = self.text(2, g, q, s.question_tokens);
+                self.single_turn(&system, &question, g)
+            }
+            WorkloadKind::Reasoning => {
+                let system = self.text(1, 0, 0, s.system_tokens);
+                let question = self.fresh_text(s.question_tokens);
+                self.single_turn(&system, &question, 0)
+            }
+            WorkloadKind::CodeGeneration | WorkloadKind::ChatLab => self.next_turn(),
+        }
+    }
+
+    fn single_turn(&mut self, system: &str, question: &str, group: u32) -> GenRequest {
+        let messages = vec![("system", system.to_owned()), ("user", question.to_owned())];
+        self.build(messages, group)
+    }
+
+    fn next_turn(&mut self) -> GenRequest {
+        let s = self.spec.clone();
+        let c = self.rng.below(u64::from(s.groups.max(1))) as u32;
+        let turn = self.next_turn[c as usize];
+        let generation = self.generation[c as usize];
+        let turns = s.prompts_per_group.max(1);
+        if turn + 1 >= turns {
+            self.next_turn[c as usize] = 0;
+            self.generation[c as usize] += 1;
+        } else {
+            self.next_turn[c as usize] = turn + 1;
+        }
+        // Conversation identity across restarts.
+        let conv = c + generation * s.groups.max(1);
+        let mut system = match s.kind {
+            // chat-lab: one system prompt for everyone, then the user's persona.
+            WorkloadKind::ChatLab => self.text(1, 0, 0, s.system_tokens),
+            _ => self.text(1, conv, 0, s.system_tokens),
+        };
+        if s.persona_tokens > 0 {
+            system.push('\n');
+            system.push_str(&self.text(3, conv, 0, s.persona_tokens));
+        }
+        let mut messages = vec![("system", system)];
+        for t in 0..=turn {
+            messages.push(("user", self.text(2, conv, t, s.question_tokens)));
+            if t < turn {
+                messages.push(("assistant", self.text(4, conv, t, s.output_tokens)));
+            }
+        }
+        self.build(messages, c)
+    }
+
+    fn build(&mut self, messages: Vec<(&'static str, String)>, group: u32) -> GenRequest {
+        let s = &self.spec;
+        let prompt_bytes = messages.iter().map(|(_, t)| t.len()).sum();
+        let (path, body) = match s.api {
+            Api::Chat => (
+                "/v1/chat/completions",
+                json!({
+                    "model": s.model,
+                    "messages": messages.iter().map(|(r, t)| json!({"role": r, "content": t})).collect::<Vec<_>>(),
+                    "max_tokens": s.output_tokens,
+                    "ignore_eos": true,
+                    "stream": true,
+                    "stream_options": {"include_usage": true},
+                }),
+            ),
+            Api::Completions => (
+                "/v1/completions",
+                json!({
+                    "model": s.model,
+                    "prompt": messages.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n"),
+                    "max_tokens": s.output_tokens,
+                    "ignore_eos": true,
+                    "stream": true,
+                    "stream_options": {"include_usage": true},
+                }),
+            ),
+        };
+        GenRequest {
+            path,
+            body,
+            prompt_bytes,
+            group,
+        }
+    }
+}
