@@ -111,7 +111,7 @@ fn config(f: &Flags) -> Result<(EmulatorConfig, Vec<u16>), String> {
     if !(cfg.time_scale > 0.0 && cfg.time_scale.is_finite()) {
         return Err("kvroute-emulator: --time-scale must be a positive number".into());
     }
-    if !(e.step_cost.prefill_tokens_per_s > 0.0) {
+    if !(e.step_cost.prefill_tokens_per_s > 0.0 && e.step_cost.prefill_tokens_per_s.is_finite()) {
         return Err("kvroute-emulator: --prefill-tps must be positive".into());
     }
     Ok((cfg, ports))

@@ -253,7 +253,7 @@ async fn run_stage(
 
 /// Runs every stage in order; `log` receives progress lines.
 pub async fn run(cfg: RunConfig, log: &dyn Fn(&str)) -> Result<RunReport, String> {
-    if !(cfg.time_scale > 0.0) {
+    if cfg.time_scale.is_nan() || cfg.time_scale <= 0.0 {
         return Err("--time-scale must be positive".into());
     }
     let client = HttpClient::new();
