@@ -51,7 +51,7 @@ impl VmSpec {
             allow_on_headers_stop_iteration: true,
             buffer_limit_bytes: 1 << 20,
             env: Vec::new(),
-            seed: 0x6b76_726f_7574_65,
+            seed: 0x006b_7672_6f75_7465,
         }
     }
     pub fn allow_on_headers_stop_iteration(mut self, allow: bool) -> VmSpec {
@@ -107,8 +107,11 @@ struct Exports {
     on_done: Option<TypedFunc<i32, i32>>,
     on_log: Option<TypedFunc<i32, ()>>,
     on_delete: Option<TypedFunc<i32, ()>>,
-    on_http_call_response: Option<TypedFunc<(i32, i32, i32, i32, i32), ()>>,
+    on_http_call_response: Option<TypedFunc<CallResponseArgs, ()>>,
 }
+
+/// (context, token, header count, body bytes, trailer count)
+type CallResponseArgs = (i32, i32, i32, i32, i32);
 
 impl Exports {
     fn new(instance: &Instance, store: &mut Store<VmState>) -> Exports {

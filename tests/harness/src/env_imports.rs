@@ -42,6 +42,12 @@ pub fn finish(r: R<()>) -> wasmtime::Result<i32> {
     }
 }
 
+/// Runs a host call body written with `?` and turns its outcome into the
+/// status code (or trap) the module gets.
+pub fn attempt(body: impl FnOnce() -> R<()>) -> wasmtime::Result<i32> {
+    finish(body())
+}
+
 pub fn read(c: &mut C, ptr: i32, len: i32) -> R<Vec<u8>> {
     let memory = c.data().memory.ok_or(Status::InvalidMemoryAccess)?;
     let data = memory.data(&*c);
@@ -156,7 +162,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_log",
         |mut c: C, level: i32, ptr: i32, len: i32| {
-            finish((|| {
+            attempt(|| {
                 if !(0..=5).contains(&level) {
                     return Err(Status::BadArgument.into());
                 }
@@ -164,23 +170,23 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 let name = c.data().name.clone();
                 world(&c).log(&name, level as u32, message);
                 Ok(())
-            })())
+            })
         },
     )?;
     linker.func_wrap("env", "proxy_get_log_level", |mut c: C, ptr: i32| {
-        finish((|| {
+        attempt(|| {
             let level = world(&c).log_level;
             write_u32(&mut c, ptr, level)
-        })())
+        })
     })?;
     linker.func_wrap(
         "env",
         "proxy_get_current_time_nanoseconds",
         |mut c: C, ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let now = world(&c).now_ns;
                 write_u64(&mut c, ptr, now)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
@@ -200,7 +206,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_get_buffer_bytes",
         |mut c: C, kind: i32, start: i32, max: i32, ptr_ptr: i32, size_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let kind = BufferType::from_abi(kind).ok_or(Status::BadArgument)?;
                 let bytes = buffer_view(c.data(), kind)?;
                 let start = start as u32 as usize;
@@ -219,14 +225,14 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     return Ok(());
                 }
                 copy_out(&mut c, &slice, ptr_ptr, size_ptr)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_set_buffer_bytes",
         |mut c: C, kind: i32, start: i32, size: i32, ptr: i32, len: i32| {
-            finish((|| {
+            attempt(|| {
                 let kind = BufferType::from_abi(kind).ok_or(Status::BadArgument)?;
                 let data = read(&mut c, ptr, len)?;
                 let state = c.data_mut();
@@ -261,7 +267,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     return Err(Status::BadArgument.into());
                 }
                 Ok(())
-            })())
+            })
         },
     )?;
 
@@ -270,7 +276,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_get_header_map_pairs",
         |mut c: C, map: i32, ptr_ptr: i32, size_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let pairs = with_map(&mut c, map, false, |h| h.clone())?;
                 let bytes = if pairs.is_empty() {
                     Vec::new()
@@ -278,14 +284,14 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     abi::encode_pairs(&pairs)
                 };
                 copy_out(&mut c, &bytes, ptr_ptr, size_ptr)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_set_header_map_pairs",
         |mut c: C, map: i32, ptr: i32, len: i32| {
-            finish((|| {
+            attempt(|| {
                 let bytes = read(&mut c, ptr, len)?;
                 // cpp-host's toPairs turns a malformed buffer into no pairs.
                 let pairs = abi::decode_pairs(&bytes).unwrap_or_default();
@@ -295,24 +301,24 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                         .map(|(k, v)| (k.to_ascii_lowercase(), v))
                         .collect();
                 })
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_get_header_map_size",
         |mut c: C, map: i32, ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let n = with_map(&mut c, map, false, |h| h.len())?;
                 write_u32(&mut c, ptr, n as u32)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_get_header_map_value",
         |mut c: C, map: i32, kp: i32, kl: i32, ptr_ptr: i32, size_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
                 let value = with_map(&mut c, map, false, |h| {
                     h.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone())
@@ -321,14 +327,14 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     None => Err(Status::NotFound.into()),
                     Some(v) => copy_out(&mut c, v.as_bytes(), ptr_ptr, size_ptr),
                 }
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_replace_header_map_value",
         |mut c: C, map: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-            finish((|| {
+            attempt(|| {
                 let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
                 let value = read_str(&mut c, vp, vl)?;
                 with_map(&mut c, map, true, |h| {
@@ -349,28 +355,28 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                         None => h.push((key, value)),
                     }
                 })
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_add_header_map_value",
         |mut c: C, map: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
-            finish((|| {
+            attempt(|| {
                 let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
                 let value = read_str(&mut c, vp, vl)?;
                 with_map(&mut c, map, true, |h| h.push((key, value)))
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_remove_header_map_value",
         |mut c: C, map: i32, kp: i32, kl: i32| {
-            finish((|| {
+            attempt(|| {
                 let key = read_str(&mut c, kp, kl)?.to_ascii_lowercase();
                 with_map(&mut c, map, true, |h| h.retain(|(k, _)| *k != key))
-            })())
+            })
         },
     )?;
 
@@ -379,7 +385,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_get_property",
         |mut c: C, pp: i32, pl: i32, ptr_ptr: i32, size_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let path = abi::property_path(&read(&mut c, pp, pl)?);
                 let state = c.data();
                 let value = match path.as_str() {
@@ -392,19 +398,19 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     None => Err(Status::NotFound.into()),
                     Some(v) => copy_out(&mut c, &v, ptr_ptr, size_ptr),
                 }
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_set_property",
         |mut c: C, pp: i32, pl: i32, vp: i32, vl: i32| {
-            finish((|| {
+            attempt(|| {
                 let path = abi::property_path(&read(&mut c, pp, pl)?);
                 let value = read(&mut c, vp, vl)?;
                 c.data_mut().properties.insert(path, value);
                 Ok(())
-            })())
+            })
         },
     )?;
 
@@ -413,21 +419,21 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_get_shared_data",
         |mut c: C, kp: i32, kl: i32, ptr_ptr: i32, size_ptr: i32, cas_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let key = read_str(&mut c, kp, kl)?;
                 let vm_id = c.data().vm_id.clone();
                 let entry = world(&c).shared.get(&vm_id, &key);
                 let (value, cas) = entry.ok_or(Status::NotFound)?;
                 copy_out(&mut c, &value, ptr_ptr, size_ptr)?;
                 write_u32(&mut c, cas_ptr, cas)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_set_shared_data",
         |mut c: C, kp: i32, kl: i32, vp: i32, vl: i32, cas: i32| {
-            finish((|| {
+            attempt(|| {
                 let key = read_str(&mut c, kp, kl)?;
                 let value = read(&mut c, vp, vl)?;
                 let (vm, vm_id) = (c.data().index, c.data().vm_id.clone());
@@ -440,7 +446,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     Status::Ok => Ok(()),
                     s => Err(s.into()),
                 }
-            })())
+            })
         },
     )?;
 
@@ -449,7 +455,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_register_shared_queue",
         |mut c: C, np: i32, nl: i32, token_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let name = read_str(&mut c, np, nl)?;
                 let s = c.data();
                 let owner = QueueOwner {
@@ -459,49 +465,49 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 let vm_id = s.vm_id.clone();
                 let token = world(&c).queues.register(&vm_id, &name, owner);
                 write_u32(&mut c, token_ptr, token)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_resolve_shared_queue",
         |mut c: C, vp: i32, vl: i32, np: i32, nl: i32, token_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let vm_id = read_str(&mut c, vp, vl)?;
                 let name = read_str(&mut c, np, nl)?;
                 let token = world(&c).queues.resolve(&vm_id, &name);
                 write_u32(&mut c, token_ptr, token.ok_or(Status::NotFound)?)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_enqueue_shared_queue",
         |mut c: C, token: i32, vp: i32, vl: i32| {
-            finish((|| {
+            attempt(|| {
                 let value = read(&mut c, vp, vl)?;
                 match world(&c).queues.enqueue(token as u32, &value) {
                     Status::Ok => Ok(()),
                     s => Err(s.into()),
                 }
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_dequeue_shared_queue",
         |mut c: C, token: i32, ptr_ptr: i32, size_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let item = world(&c).queues.dequeue(token as u32);
                 let item = item.map_err(Fail::Status)?;
                 copy_out(&mut c, &item, ptr_ptr, size_ptr)
-            })())
+            })
         },
     )?;
 
     // ---- stream control ----------------------------------------------------
     linker.func_wrap("env", "proxy_continue_stream", |mut c: C, kind: i32| {
-        finish((|| {
+        attempt(|| {
             let state = c.data_mut();
             let id = state.context();
             state.stream()?;
@@ -511,10 +517,10 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 _ => return Err(Status::BadArgument.into()),
             }
             Ok(())
-        })())
+        })
     })?;
     linker.func_wrap("env", "proxy_close_stream", |mut c: C, kind: i32| {
-        finish((|| {
+        attempt(|| {
             let state = c.data_mut();
             let id = state.context();
             match kind {
@@ -527,13 +533,13 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 2 | 3 => Ok(()),
                 _ => Err(Status::BadArgument.into()),
             }
-        })())
+        })
     })?;
     linker.func_wrap(
         "env",
         "proxy_send_local_response",
         |mut c: C, status: i32, dp: i32, dl: i32, bp: i32, bl: i32, hp: i32, hl: i32, grpc: i32| {
-            finish((|| {
+            attempt(|| {
                 let details = read_str(&mut c, dp, dl)?;
                 let body = read(&mut c, bp, bl)?;
                 let headers = abi::decode_pairs(&read(&mut c, hp, hl)?).unwrap_or_default();
@@ -553,7 +559,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     state.stop_iteration = true;
                 }
                 Ok(())
-            })())
+            })
         },
     )?;
     linker.func_wrap("env", "proxy_clear_route_cache", |_c: C| {
@@ -585,7 +591,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
          tl: i32,
          timeout_ms: i32,
          token_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let cluster = read_str(&mut c, up, ul)?;
                 let headers = abi::decode_pairs(&read(&mut c, hp, hl)?).unwrap_or_default();
                 let body = read(&mut c, bp, bl)?;
@@ -629,18 +635,18 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     token
                 };
                 write_u32(&mut c, token_ptr, token)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_get_status",
         |mut c: C, code_ptr: i32, ptr_ptr: i32, size_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let (code, message) = c.data().status.clone();
                 write_u32(&mut c, code_ptr, code)?;
                 copy_out(&mut c, message.as_bytes(), ptr_ptr, size_ptr)
-            })())
+            })
         },
     )?;
 
@@ -686,7 +692,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_call_foreign_function",
         |mut c: C, np: i32, nl: i32, ap: i32, al: i32, ptr_ptr: i32, size_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let name = read_str(&mut c, np, nl)?;
                 let args = read(&mut c, ap, al)?;
                 let function = world(&c).foreign.remove(&name);
@@ -697,7 +703,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 world(&c).foreign.insert(name, function);
                 let out = result.map_err(Fail::Status)?;
                 copy_out(&mut c, &out, ptr_ptr, size_ptr)
-            })())
+            })
         },
     )?;
 
@@ -706,7 +712,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         "env",
         "proxy_define_metric",
         |mut c: C, kind: i32, np: i32, nl: i32, id_ptr: i32| {
-            finish((|| {
+            attempt(|| {
                 let kind_enum = match kind {
                     0 => MetricKind::Counter,
                     1 => MetricKind::Gauge,
@@ -725,14 +731,14 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     samples: 0,
                 });
                 write_u32(&mut c, id_ptr, id)
-            })())
+            })
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_increment_metric",
         |c: C, id: i32, offset: i64| {
-            finish((|| {
+            attempt(|| {
                 let name = c.data().metric_ids.get(&(id as u32)).cloned();
                 let name = name.ok_or(Status::NotFound)?;
                 let mut w = world(&c);
@@ -744,11 +750,11 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     MetricKind::Histogram => return Err(Status::BadArgument.into()),
                 }
                 Ok(())
-            })())
+            })
         },
     )?;
     linker.func_wrap("env", "proxy_record_metric", |c: C, id: i32, value: i64| {
-        finish((|| {
+        attempt(|| {
             let name = c.data().metric_ids.get(&(id as u32)).cloned();
             let name = name.ok_or(Status::NotFound)?;
             let mut w = world(&c);
@@ -762,10 +768,10 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 }
             }
             Ok(())
-        })())
+        })
     })?;
     linker.func_wrap("env", "proxy_get_metric", |mut c: C, id: i32, ptr: i32| {
-        finish((|| {
+        attempt(|| {
             let name = c.data().metric_ids.get(&(id as u32)).cloned();
             let name = name.ok_or(Status::NotFound)?;
             let m = world(&c)
@@ -777,7 +783,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 return Err(Status::BadArgument.into());
             }
             write_u64(&mut c, ptr, m.value as u64)
-        })())
+        })
     })?;
     Ok(())
 }

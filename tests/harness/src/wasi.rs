@@ -29,6 +29,10 @@ fn errno(r: Result<(), Fail>) -> wasmtime::Result<i32> {
     }
 }
 
+fn errno_with(body: impl FnOnce() -> Result<(), Fail>) -> wasmtime::Result<i32> {
+    errno(body())
+}
+
 pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
     let m = "wasi_snapshot_preview1";
     linker.func_wrap(
@@ -40,7 +44,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                 2 => 4u32,
                 _ => return Ok(EBADF),
             };
-            errno((|| {
+            errno_with(|| {
                 let mut text = Vec::new();
                 for i in 0..n {
                     let iov = read(&mut c, iovs + i * 8, 8)?;
@@ -58,7 +62,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     c.data().world.borrow_mut().log(&name, level, line);
                 }
                 write_u32(&mut c, out, written)
-            })())
+            })
         },
     )?;
     linker.func_wrap(m, "fd_read", |_c: C, _: i32, _: i32, _: i32, _: i32| {
@@ -90,17 +94,17 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
     linker.func_wrap(m, "environ_sizes_get", |mut c: C, count: i32, size: i32| {
         let env = c.data().env.clone();
         let bytes: usize = env.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
-        errno((|| {
+        errno_with(|| {
             write_u32(&mut c, count, env.len() as u32)?;
             write_u32(&mut c, size, bytes as u32)
-        })())
+        })
     })?;
     linker.func_wrap(
         m,
         "environ_get",
         |mut c: C, mut array: i32, mut buf: i32| {
             let env = c.data().env.clone();
-            errno((|| {
+            errno_with(|| {
                 for (k, v) in env {
                     write_u32(&mut c, array, buf as u32)?;
                     let entry = format!("{k}={v}\0");
@@ -109,14 +113,14 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     array += 4;
                 }
                 Ok(())
-            })())
+            })
         },
     )?;
     linker.func_wrap(m, "args_sizes_get", |mut c: C, argc: i32, size: i32| {
-        errno((|| {
+        errno_with(|| {
             write_u32(&mut c, argc, 0)?;
             write_u32(&mut c, size, 0)
-        })())
+        })
     })?;
     linker.func_wrap(m, "args_get", |_c: C, _: i32, _: i32| Ok(ESUCCESS))?;
     linker.func_wrap(

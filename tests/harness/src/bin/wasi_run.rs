@@ -58,7 +58,13 @@ fn run() -> Result<i32> {
         Ok(()) => Ok(0),
         Err(e) => match e.downcast_ref::<I32Exit>() {
             Some(exit) => Ok(exit.0),
-            None => Err(anyhow!("{path} trapped: {e:?}")),
+            // The wasm backtrace is useful; the host's own Rust backtrace
+            // (present when RUST_BACKTRACE is set) is noise here.
+            None => {
+                let text = format!("{e:?}");
+                let text = text.split("\nStack backtrace:").next().unwrap_or("");
+                Err(anyhow!("{path} trapped: {text}"))
+            }
         },
     }
 }
