@@ -1,0 +1,132 @@
+//! Property tests of the scheduler, the charge and the hashing.
+
+use kvroute_core::blocks::{prompt_blocks, BlockConfig};
+use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
+use kvroute_core::scheduling::active_request::ActiveRequestScorer;
+use kvroute_core::scheduling::affinity_filter::AffinityFilter;
+use kvroute_core::scheduling::charge::InflightConfig;
+use kvroute_core::scheduling::token_load::TokenLoadScorer;
+use kvroute_core::scheduling::{
+    Candidate, EndpointMetrics, Picker, RequestView, Rng, Scheduler, Scorer,
+};
+use proptest::prelude::*;
+
+fn candidate() -> impl Strategy<Value = Candidate> {
+    (
+        0u32..200,
+        0u64..2_000_000,
+        0u64..500,
+        proptest::option::of((0.0f64..50.0, 0.0f64..50.0, 0.0f64..1.0)),
+        proptest::option::of(1u64..1000),
+    )
+        .prop_map(|(matched, tokens, requests, m, cold)| Candidate {
+            matched_blocks: matched,
+            inflight_tokens: tokens,
+            inflight_requests: requests,
+            metrics: m.map(|(w, r, u)| EndpointMetrics {
+                waiting_requests: w,
+                running_requests: r,
+                kv_cache_usage: u,
+            }),
+            last_cold_pick: cold,
+        })
+}
+
+fn scheduler() -> impl Strategy<Value = Scheduler> {
+    (
+        proptest::bool::ANY,
+        0.0f64..=1.0,
+        0.0f64..100_000.0,
+        1.0f64..100_000.0,
+        0.0f64..=1.0,
+        0usize..6,
+        proptest::bool::ANY,
+        0usize..5,
+        proptest::bool::ANY,
+        0.0f64..4.0,
+    )
+        .prop_map(
+            |(filter, thr, pen, tput, expl, scorer, weighted, fallbacks, out, ratio)| Scheduler {
+                filters: if filter {
+                    vec![AffinityFilter {
+                        affinity_threshold: thr,
+                        max_ttft_penalty_ms: pen,
+                        peak_prefill_throughput: tput,
+                        exploration_probability: expl,
+                    }]
+                } else {
+                    vec![]
+                },
+                scorers: vec![(
+                    match scorer {
+                        0 => Scorer::TokenLoad(TokenLoadScorer::default()),
+                        1 => Scorer::ActiveRequest(ActiveRequestScorer::default()),
+                        2 => Scorer::Queue,
+                        3 => Scorer::KvCacheUtilization,
+                        4 => Scorer::PrefixCache,
+                        _ => Scorer::NoHitLru,
+                    },
+                    1.5,
+                )],
+                picker: if weighted {
+                    Picker::WeightedRandom
+                } else {
+                    Picker::MaxScore
+                },
+                inflight: InflightConfig {
+                    add_estimated_output_tokens: out,
+                    output_ratio: ratio,
+                    max_estimated_output_tokens: None,
+                },
+                max_fallbacks: fallbacks,
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn decisions_are_well_formed(s in scheduler(), cands in proptest::collection::vec(candidate(), 0..12),
+                                 blocks in 0u32..200, extra in 0u64..64, max_out in proptest::option::of(0u64..5000), seed in any::<u64>()) {
+        let req = RequestView { prompt_tokens: u64::from(blocks) * 16 + extra, total_blocks: blocks, block_size_tokens: 16, max_output_tokens: max_out };
+        let d = s.schedule(&req, &cands, &mut Rng::new(seed));
+        if cands.is_empty() {
+            prop_assert!(d.is_none());
+            return Ok(());
+        }
+        let d = d.unwrap();
+        prop_assert!(d.primary < cands.len());
+        prop_assert!(d.report[d.primary].passed_filter);
+        prop_assert!(d.fallbacks.len() <= s.max_fallbacks);
+        let mut all = d.fallbacks.clone();
+        all.push(d.primary);
+        all.sort_unstable();
+        all.dedup();
+        prop_assert_eq!(all.len(), d.fallbacks.len() + 1, "fallbacks distinct and without the primary");
+        prop_assert!(all.iter().all(|&i| i < cands.len()));
+        // Same seed, same decision.
+        prop_assert_eq!(s.schedule(&req, &cands, &mut Rng::new(seed)), Some(d.clone()));
+        // The charge never exceeds prompt tokens plus the output estimate.
+        let c = s.inflight.charge(&req, &cands[d.primary]);
+        prop_assert!(c.prompt_tokens <= req.prompt_tokens);
+        if !s.inflight.add_estimated_output_tokens {
+            prop_assert_eq!(c.output_tokens, 0);
+        }
+        if let Some(m) = max_out {
+            prop_assert!(c.output_tokens <= m);
+        }
+    }
+
+    #[test]
+    fn blocks_are_prefix_stable(a in proptest::collection::vec(any::<u8>(), 0..2000), b in proptest::collection::vec(any::<u8>(), 0..500)) {
+        let cfg = BlockConfig { block_size_tokens: 4, chars_per_token: 4, max_prefix_tokens: 0 };
+        let req = |p: Vec<u8>| InferenceRequest { kind: ApiKind::Completions, model: "m".into(), prompt: Prompt::Text(p), max_output_tokens: None, stream: false, cache_salt: None };
+        let short = prompt_blocks(&req(a.clone()), &cfg);
+        let mut longer = a.clone();
+        longer.extend_from_slice(&b);
+        let long = prompt_blocks(&req(longer), &cfg);
+        prop_assert_eq!(&long.block_hashes[..short.block_hashes.len()], &short.block_hashes[..]);
+        prop_assert!(short.prompt_tokens >= short.block_hashes.len() as u64 * 4);
+    }
+}
