@@ -296,7 +296,8 @@ def fleet(artifacts, tmp_path, request):
 
     def start(n=2, *extra):
         ports = free_ports(n)
-        cmd = [artifacts["emulator"], "--ports", ",".join(map(str, ports))] + [str(a) for a in extra]
+        cmd = [artifacts["emulator"], "--ports", ",".join(map(str, ports)), "--model", MODEL]
+        cmd += [str(a) for a in extra]
         proc = Process(f"kvroute-emulator#{len(started)}", cmd, str(tmp_path / f"emulator{len(started)}.log"))
         started.append(proc)
         proc.wait_for_log("READY", timeout=30)

@@ -10,35 +10,14 @@ from conftest import completion, in_background, text, wait_until
 
 NUM_GPU_BLOCKS = 777
 
-# vLLM metric name -> the normalised key it should appear under in the state.
-_GAUGES = {
-    "vllm:num_requests_running": "numrequestsrunning",
-    "vllm:num_requests_waiting": "numrequestswaiting",
-    "vllm:kv_cache_usage_perc": "kvcacheusage",
+# vLLM metric name -> field of `metrics` in the filter state (routing.statePath).
+_SERVED_AS = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kvCacheUsage",
+    "vllm:prefix_cache_queries_total": "prefixCacheQueries",
+    "vllm:prefix_cache_hits_total": "prefixCacheHits",
 }
-_COUNTERS = {
-    "vllm:prefix_cache_queries_total": "prefixcachequeries",
-    "vllm:prefix_cache_hits_total": "prefixcachehits",
-}
-
-
-def _norm(key):
-    key = key.lower().replace("vllm:", "")
-    key = re.sub(r"[^a-z0-9]", "", key)
-    for suffix in ("total", "perc", "percent"):
-        if key.endswith(suffix) and key != suffix:
-            key = key[: -len(suffix)]
-    return key
-
-
-def _flatten(obj, prefix=""):
-    out = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-        out[_norm(prefix.rstrip(".").rsplit(".", 1)[-1])] = float(obj)
-    return out
 
 
 def parse_prometheus(body):
@@ -60,22 +39,18 @@ def parse_prometheus(body):
 
 def _collector_matches(e, f):
     """True when, for every endpoint, the state's metrics equal a fresh read
-    of the endpoint's own /metrics (gauges and counters)."""
+    of the endpoint's own /metrics (gauges, counters, cache_config_info)."""
     state = e.state_by_address()
     for addr in f.addresses:
-        metrics = state[addr].get("metrics")
-        if not metrics:
+        seen = state[addr].get("metrics")
+        if not seen or not seen.get("fresh"):
             return False
-        seen = _flatten(metrics)
         served, labels = parse_prometheus(f.metrics_text(addr))
-        for vllm_name, key in list(_GAUGES.items()) + list(_COUNTERS.items()):
-            if vllm_name not in served:
-                raise AssertionError(f"{addr} does not serve {vllm_name}")
-            if key not in seen or abs(seen[key] - served[vllm_name]) > 1e-6:
+        for vllm_name, field in _SERVED_AS.items():
+            assert vllm_name in served, f"{addr} does not serve {vllm_name}"
+            if abs(float(seen[field]) - served[vllm_name]) > 1e-9:
                 return False
-        if seen.get("numgpublocks") != float(labels.get("num_gpu_blocks", -1)):
-            return False
-        if seen.get("blocksize") != float(labels.get("block_size", -1)):
+        if seen["numGpuBlocks"] != int(labels["num_gpu_blocks"]) or seen["blockSize"] != int(labels["block_size"]):
             return False
     return True
 
@@ -92,13 +67,13 @@ def test_collector_view_matches_endpoints(fleet, envoy):
     assert labels.get("num_gpu_blocks") == str(NUM_GPU_BLOCKS), labels
     wait_until(lambda: _collector_matches(e, f), timeout=10, what="collector state equal to /metrics")
 
-    # With requests held in flight the gauges move; the collector follows.
-    held = [in_background(completion, e.port, text(f"held-{i}", 4096),
-                          headers={"x-emulator-delay-ms": "4000"}, timeout=30) for i in range(4)]
+    # Long generations (300 tokens x 25 ms decode steps = 7.5 s) keep the
+    # emulated engines busy; the collector sees running/waiting move.
+    held = [in_background(completion, e.port, text(f"held-{i}", 4096), max_tokens=300, timeout=60)
+            for i in range(4)]
     wait_until(lambda: _collector_matches(e, f) and any(
-        (x.get("metrics") or {}) and _flatten(x["metrics"]).get("numrequestsrunning", 0)
-        + _flatten(x["metrics"]).get("numrequestswaiting", 0) > 0
-        for x in e.state()["endpoints"]), timeout=10, what="collector seeing the held requests")
+        x["metrics"]["running"] + x["metrics"]["waiting"] > 0 for x in e.state()["endpoints"]),
+        timeout=10, what="collector seeing the held requests")
     for t, _ in held:
         t.join()
 
@@ -129,11 +104,15 @@ def test_dead_metrics_do_not_stop_routing(fleet, envoy):
     wait_until(lambda: all(x.get("metrics") for x in e.state()["endpoints"]), timeout=10,
                what="first metrics poll")
     a, b = f.addresses
+    failures_before = e.state_by_address()[a]["metrics"]["failures"]
     for mode_a, mode_b in (("500", "ok"), ("garbage", "500"), ("hang", "garbage")):
         f.metrics_mode(a, mode_a)
         f.metrics_mode(b, mode_b)
         time.sleep(1.5)  # the collector polls every 500 ms: a few failed polls
         _route_many(e, f, f"dead-{mode_a}-{mode_b}")
+        # The collector noticed: a's polls are counted as failures.
+        assert e.state_by_address()[a]["metrics"]["failures"] > failures_before, e.state_by_address()[a]
+        failures_before = e.state_by_address()[a]["metrics"]["failures"]
         assert {x["address"] for x in e.state()["endpoints"]} == set(f.addresses)
         e.assert_alive()
         assert e.wasm_failures() == {}
