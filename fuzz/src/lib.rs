@@ -1,0 +1,267 @@
+//! The checks behind kvroute's fuzz targets.
+//!
+//! Each `fuzz_targets/*.rs` is one line that hands libFuzzer's input to a
+//! function here. A check fails by panicking; libFuzzer reports the panic
+//! as a crash and saves the input. What is checked, besides "no panic":
+//!
+//! - [`check_parse`]: every `ApiKind`; errors are typed and printable; a
+//!   parsed request has a model and (but for embeddings) a non-empty UTF-8
+//!   prompt; parsing is deterministic; the prompt's blocks satisfy
+//!   `prompt_tokens ≥ blocks × block_size_tokens`, respect
+//!   `maxPrefixTokensToMatch`, and are prefix-stable (a byte-prefix of the
+//!   prompt hashes to a prefix of the blocks); dropping the last chat
+//!   message renders a byte-prefix; allocation per parse is bounded by a
+//!   multiple of the body's size.
+//! - [`check_config`]: errors name a problem; an accepted config is
+//!   deterministic, in range, and routes, charges and releases requests to
+//!   zero over a `MemoryStore`.
+//! - [`engine::run`]: a program of routes, releases, clock steps, metrics
+//!   polls, membership changes and CAS conflicts against one engine; the
+//!   in-flight counters equal the outstanding charges after every step, and
+//!   return to zero once every routed request is released.
+
+pub mod alloc_count;
+pub mod engine;
+
+use kvroute_core::blocks::{estimate_tokens, prompt_blocks, text_blocks, BlockConfig};
+use kvroute_core::config::{Config, EndpointSource};
+use kvroute_core::request::{
+    parse_request, ApiKind, InferenceRequest, ParseError, ParseLimits, Prompt,
+};
+use serde_json::Value;
+use std::sync::OnceLock;
+
+#[global_allocator]
+static ALLOC: alloc_count::Counting = alloc_count::Counting;
+
+/// Every API the parser knows.
+pub const KINDS: [ApiKind; 4] = [
+    ApiKind::ChatCompletions,
+    ApiKind::Completions,
+    ApiKind::Responses,
+    ApiKind::Embeddings,
+];
+
+/// Block geometries the hashing invariants are checked under: the default,
+/// the smallest blocks, a capped prefix, and the largest blocks.
+fn block_configs() -> [BlockConfig; 4] {
+    [
+        BlockConfig::default(),
+        BlockConfig {
+            block_size_tokens: 1,
+            chars_per_token: 1,
+            max_prefix_tokens: 0,
+        },
+        BlockConfig {
+            block_size_tokens: 16,
+            chars_per_token: 4,
+            max_prefix_tokens: 64,
+        },
+        BlockConfig {
+            block_size_tokens: 65_536,
+            chars_per_token: 64,
+            max_prefix_tokens: 0,
+        },
+    ]
+}
+
+/// Heap bytes one parse may hold at once: `factor × body bytes + 64 KiB`.
+/// `KVROUTE_FUZZ_ALLOC_FACTOR` overrides the factor (default 64; see
+/// docs/benchmarks.md for what the parser actually needs).
+pub fn alloc_bound(input_len: usize) -> usize {
+    static FACTOR: OnceLock<usize> = OnceLock::new();
+    let factor = *FACTOR.get_or_init(|| {
+        std::env::var("KVROUTE_FUZZ_ALLOC_FACTOR")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64)
+    });
+    factor.saturating_mul(input_len).saturating_add(64 << 10)
+}
+
+fn check_alloc(what: &str, input_len: usize, peak: usize) {
+    assert!(
+        peak <= alloc_bound(input_len),
+        "{what}: {peak} heap bytes at peak for a {input_len}-byte input ({:.1}× the input), over the bound {}",
+        peak as f64 / input_len.max(1) as f64,
+        alloc_bound(input_len)
+    );
+}
+
+/// Fuzz target `parse_request`: parse under every API, then hash.
+pub fn check_parse(body: &[u8]) {
+    let limits = ParseLimits::default();
+    for kind in KINDS {
+        let base = alloc_count::start();
+        let parsed = parse_request(kind, body, &limits);
+        check_alloc("parse_request", body.len(), alloc_count::peak_since(base));
+        match parsed {
+            Ok(req) => {
+                assert_eq!(
+                    parse_request(kind, body, &limits).as_ref(),
+                    Ok(&req),
+                    "parsing is not deterministic"
+                );
+                check_request(kind, &req);
+            }
+            Err(e) => check_parse_error(&e, body),
+        }
+    }
+    check_message_extension(body);
+}
+
+fn check_parse_error(e: &ParseError, body: &[u8]) {
+    let label = e.label();
+    assert!(
+        [
+            "empty",
+            "too_large",
+            "invalid_json",
+            "missing_model",
+            "missing_prompt"
+        ]
+        .contains(&label),
+        "unknown label {label}"
+    );
+    assert!(!e.to_string().is_empty());
+    assert_eq!(matches!(e, ParseError::Empty), body.is_empty());
+    if let ParseError::Json(m) = e {
+        assert!(!m.is_empty(), "a JSON error without a message");
+    }
+}
+
+fn check_request(kind: ApiKind, req: &InferenceRequest) {
+    assert_eq!(req.kind, kind);
+    assert!(
+        !req.model.is_empty(),
+        "a parsed request with an empty model"
+    );
+    if kind == ApiKind::Embeddings {
+        assert_eq!(req.prompt, Prompt::Text(Vec::new()));
+    } else {
+        assert!(!req.prompt.is_empty(), "a parsed request with no prompt");
+    }
+    if let Prompt::Text(t) = &req.prompt {
+        assert!(
+            std::str::from_utf8(t).is_ok(),
+            "the rendered prompt is not UTF-8"
+        );
+    }
+    for cfg in block_configs() {
+        check_blocks(req, &cfg);
+    }
+}
+
+fn check_blocks(req: &InferenceRequest, cfg: &BlockConfig) {
+    let b = prompt_blocks(req, cfg);
+    let n = b.block_hashes.len();
+    let bs = u64::from(cfg.block_size_tokens);
+    assert!(
+        b.prompt_tokens >= n as u64 * bs,
+        "prompt_tokens {} < {n} blocks × {bs} tokens ({cfg:?})",
+        b.prompt_tokens
+    );
+    assert!(n <= cfg.max_blocks(), "{n} blocks over the cap ({cfg:?})");
+    assert_eq!(prompt_blocks(req, cfg), b, "hashing is not deterministic");
+    let seed = kvroute_core::blocks::chain_seed(&req.model, req.cache_salt.as_deref());
+    match &req.prompt {
+        Prompt::Text(text) => {
+            assert_eq!(
+                b.prompt_tokens,
+                estimate_tokens(text.len(), cfg.chars_per_token)
+            );
+            let block_bytes = cfg.block_size_tokens as usize * cfg.chars_per_token as usize;
+            assert_eq!(n, (text.len() / block_bytes).min(cfg.max_blocks()));
+            // A byte-prefix of the prompt hashes to a prefix of its blocks.
+            for cut in [text.len() / 2, text.len().saturating_sub(1)] {
+                let p = text_blocks(&text[..cut], seed, cfg);
+                assert!(
+                    b.block_hashes.starts_with(&p.block_hashes),
+                    "blocks of a {cut}-byte prefix are not a prefix of the blocks ({cfg:?})"
+                );
+            }
+        }
+        Prompt::TokenIds(ids) => {
+            assert_eq!(b.prompt_tokens, ids.len() as u64);
+            assert_eq!(n, (ids.len() / bs as usize).min(cfg.max_blocks()));
+        }
+    }
+}
+
+/// Chat and Responses: a conversation without its last message renders to a
+/// byte-prefix of the whole conversation (so it shares its leading blocks).
+/// Both bodies are re-serialised from the same `serde_json::Value`, so raw
+/// JSON (tools, tool calls, non-text parts) is spelled the same in both.
+fn check_message_extension(body: &[u8]) {
+    let Ok(Value::Object(doc)) = serde_json::from_slice::<Value>(body) else {
+        return;
+    };
+    for (kind, field) in [
+        (ApiKind::ChatCompletions, "messages"),
+        (ApiKind::Responses, "input"),
+    ] {
+        let Some(Value::Array(items)) = doc.get(field) else {
+            continue;
+        };
+        if items.len() < 2 {
+            continue;
+        }
+        let full = serde_json::to_vec(&doc).expect("a Value serialises");
+        let mut shorter = doc.clone();
+        if let Some(Value::Array(items)) = shorter.get_mut(field) {
+            items.pop();
+        }
+        let shorter = serde_json::to_vec(&shorter).expect("a Value serialises");
+        let limits = ParseLimits::default();
+        let Ok(long) = parse_request(kind, &full, &limits) else {
+            continue;
+        };
+        let short = parse_request(kind, &shorter, &limits)
+            .expect("the conversation parses but its first messages do not");
+        match (&short.prompt, &long.prompt) {
+            (Prompt::Text(s), Prompt::Text(l)) => assert!(
+                l.starts_with(s),
+                "{kind:?}: dropping the last message does not render a prefix"
+            ),
+            other => panic!("{kind:?}: unexpected prompt kinds {other:?}"),
+        }
+    }
+}
+
+/// Fuzz target `config`: load a plugin configuration; when accepted, route
+/// a few requests with it.
+pub fn check_config(doc: &[u8]) {
+    let base = alloc_count::start();
+    let loaded = Config::from_json(doc);
+    check_alloc(
+        "Config::from_json",
+        doc.len(),
+        alloc_count::peak_since(base),
+    );
+    let config = match loaded {
+        Err(e) => {
+            assert!(!e.message.is_empty(), "a config error without a message");
+            assert!(!e.to_string().is_empty());
+            return;
+        }
+        Ok(c) => c,
+    };
+    assert_eq!(
+        Config::from_json(doc).as_ref(),
+        Ok(&config),
+        "config loading is not deterministic"
+    );
+    let b = &config.prefix.blocks;
+    assert!((1..=65_536).contains(&b.block_size_tokens), "{b:?}");
+    assert!((1..=64).contains(&b.chars_per_token), "{b:?}");
+    assert!(config.routing.max_fallbacks <= 16);
+    assert_eq!(config.scheduler.max_fallbacks, config.routing.max_fallbacks);
+    assert!(config.routing.max_body_bytes >= 1024);
+    for (_, w) in &config.scheduler.scorers {
+        assert!(w.is_finite() && *w >= 0.0, "scorer weight {w}");
+    }
+    if let EndpointSource::Static(list) = &config.endpoints {
+        assert!(list.len() <= 1024);
+    }
+    engine::route_with(config);
+}
