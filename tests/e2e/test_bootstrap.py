@@ -37,3 +37,9 @@ def test_default_plugin_config_is_valid_json_with_llm_d_sections():
         cfg = json.load(f)
     assert {p["type"] for p in cfg["plugins"]} >= {"prefix-cache-affinity-filter", "token-load-scorer"}
     assert cfg["schedulingProfiles"][0]["plugins"]
+
+
+def test_baseline_bootstrap_has_no_wasm_and_validates(tmp_path):
+    text = render.render(endpoints=["127.0.0.1:18001"], baseline=True)
+    assert "wasm" not in text
+    _validate(tmp_path, text)

@@ -202,8 +202,10 @@ def test_client_destination_header_is_ignored(fleet, envoy):
         served[r.served_by] += 1
     assert served[warm] >= 1, served
 
-    # Cold requests naming the outsider are answered by members only.
+    # Cold requests naming the outsider are answered by members only, and
+    # the outsider never sees a request.
     for i in range(4):
         r = completion(e.port, text(f"cold-{i}", 2048), headers={DEST_HEADER: outsider.addresses[0]})
         assert r.status == 200, r
         assert r.served_by in f.addresses, r
+    assert outsider.stats(outsider.addresses[0])["requests"] == 0
