@@ -210,10 +210,52 @@ def run_wrk(url, bodies_file, connections, seconds, offset, lua):
 # ---------------------------------------------------------------- the benchmark
 
 
-def start_everything(args, work, endpoints_n):
-    ports = free_ports(endpoints_n + 8)
+# Extra arms for the step-by-step profile (--profile): the same Envoy with one
+# piece added at a time. Differences of their proxy CPU per request say what
+# each step costs.
+PROFILE_ARMS = {
+    # Envoy's own buffer filter before the router: what whole-body buffering
+    # costs Envoy, with no wasm at all.
+    "envoy-buffer": {"baseline": True, "buffer_filter": True},
+    # The kvroute filter loaded, but chat requests are not routable (paths =
+    # embeddings only): the filter's fixed cost (VM context, header and
+    # response callbacks), no body buffering, no parse.
+    "kv-skip": {"plugin": {"routing": {"paths": ["/v1/embeddings"]}}},
+    # kvroute routing on the first 64 tokens only (maxPrefixTokensToMatch 64):
+    # buffering, body copy into the VM, JSON parse, prompt render, state reads,
+    # decision, charge and release, with 1 block hashed, looked up and indexed.
+    "kv-1block": {"plugin": {"approx-prefix-cache-producer": {"maxPrefixTokensToMatch": 64}}},
+}
+
+BUFFER_FILTER_YAML = """          - name: envoy.filters.http.buffer
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
+              max_request_bytes: 8388608
+"""
+
+
+def _plugin_variant(base_path, change, work, name):
+    with open(base_path) as f:
+        cfg = json.load(f)
+    for key, value in change.items():
+        if key == "routing":
+            cfg.setdefault("routing", {}).update(value)
+        else:
+            for plugin in cfg["plugins"]:
+                if plugin["type"] == key:
+                    plugin.setdefault("parameters", {}).update(value)
+    path = os.path.join(work, f"{name}-plugin.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+def start_everything(args, work, endpoints_n, arms):
+    envoy_arms = [a for a in arms if a not in ("direct", "smg")]
+    ports = free_ports(1 + endpoints_n + 2 * len(envoy_arms) + 2)
     stub_admin, stub_ports = ports[0], ports[1 : 1 + endpoints_n]
-    rr_port, rr_admin, kv_port, kv_admin, smg_port, smg_prom = ports[1 + endpoints_n : 7 + endpoints_n]
+    rest = ports[1 + endpoints_n :]
+    smg_port, smg_prom = rest[-2], rest[-1]
     envoy = envoy_binary()
     endpoints = [f"127.0.0.1:{p}" for p in stub_ports]
     procs = {}
@@ -224,37 +266,53 @@ def start_everything(args, work, endpoints_n):
     procs["stub"] = Proc("stub", [envoy, "-c", stub_cfg, "--concurrency", str(args.stub_concurrency),
                                   "--use-dynamic-base-id", "-l", "warn"], os.path.join(work, "stub.log"))
 
-    def render(name, port, admin, baseline):
+    def render(name, port, admin, spec):
         cfg = os.path.join(work, f"{name}.yaml")
+        plugin = args.plugin_config
+        if spec.get("plugin"):
+            plugin = _plugin_variant(args.plugin_config, spec["plugin"], work, name)
         argv = [sys.executable, os.path.join(REPO, "envoy", "render.py"), "--endpoints", ",".join(endpoints),
                 "--listen-port", str(port), "--admin-port", str(admin), "--wasm", args.wasm,
-                "--plugin-config", args.plugin_config, "-o", cfg]
-        if baseline:
+                "--plugin-config", plugin, "-o", cfg]
+        if spec.get("baseline"):
             argv.append("--baseline")
         subprocess.run(argv, check=True)
+        if spec.get("buffer_filter"):
+            with open(cfg) as f:
+                text = f.read()
+            marker = "          http_filters:\n"
+            if marker not in text:
+                raise RuntimeError("render.py output changed: no http_filters list to add the buffer filter to")
+            with open(cfg, "w") as f:
+                f.write(text.replace(marker, marker + BUFFER_FILTER_YAML, 1))
         return cfg
 
-    for name, port, admin, baseline in (("envoy-rr", rr_port, rr_admin, True), ("kvroute", kv_port, kv_admin, False)):
-        cfg = render(name, port, admin, baseline)
+    urls = {"direct": f"http://127.0.0.1:{stub_ports[0]}"}
+    proxy_of = {"direct": None}
+    admins = {"stub": stub_admin}
+    specs = {"envoy-rr": {"baseline": True}, "kvroute": {}}
+    specs.update(PROFILE_ARMS)
+    for i, name in enumerate(envoy_arms):
+        port, admin = rest[2 * i], rest[2 * i + 1]
+        cfg = render(name, port, admin, specs[name])
         procs[name] = Proc(name, [envoy, "-c", cfg, "--concurrency", str(args.concurrency),
                                   "--use-dynamic-base-id", "-l", "warn"], os.path.join(work, f"{name}.log"))
+        urls[name] = f"http://127.0.0.1:{port}"
+        proxy_of[name] = procs[name]
+        admins[name] = admin
 
-    smg_argv = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(smg_port),
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(smg_prom),
-                "--policy", "cache_aware", "--disable-tokenizer-autoload", "--log-level", "warn",
-                "--worker-urls", *[f"http://{e}" for e in endpoints]]
-    procs["smg"] = Proc("smg", smg_argv, os.path.join(work, "smg.log"))
+    smg_argv = None
+    if "smg" in arms:
+        smg_argv = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(smg_port),
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(smg_prom),
+                    "--policy", "cache_aware", "--disable-tokenizer-autoload", "--log-level", "warn",
+                    "--worker-urls", *[f"http://{e}" for e in endpoints]]
+        procs["smg"] = Proc("smg", smg_argv, os.path.join(work, "smg.log"))
+        urls["smg"] = f"http://127.0.0.1:{smg_port}"
+        proxy_of["smg"] = procs["smg"]
 
-    urls = {
-        "direct": f"http://127.0.0.1:{stub_ports[0]}",
-        "envoy-rr": f"http://127.0.0.1:{rr_port}",
-        "kvroute": f"http://127.0.0.1:{kv_port}",
-        "smg": f"http://127.0.0.1:{smg_port}",
-    }
-    proxy_of = {"direct": None, "envoy-rr": procs["envoy-rr"], "kvroute": procs["kvroute"], "smg": procs["smg"]}
-    admins = {"stub": stub_admin, "envoy-rr": rr_admin, "kvroute": kv_admin}
     startup = {}
-    for arm in ARMS:
+    for arm in arms:
         startup[arm] = wait_ready(arm, urls[arm], proxy_of[arm] or procs["stub"])
     return procs, urls, proxy_of, admins, startup, {"smg_argv": smg_argv, "endpoints": endpoints}
 
@@ -374,8 +432,9 @@ def fmt(x, nd=2):
 def markdown(summary, sizes, arms):
     lines = []
     lines.append("| size | arm | p50 ms (c=1) | p99 ms (c=1) | added p50 vs RR ms | added p99 vs RR ms "
-                 "| req/s (c=16) | req/s ÷ RR | proxy CPU µs/req (c=16) | p50 ms (c=16) | p99 ms (c=16) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                 "| req/s (c=16) | req/s ÷ RR | proxy CPU µs/req (c=1) | proxy CPU µs/req (c=16) "
+                 "| p50 ms (c=16) | p99 ms (c=16) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
         for arm in arms:
             lat = summary.get(size, {}).get("latency", {}).get(arm)
@@ -388,7 +447,7 @@ def markdown(summary, sizes, arms):
                 f"| {size} | {arm} | {fmt(lat.get('p50_ms'), 3)} | {fmt(lat.get('p99_ms'), 3)} "
                 f"| {fmt(lat.get('added_p50_ms_vs_envoy-rr'), 3)} | {fmt(lat.get('added_p99_ms_vs_envoy-rr'), 3)} "
                 f"| {fmt(sat.get('rps'), 0)} | {fmt(sat.get('rps_ratio_vs_envoy-rr'), 2)} "
-                f"| {fmt(sat.get('proxy_cpu_us_per_req'), 1)} | {fmt(sat.get('p50_ms'), 2)} | {fmt(sat.get('p99_ms'), 2)} |"
+                f"| {fmt(lat.get('proxy_cpu_us_per_req'), 1)} | {fmt(sat.get('proxy_cpu_us_per_req'), 1)} | {fmt(sat.get('p50_ms'), 2)} | {fmt(sat.get('p99_ms'), 2)} |"
             )
     return "\n".join(lines)
 
@@ -397,7 +456,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke: 8k and 400k, 1 round, 2 s runs")
     p.add_argument("--sizes", help="comma list of 8k,64k,400k (default all; quick: 8k,400k)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {','.join(ARMS)}")
+    p.add_argument("--arms", help=f"comma list of {','.join(ARMS)} (default all), and with --profile "
+                   f"{','.join(PROFILE_ARMS)}")
+    p.add_argument("--profile", action="store_true",
+                   help="step-by-step profile: envoy-rr, envoy-buffer, kv-skip, kv-1block, kvroute (no smg/direct)")
     p.add_argument("--rounds", type=int, help="measurement rounds (default 5; quick: 1)")
     p.add_argument("--seconds", type=float, help="seconds per wrk run (default 5; quick: 2)")
     p.add_argument("--latency-connections", type=int, default=1)
@@ -415,9 +477,14 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     sizes = args.sizes.split(",") if args.sizes else (["8k", "400k"] if args.quick else list(SIZES))
-    arms = [a for a in args.arms.split(",") if a]
+    if args.arms:
+        arms = [a for a in args.arms.split(",") if a]
+    elif args.profile:
+        arms = ["envoy-rr", "envoy-buffer", "kv-skip", "kv-1block", "kvroute"]
+    else:
+        arms = list(ARMS)
     for a in arms:
-        if a not in ARMS:
+        if a not in ARMS and a not in PROFILE_ARMS:
             p.error(f"unknown arm {a}")
     for s in sizes:
         if s not in SIZES:
@@ -458,12 +525,12 @@ def main(argv=None):
         "loadavg_start": os.getloadavg(),
     }
     try:
-        procs, urls, proxy_of, admins, startup, info = start_everything(args, work, args.endpoints)
+        procs, urls, proxy_of, admins, startup, info = start_everything(args, work, args.endpoints, arms)
         meta.update(info)
         meta["startup_s"] = startup
         for arm, s in startup.items():
             print(f"[bench] {arm} serving after {s:.1f}s at {urls[arm]}", flush=True)
-        kv_before = kvroute_counters(admins["kvroute"])
+        kv_before = kvroute_counters(admins["kvroute"]) if "kvroute" in arms else {}
 
         # Warm-up: JIT, connection pools, prefix index and smg's radix tree.
         for s in sizes:

@@ -4,7 +4,7 @@
 
 use kvroute_sim::cli::Flags;
 use kvroute_sim::loadgen::report::render_table;
-use kvroute_sim::loadgen::run::{run, RunConfig};
+use kvroute_sim::loadgen::run::{run_until, RunConfig};
 use kvroute_sim::loadgen::stages::parse_stages;
 use kvroute_sim::loadgen::workload::{Api, WorkloadKind, WorkloadSpec};
 use std::time::Duration;
@@ -32,6 +32,8 @@ kvroute-loadgen --target http://127.0.0.1:PORT --workload NAME --stages SPEC [op
   --output-tokens N         max_tokens of each request [workload default]
   --request-timeout-s X     wall-clock limit per request [600]
   --no-reset                do not POST /emulator/reset to the endpoints first
+  --stop-after-ttft-p90 X   end the ramp after the first stage whose TTFT p90 (model
+                            seconds) is above X, or that had no successful request [off]
 ";
 
 const FLAGS: &[(&str, bool)] = &[
@@ -53,9 +55,12 @@ const FLAGS: &[(&str, bool)] = &[
     ("output-tokens", true),
     ("request-timeout-s", true),
     ("no-reset", false),
+    ("stop-after-ttft-p90", true),
 ];
 
-fn config(f: &Flags) -> Result<(RunConfig, Option<String>), String> {
+type Parsed = (RunConfig, Option<String>, Option<f64>);
+
+fn config(f: &Flags) -> Result<Parsed, String> {
     let target = f
         .str("target")
         .ok_or("kvroute-loadgen: --target is required, e.g. --target http://127.0.0.1:10000")?
@@ -112,6 +117,16 @@ fn config(f: &Flags) -> Result<(RunConfig, Option<String>), String> {
     if !(timeout > 0.0 && timeout.is_finite()) {
         return Err("kvroute-loadgen: --request-timeout-s must be a positive number".into());
     }
+    let stop: Option<f64> = match f.str("stop-after-ttft-p90") {
+        None => None,
+        Some(_) => {
+            let v: f64 = f.get("stop-after-ttft-p90", 0.0)?;
+            if !(v > 0.0 && v.is_finite()) {
+                return Err("kvroute-loadgen: --stop-after-ttft-p90 must be a positive number".into());
+            }
+            Some(v)
+        }
+    };
     Ok((
         RunConfig {
             target,
@@ -124,6 +139,7 @@ fn config(f: &Flags) -> Result<(RunConfig, Option<String>), String> {
             reset: !f.has("no-reset"),
         },
         f.str("json").map(str::to_owned),
+        stop,
     ))
 }
 
@@ -139,7 +155,7 @@ fn main() {
         print!("{USAGE}");
         return;
     }
-    let (cfg, json_path) = match config(&flags) {
+    let (cfg, json_path, stop) = match config(&flags) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{e}");
@@ -157,7 +173,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    let report = rt.block_on(run(cfg, &|line: &str| eprintln!("{line}")));
+    let report = rt.block_on(run_until(cfg, stop, &|line: &str| eprintln!("{line}")));
     let report = match report {
         Ok(r) => r,
         Err(e) => {

@@ -253,6 +253,18 @@ async fn run_stage(
 
 /// Runs every stage in order; `log` receives progress lines.
 pub async fn run(cfg: RunConfig, log: &dyn Fn(&str)) -> Result<RunReport, String> {
+    run_until(cfg, None, log).await
+}
+
+/// As [`run`], but a ramp stops early: after the first stage whose TTFT p90
+/// (model seconds) is above `stop_ttft_p90_s`, or which had no successful
+/// request, the remaining stages are skipped (they would only be further
+/// past the knee, and an overloaded stage takes long to drain).
+pub async fn run_until(
+    cfg: RunConfig,
+    stop_ttft_p90_s: Option<f64>,
+    log: &dyn Fn(&str),
+) -> Result<RunReport, String> {
     if cfg.time_scale.is_nan() || cfg.time_scale <= 0.0 {
         return Err("--time-scale must be positive".into());
     }
@@ -285,14 +297,28 @@ pub async fn run(cfg: RunConfig, log: &dyn Fn(&str)) -> Result<RunReport, String
         let before = read_all(&client, &cfg.endpoints, log).await;
         let records = run_stage(&client, &cfg, &workload, stage, i as u64).await;
         let after = read_all(&client, &cfg.endpoints, log).await;
-        stages.push(stage_report(
+        let report = stage_report(
             stage.label(),
             stage.duration_s,
             &records,
             &cfg.endpoints,
             &before,
             &after,
-        ));
+        );
+        let over = stop_ttft_p90_s.filter(|limit| match report.ttft_s.p90 {
+            Some(p90) => p90 > *limit,
+            None => true,
+        });
+        stages.push(report);
+        if let Some(limit) = over {
+            if i + 1 < cfg.stages.len() {
+                log(&format!(
+                    "stopping the ramp: TTFT p90 above {limit} s (or no successful request); {} stage(s) skipped",
+                    cfg.stages.len() - i - 1
+                ));
+            }
+            break;
+        }
     }
     Ok(RunReport {
         target: cfg.target.clone(),

@@ -163,9 +163,37 @@ fn module(path: &Path) -> Result<Module> {
             path.display()
         )
     })?;
-    let m = Module::new(engine(), &bytes)
+    let m = compile_cached(&bytes)
         .map_err(|e| anyhow!("{} is not a valid wasm module: {e:?}", path.display()))?;
     cache.insert(path.to_path_buf(), m.clone());
+    Ok(m)
+}
+
+/// Compiles `wasm`, reusing machine code compiled by an earlier test
+/// process (Cranelift in a debug build takes tens of seconds on a large
+/// module). The code is kept under `<target>/harness-module-cache/`, keyed by
+/// a hash of the wasm bytes; wasmtime refuses a file made by another
+/// version or configuration, and the harness then compiles afresh.
+fn compile_cached(wasm: &[u8]) -> wasmtime::Result<Module> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    wasm.hash(&mut h);
+    let dir = crate::artifacts::target_dir().join("harness-module-cache");
+    let file = dir.join(format!("{:016x}-{}.cwasm", h.finish(), wasm.len()));
+    if file.is_file() {
+        // SAFETY: the file was written by `Module::serialize` below, into our
+        // own target dir; wasmtime checks its version and config header.
+        if let Ok(m) = unsafe { Module::deserialize_file(engine(), &file) } {
+            return Ok(m);
+        }
+    }
+    let m = Module::new(engine(), wasm)?;
+    if let Ok(bytes) = m.serialize() {
+        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, &file);
+        }
+    }
     Ok(m)
 }
 
@@ -748,10 +776,17 @@ impl Cluster {
     }
 
     pub fn upstream_header(&self, req: Req, name: &str) -> Option<String> {
-        self.upstream_headers(req)?
-            .into_iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v)
+        let find = |s: &Stream| {
+            s.upstream_request_headers
+                .as_ref()?
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        match self.with_stream(req, |s, _| find(s)) {
+            Ok(v) => v,
+            Err(_) => self.0.finished.borrow().0.get(&req).and_then(find),
+        }
     }
 
     /// Status the client got, if any.
@@ -764,7 +799,16 @@ impl Cluster {
     }
 
     pub fn is_ended(&self, req: Req) -> bool {
-        self.stream(req).is_some_and(|s| s.ended)
+        match self.with_stream(req, |s, _| s.ended) {
+            Ok(ended) => ended,
+            // Context ids are never reused: a past stream id that is no
+            // longer live has ended.
+            Err(_) => self.vm(req.vm).is_ok_and(|v| {
+                let v = v.borrow();
+                let s = v.store.data();
+                req.context != s.root_context && req.context <= s.next_context
+            }),
+        }
     }
 
     /// A new stream on `vm`: creates its context and delivers the headers.

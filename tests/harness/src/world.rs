@@ -78,7 +78,8 @@ pub struct World {
     pub log_capacity: usize,
     /// Lines logged per level, including those dropped from `logs`.
     pub log_counts: [u64; 6],
-    /// Level the module sees from `proxy_get_log_level` (Envoy's logger level).
+    /// Level the module sees from `proxy_get_log_level`: Envoy's logger
+    /// level, info (2) by default as in Envoy. Lines below it are still kept.
     pub log_level: u32,
     /// Echo module logs to stderr (env `KVROUTE_HARNESS_LOG=1`).
     pub echo_logs: bool,
@@ -104,7 +105,7 @@ impl World {
             logs: VecDeque::new(),
             log_capacity: 20_000,
             log_counts: [0; 6],
-            log_level: 0,
+            log_level: 2,
             echo_logs: std::env::var("KVROUTE_HARNESS_LOG").is_ok_and(|v| v == "1"),
             metrics: BTreeMap::new(),
             calls: Vec::new(),
