@@ -1,0 +1,195 @@
+//! Test 2 (two VMs, one instant, forced CAS conflict) and test 3 (the soak).
+
+use crate::support::*;
+use kvroute_harness::{Cluster, Req};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+#[test]
+fn two_workers_same_prefix_same_instant_with_cas_conflict() {
+    let c = fleet(2, &config(serde_json::json!({})));
+    let body = completion(&prompt("shared system prompt", 1500), false);
+    let second: Rc<RefCell<Option<Req>>> = Rc::default();
+    let slot = second.clone();
+    let other_body = body.clone();
+    // Worker 1 has read the load table; before its write lands, worker 2
+    // makes its whole decision for the same prefix and writes first.
+    c.before_shared_set(1, kvroute_shared_state::LOAD_KEY, move |c| {
+        *slot.borrow_mut() = Some(c.post(2, "/v1/completions", &other_body).unwrap());
+    });
+    let mismatches_before = c.cas_mismatches();
+    let first = c.post(1, "/v1/completions", &body).unwrap();
+    let second = second.borrow().expect("the hook ran");
+    assert_eq!(c.pending_hooks(), 0);
+    assert!(
+        c.cas_mismatches() > mismatches_before,
+        "worker 1 must have hit the conflict"
+    );
+    assert!(primary(&c, first).is_some() && primary(&c, second).is_some());
+    assert_eq!(
+        total_inflight(&c).1,
+        2,
+        "exactly one charge each, no lost update"
+    );
+    // And more forced conflicts on top: still one charge per request.
+    c.force_cas_mismatch(VM_ID, kvroute_shared_state::LOAD_KEY, 3);
+    let third = c.post(1, "/v1/completions", &body).unwrap();
+    assert!(primary(&c, third).is_some());
+    assert_eq!(total_inflight(&c).1, 3);
+    for r in [first, second, third] {
+        c.respond(r, &[b"{}"]).unwrap();
+    }
+    assert_eq!(total_inflight(&c), (0, 0));
+}
+
+/// xorshift64*: the soak's own seeded generator.
+struct Dice(u64);
+impl Dice {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Phase {
+    Sent,
+    FirstByte,
+}
+
+/// 100,000 lifecycles over 4 workers with random exits and interleavings,
+/// checked against a model of the in-flight request counts per endpoint.
+/// A debug build of the host (wasmtime unoptimised) runs 10,000 unless
+/// `KVROUTE_SOAK_LIFECYCLES` says otherwise; see tests/harness/README.md.
+#[test]
+fn soak_100k_lifecycles_match_the_model() {
+    let total: usize = std::env::var("KVROUTE_SOAK_LIFECYCLES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if cfg!(debug_assertions) {
+            10_000
+        } else {
+            100_000
+        });
+    let setup = std::time::Instant::now();
+    let c = fleet(4, &config(serde_json::json!({})));
+    eprintln!("soak: module load and VM start took {:?}", setup.elapsed());
+    let started = std::time::Instant::now();
+    let mut dice = Dice(0x5eed_cafe_f00d_d00d);
+    let prefixes: Vec<String> = (0..40)
+        .map(|i| prompt(&format!("tenant {i} system"), 300))
+        .collect();
+    let mut open: Vec<(Req, Phase, Option<String>)> = Vec::new();
+    let mut model: HashMap<String, u64> = HashMap::new();
+    let mut done = 0usize;
+    let mut routed = 0usize;
+    let check = |c: &Cluster, model: &HashMap<String, u64>, at: usize| {
+        for (addr, tokens, requests) in inflight(c) {
+            let want = model.get(&addr).copied().unwrap_or(0);
+            assert_eq!(
+                requests, want,
+                "after {at} lifecycles: {addr} in-flight requests"
+            );
+            if want == 0 {
+                assert_eq!(
+                    tokens, 0,
+                    "after {at} lifecycles: {addr} holds tokens with no request"
+                );
+            }
+        }
+    };
+    while done < total {
+        // Start a request on a random worker, or advance an open one.
+        if open.len() < 64 && (open.is_empty() || dice.below(2) == 0) {
+            let vm = 1 + dice.below(4) as usize;
+            // Now and then another writer gets to the load table first.
+            if dice.below(100) == 0 {
+                c.force_cas_mismatch(
+                    VM_ID,
+                    kvroute_shared_state::LOAD_KEY,
+                    1 + dice.below(3) as u32,
+                );
+            }
+            let p = &prefixes[dice.below(prefixes.len() as u64) as usize];
+            let body = completion(&format!("{p} q{}", dice.next()), dice.below(2) == 0);
+            let req = c.post(vm, "/v1/completions", &body).unwrap();
+            let target = primary(&c, req);
+            if let Some(t) = &target {
+                *model.entry(t.clone()).or_default() += 1;
+                routed += 1;
+            }
+            open.push((req, Phase::Sent, target));
+            continue;
+        }
+        let i = dice.below(open.len() as u64) as usize;
+        let (req, phase, target) = open[i].clone();
+        let roll = dice.below(100);
+        let ended = match phase {
+            Phase::Sent if roll < 60 => {
+                c.respond_headers(req, 200, &[], false).unwrap();
+                c.respond_body(req, b"data: a\n\n", false).unwrap();
+                open[i].1 = Phase::FirstByte;
+                false
+            }
+            Phase::Sent if roll < 75 => {
+                c.client_abort(req).unwrap();
+                true
+            }
+            Phase::Sent if roll < 90 => {
+                c.upstream_reset(req).unwrap();
+                true
+            }
+            Phase::Sent => {
+                c.route_timeout(req).unwrap();
+                true
+            }
+            Phase::FirstByte if roll < 80 => {
+                c.respond_body(req, b"data: [DONE]\n\n", true).unwrap();
+                true
+            }
+            Phase::FirstByte if roll < 90 => {
+                c.client_abort(req).unwrap();
+                true
+            }
+            Phase::FirstByte => {
+                c.upstream_reset(req).unwrap();
+                true
+            }
+        };
+        if ended {
+            assert!(c.is_ended(req));
+            if let Some(t) = target {
+                *model.get_mut(&t).expect("modelled") -= 1;
+            }
+            open.swap_remove(i);
+            done += 1;
+            if done.is_multiple_of(5_000) {
+                check(&c, &model, done);
+            }
+        }
+    }
+    for (req, _, target) in open.drain(..) {
+        c.client_abort(req).unwrap();
+        if let Some(t) = target {
+            *model.get_mut(&t).unwrap() -= 1;
+        }
+    }
+    check(&c, &model, done);
+    assert_eq!(total_inflight(&c), (0, 0));
+    assert!(
+        routed > total / 2,
+        "most requests must be routed ({routed} of {total})"
+    );
+    for vm in 0..5 {
+        assert!(c.vm_failure(vm).is_none());
+    }
+    let took = started.elapsed();
+    eprintln!("soak: {total} lifecycles over 4 workers in {took:?}, {routed} routed");
+    assert!(took.as_secs() < 60, "soak too slow: {took:?}");
+}

@@ -1,0 +1,176 @@
+//! Test 1: lifecycle accounting under every exit path, both end orders.
+//!
+//! Each case runs two requests with the same prompt to the same endpoint:
+//! `victim` leaves by the exit path under test while `witness` stays open.
+//! After the victim ends, the endpoint must hold exactly the witness's
+//! charge: a missed release shows as too much, a double release as too
+//! little (counters saturate at zero, so a lone request could hide it).
+
+use crate::support::*;
+use kvroute_harness::{Cluster, EndOrder, Req};
+
+#[derive(Clone, Copy, Debug)]
+enum Exit {
+    Success,
+    ResetBeforeFirstByte,
+    ResetAfterFirstByte,
+    ClientAbortBeforeResponse,
+    ClientAbortAfterFirstByte,
+    TimeoutBeforeHeaders,
+    TimeoutAfterFirstByte,
+}
+
+const EXITS: [Exit; 7] = [
+    Exit::Success,
+    Exit::ResetBeforeFirstByte,
+    Exit::ResetAfterFirstByte,
+    Exit::ClientAbortBeforeResponse,
+    Exit::ClientAbortAfterFirstByte,
+    Exit::TimeoutBeforeHeaders,
+    Exit::TimeoutAfterFirstByte,
+];
+
+fn leave(c: &Cluster, req: Req, exit: Exit) {
+    let first_byte = |c: &Cluster| {
+        c.respond_headers(req, 200, &[("content-type", "text/event-stream")], false)
+            .unwrap();
+        c.respond_body(req, b"data: {\"choices\":[]}\n\n", false)
+            .unwrap();
+    };
+    match exit {
+        Exit::Success => c
+            .respond(req, &[b"data: a\n\n", b"data: [DONE]\n\n"])
+            .unwrap(),
+        Exit::ResetBeforeFirstByte => c.upstream_reset(req).unwrap(),
+        Exit::ResetAfterFirstByte => {
+            first_byte(c);
+            c.upstream_reset(req).unwrap();
+        }
+        Exit::ClientAbortBeforeResponse => c.client_abort(req).unwrap(),
+        Exit::ClientAbortAfterFirstByte => {
+            first_byte(c);
+            c.client_abort(req).unwrap();
+        }
+        Exit::TimeoutBeforeHeaders => c.route_timeout(req).unwrap(),
+        Exit::TimeoutAfterFirstByte => {
+            first_byte(c);
+            c.route_timeout(req).unwrap();
+        }
+    }
+    assert!(c.is_ended(req), "{exit:?}: stream did not end");
+}
+
+#[test]
+fn every_exit_path_releases_exactly_once() {
+    for order in [EndOrder::DoneLogDelete, EndOrder::LogDoneDelete] {
+        for exit in EXITS {
+            for output_estimate in [false, true] {
+                let cfg = if output_estimate {
+                    config(serde_json::json!({"plugins": [
+                        {"type": "approx-prefix-cache-producer"},
+                        {"type": "inflight-load-producer", "parameters": {"addEstimatedOutputTokens": true}},
+                        {"type": "prefix-cache-affinity-filter"},
+                        {"type": "token-load-scorer"},
+                        {"type": "max-score-picker"}
+                    ], "schedulingProfiles": [{"name": "default", "plugins": [
+                        {"pluginRef": "prefix-cache-affinity-filter"},
+                        {"pluginRef": "token-load-scorer"},
+                        {"pluginRef": "max-score-picker"}
+                    ]}]}))
+                } else {
+                    config(serde_json::json!({}))
+                };
+                let c = fleet(1, &cfg);
+                c.set_end_order(order);
+                let body = completion(&prompt("lifecycle", 2000), true);
+                let witness = c.post(1, "/v1/completions", &body).unwrap();
+                let target = primary(&c, witness).expect("witness routed");
+                let (witness_tokens, witness_requests) = inflight_of(&c, &target);
+                assert_eq!(witness_requests, 1);
+                assert!(witness_tokens > 0, "a cold prompt charges tokens");
+                let victim = c.post(1, "/v1/completions", &body).unwrap();
+                assert_eq!(
+                    primary(&c, victim).as_deref(),
+                    Some(target.as_str()),
+                    "same prefix sticks"
+                );
+                leave(&c, victim, exit);
+                let case = format!("{order:?} {exit:?} output_estimate={output_estimate}");
+                assert_eq!(
+                    inflight_of(&c, &target),
+                    (witness_tokens, 1),
+                    "{case}: witness charge changed"
+                );
+                // Now the witness leaves by the same path: all back to zero.
+                leave(&c, witness, exit);
+                assert_eq!(
+                    total_inflight(&c),
+                    (0, 0),
+                    "{case}: counters did not return to zero"
+                );
+                assert!(c.vm_failure(1).is_none(), "{case}");
+            }
+        }
+    }
+}
+
+#[test]
+fn prompt_tokens_are_released_at_the_first_response_byte() {
+    let c = fleet(1, &config(serde_json::json!({})));
+    let req = c
+        .post(
+            1,
+            "/v1/completions",
+            &completion(&prompt("first-byte", 1000), true),
+        )
+        .unwrap();
+    let target = primary(&c, req).unwrap();
+    let (tokens, requests) = inflight_of(&c, &target);
+    assert!(tokens > 0 && requests == 1);
+    c.respond_headers(req, 200, &[], false).unwrap();
+    c.respond_body(req, b"data: x\n\n", false).unwrap();
+    assert_eq!(
+        inflight_of(&c, &target),
+        (0, 1),
+        "prefill done, request still running"
+    );
+    c.respond_body(req, b"data: [DONE]\n\n", true).unwrap();
+    assert_eq!(total_inflight(&c), (0, 0));
+}
+
+#[test]
+fn fail_closed_local_reply_charges_nothing() {
+    let c = fleet(
+        1,
+        &config(serde_json::json!({"routing": {"seed": 7, "failureMode": "closed"}})),
+    );
+    let req = c.post(1, "/v1/completions", b"{not json").unwrap();
+    assert!(c.is_ended(req));
+    let status = c.downstream_status(req).unwrap();
+    assert_eq!(status, 400, "a bad body is a 400 in fail-closed mode");
+    assert_eq!(c.upstream_headers(req), None);
+    assert_eq!(total_inflight(&c), (0, 0));
+}
+
+#[test]
+fn client_destination_header_is_always_stripped() {
+    let c = fleet(1, &config(serde_json::json!({})));
+    for path in ["/v1/completions", "/healthz"] {
+        let req = c
+            .start_request(
+                1,
+                &[
+                    (":method", "GET"),
+                    (":path", path),
+                    (DEST, "169.254.169.254:80"),
+                ],
+                true,
+            )
+            .unwrap();
+        let up = c.upstream_headers(req).expect("not routed, but forwarded");
+        assert!(
+            up.iter().all(|(k, _)| k != DEST),
+            "{path}: client header survived"
+        );
+    }
+}
