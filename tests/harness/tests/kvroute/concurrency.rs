@@ -43,6 +43,26 @@ fn two_workers_same_prefix_same_instant_with_cas_conflict() {
     assert_eq!(total_inflight(&c), (0, 0));
 }
 
+#[test]
+fn same_instant_conflict_on_an_index_shard() {
+    let c = fleet(2, &config(serde_json::json!({})));
+    let body = completion(&prompt("index race", 1500), false);
+    let other = body.clone();
+    c.before_shared_set(1, "kvroute/ix/", move |c| {
+        c.post(2, "/v1/completions", &other).unwrap();
+    });
+    let before = c.cas_mismatches();
+    let first = c.post(1, "/v1/completions", &body).unwrap();
+    assert_eq!(c.pending_hooks(), 0, "worker 1 never wrote an index shard");
+    assert!(c.cas_mismatches() > before, "worker 1 must have hit the conflict");
+    assert!(primary(&c, first).is_some());
+    assert_eq!(total_inflight(&c).1, 2);
+    // Both inserts count: a third request with the same prompt is warm
+    // somewhere (it sticks to a worker's choice).
+    let third = c.post(1, "/v1/completions", &body).unwrap();
+    assert_eq!(primary(&c, third), primary(&c, first));
+}
+
 /// xorshift64*: the soak's own seeded generator.
 struct Dice(u64);
 impl Dice {

@@ -174,3 +174,69 @@ fn client_destination_header_is_always_stripped() {
         );
     }
 }
+
+#[test]
+fn body_in_chunks_is_buffered_then_routed_once() {
+    let c = fleet(1, &config(serde_json::json!({})));
+    let body = completion(&prompt("chunked", 1200), false);
+    let req = c
+        .start_request(
+            1,
+            &[
+                (":method", "POST"),
+                (":path", "/v1/completions"),
+                (":authority", "x"),
+            ],
+            false,
+        )
+        .unwrap();
+    let thirds = body.len() / 3;
+    c.send_body(req, &body[..thirds], false).unwrap();
+    c.send_body(req, &body[thirds..2 * thirds], false).unwrap();
+    assert_eq!(
+        c.upstream_headers(req),
+        None,
+        "decided before the whole body"
+    );
+    assert_eq!(total_inflight(&c), (0, 0));
+    c.send_body(req, &body[2 * thirds..], true).unwrap();
+    assert!(primary(&c, req).is_some());
+    assert_eq!(
+        c.stream(req).unwrap().upstream_body,
+        body,
+        "body reaches upstream intact"
+    );
+    assert_eq!(total_inflight(&c).1, 1);
+    c.respond(req, &[b"{}"]).unwrap();
+    assert_eq!(total_inflight(&c), (0, 0));
+}
+
+/// Without `allow_on_headers_stop_iteration` Envoy never delivers the body
+/// (docs/configuration.md says so); the request hangs, and nothing is
+/// charged or leaked when the client gives up.
+#[test]
+fn without_allow_flag_nothing_is_charged() {
+    let wasm = kvroute_harness::artifacts::kvroute_wasm().unwrap();
+    let cfg = config(serde_json::json!({}));
+    let c = Cluster::new();
+    c.add_vm(kvroute_harness::VmSpec::new(
+        "collector",
+        &wasm,
+        VM_ID,
+        "kvroute-collector",
+        &cfg,
+    ))
+    .unwrap();
+    c.add_vm(
+        kvroute_harness::VmSpec::new("worker", &wasm, VM_ID, "kvroute", &cfg)
+            .allow_on_headers_stop_iteration(false),
+    )
+    .unwrap();
+    let req = c
+        .post(1, "/v1/completions", &completion("stuck", false))
+        .unwrap();
+    let s = c.stream(req).unwrap();
+    assert!(s.stopped_all && s.upstream_request_headers.is_none());
+    c.client_abort(req).unwrap();
+    assert_eq!(total_inflight(&c), (0, 0));
+}
