@@ -79,10 +79,13 @@ pub fn prompt(prefix: &str, tokens: usize) -> String {
 
 /// In-flight (tokens, requests) per endpoint address, from shared data.
 pub fn inflight(c: &Cluster) -> Vec<(String, u64, u64)> {
+    // Like the module: the collector's table, else the static list.
     let table = c
         .shared_get(VM_ID, ENDPOINTS_KEY)
         .and_then(|b| EndpointTable::decode(&b))
-        .unwrap_or_default();
+        .unwrap_or_else(|| {
+            EndpointTable::from_static(&ENDPOINTS.iter().map(|a| a.to_string()).collect::<Vec<_>>())
+        });
     let load = LoadTable::decode(c.shared_get(VM_ID, LOAD_KEY).as_deref());
     table
         .endpoints
