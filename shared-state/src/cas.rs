@@ -20,6 +20,15 @@ pub struct Updated<R> {
 ///
 /// `decode` gets `None` for a key that was never set. `f` returns `None` to
 /// leave the value unchanged (nothing is written).
+///
+/// Envoy applies a set on a missing key unconditionally, whatever the CAS
+/// token. So a missing key is first created holding the *initial* value
+/// (`encode(decode(None))`), and the change is then made by CAS against
+/// that: two writers that both find the key missing overwrite only each
+/// other's initial values, never each other's changes. The one window left is
+/// a writer that found the key missing and creates it after another writer
+/// has already created it and changed it; callers that cannot afford that
+/// create their keys before traffic (see `Engine::ensure_tables`).
 pub fn update<T, R>(
     store: &dyn Store,
     key: &str,
@@ -28,12 +37,19 @@ pub fn update<T, R>(
     mut f: impl FnMut(&mut T) -> Option<R>,
 ) -> Result<Updated<Option<R>>, StoreError> {
     let mut retries = 0;
+    let mut created = false;
     loop {
-        let current = store.get(key)?;
-        let (mut value, cas) = match &current {
-            Some((bytes, cas)) => (decode(Some(bytes)), *cas),
-            None => (decode(None), 0),
+        let Some((bytes, cas)) = store.get(key)? else {
+            if created {
+                return Err(StoreError::Host(format!(
+                    "{key} is still missing after it was written"
+                )));
+            }
+            store.set(key, &encode(&decode(None)), 0)?;
+            created = true;
+            continue;
         };
+        let mut value = decode(Some(&bytes));
         let Some(result) = f(&mut value) else {
             return Ok(Updated {
                 result: None,

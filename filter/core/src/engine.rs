@@ -353,6 +353,15 @@ impl Engine {
         if let EndpointSource::Static(list) = &self.config.endpoints {
             self.apply_membership(store, list.iter().map(|a| (a.to_string(), true)).collect())?;
         }
+        self.ensure_tables(store)
+    }
+
+    /// Creates the load and metrics tables if they do not exist yet. The
+    /// collector and every worker's root call this when configured, before
+    /// traffic: Envoy applies a first write of a missing key
+    /// unconditionally, so a key created while another worker is already
+    /// charging could drop that charge.
+    pub fn ensure_tables(&self, store: &dyn Store) -> Result<(), StoreError> {
         if store.get(LOAD_KEY)?.is_none() {
             store.set(LOAD_KEY, &LoadTable::default().encode(), 0)?;
         }

@@ -78,6 +78,12 @@ impl RootContext for Root {
             }
             host::log(Level::Info, "kvroute collector configured");
         } else {
+            if let Err(e) = engine.ensure_tables(&host::HostStore) {
+                host::log(
+                    Level::Warn,
+                    &format!("kvroute: cannot create the shared tables: {e}"),
+                );
+            }
             let seed = engine
                 .config
                 .routing
