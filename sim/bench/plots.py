@@ -42,7 +42,7 @@ def _fmt_num(v):
     return f"{v:g}"
 
 
-def _panel(x0, y0, w, h, series, xlabel, ylabel, log_y=False, hline=None, title=""):
+def _panel(x0, y0, w, h, series, xlabel, ylabel, log_y=False, hline=None, title="", hline_label=None):
     """series: list of (name, [(x, y)]) ; returns SVG elements."""
     out = []
     xs = [x for _, pts in series for x, _ in pts]
@@ -93,7 +93,7 @@ def _panel(x0, y0, w, h, series, xlabel, ylabel, log_y=False, hline=None, title=
     if hline is not None:
         Y = fy(hline)
         out.append(f'<line x1="{x0}" y1="{Y:.1f}" x2="{x0 + w}" y2="{Y:.1f}" stroke="#000" stroke-dasharray="3,3"/>')
-        out.append(f'<text x="{x0 + w - 4}" y="{Y - 4:.1f}" text-anchor="end" font-size="11">SLO {hline:g} s</text>')
+        out.append(f'<text x="{x0 + w - 4}" y="{Y - 4:.1f}" text-anchor="end" font-size="11">{escape(hline_label or f"SLO {hline:g} s")}</text>')
     out.append(f'<text x="{x0 + w / 2}" y="{y0 + h + 34}" text-anchor="middle" font-size="12">{escape(xlabel)}</text>')
     out.append(f'<text transform="translate({x0 - 46},{y0 + h / 2}) rotate(-90)" text-anchor="middle" '
                f'font-size="12">{escape(ylabel)}</text>')
@@ -115,18 +115,30 @@ def _panel(x0, y0, w, h, series, xlabel, ylabel, log_y=False, hline=None, title=
 def write_workload_svg(path, wname, w, slo_s):
     arms = [(a, r) for a, r in w["arms"].items() if r.get("stages")]
     decode = w.get("bound") == "decode"
-    ttft = [(a, [(s["rate"], s["ttft_p90_s"]) for s in r["stages"]]) for a, r in arms]
-    tput = [(a, [(s["rate"], s["output_tps"] if decode else s["input_tps"]) for s in r["stages"]]) for a, r in arms]
-    W, H = 1080, 420
-    pw, ph = 360, 280
+
+    def series(f):
+        return [(a, [(s["rate"], f(s)) for s in r["stages"]]) for a, r in arms]
+
+    ttft = series(lambda s: s["ttft_p90_s"])
+    tput = series(lambda s: s["output_tps"] if decode else s["input_tps"])
+    hits = series(lambda s: None if s["hit_ratio"] is None else s["hit_ratio"] * 100)
+    share = series(lambda s: None if s["max_token_share"] is None else s["max_token_share"] * 100)
+    W, H = 1080, 780
+    pw, ph = 360, 270
+    x_label = "offered load (req/s, model time)"
     els = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" '
            f'font-family="sans-serif">', f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">'
            f'{escape(wname)}: {len(arms)} arms, same fleet, same run</text>']
-    els += _panel(80, 60, pw, ph, ttft, "offered load (req/s, model time)", "TTFT p90 (s, model time)",
-                  log_y=True, hline=slo_s, title="TTFT p90 vs load")
-    els += _panel(530, 60, pw, ph, tput, "offered load (req/s, model time)",
-                  "output tok/s" if decode else "input tok/s", title="throughput vs load")
+    els += _panel(80, 60, pw, ph, ttft, x_label, "TTFT p90 (s, model time)", log_y=True, hline=slo_s,
+                  title="TTFT p90 vs load")
+    els += _panel(530, 60, pw, ph, tput, x_label, "output tok/s" if decode else "input tok/s",
+                  title="throughput vs load")
+    els += _panel(80, 430, pw, ph, hits, x_label, "prefix-cache hit % (servers' counters)",
+                  title="hit ratio vs load")
+    els += _panel(530, 430, pw, ph, share, x_label, "busiest server's % of prompt tokens",
+                  hline=100.0 / max(1, len((arms[0][1]["stages"][0].get("token_shares") or [1] * 4)) if arms else 4),
+                  title="hot-spotting: busiest server's share", hline_label="even share")
     # legend
     lx, ly = 915, 70
     for i, (a, _) in enumerate(arms):

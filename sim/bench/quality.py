@@ -48,6 +48,8 @@ import plots  # noqa: E402  (sim/bench/plots.py)
 ENVOY_VERSION = "1.40.0"
 SMG_VERSION = "1.13.0"
 SECTION = "## Routing quality through Envoy"
+# Hand-written reading of the figures, appended to the generated section.
+ANALYSIS = os.path.join(HERE, "analysis.md")
 
 ALL_ARMS = ["round-robin", "kvroute", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"]
 KVROUTE_ARMS = {"kvroute", "always-sticky", "legacy-blend", "active-request", "kvroute-18s"}
@@ -76,22 +78,24 @@ FLEET = {
 # rates are model-time requests/s; stage_s is model seconds per stage.
 WORKLOADS = {
     "shared-prefix": {
-        "what": "150 groups x 5 questions; 6000-token system prompt, 1200-token question, 1000 output tokens",
+        "what": "75 groups x 5 questions (DESIGN's 150 groups halved for a 4-server fleet); 6000-token system "
+                "prompt, 1200-token question, 1000 output tokens",
         "bound": "prefill",
-        "loadgen": [],
+        "loadgen": ["--groups", "75"],
         "time_scale": 10,
         "stage_s": 150,
-        "rates": [1, 2, 3, 4, 5, 6, 8, 10, 12, 14, 16],
+        "rates": [1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10],
         "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "smg-cache-aware"],
         "target": 2.0,
     },
     "code-generation": {
-        "what": "32 conversations x 8 turns; 4000-token system prompt, +1500-token user turn and +800-token replayed answer per turn, 800 output tokens",
+        "what": "16 conversations x 8 turns (32 halved for a 4-server fleet); 4000-token system prompt, "
+                "+1500-token user turn and +800-token replayed answer per turn, 800 output tokens",
         "bound": "prefill",
-        "loadgen": [],
+        "loadgen": ["--groups", "16"],
         "time_scale": 10,
         "stage_s": 150,
-        "rates": [0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8],
+        "rates": [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6],
         "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "smg-cache-aware"],
         "target": 2.9,
     },
@@ -99,9 +103,9 @@ WORKLOADS = {
         "what": "one 250-token shared prompt, unique 1000-token user prompt, 8000 output tokens",
         "bound": "decode",
         "loadgen": [],
-        "time_scale": 40,
+        "time_scale": 30,
         "stage_s": 600,
-        "rates": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0],
+        "rates": [0.2, 0.3, 0.4, 0.5, 0.6, 0.8],
         "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"],
         "target": 1.0,
     },
@@ -113,7 +117,7 @@ WORKLOADS = {
         "time_scale": 10,
         "stage_s": 150,
         "rates": [1, 2, 3, 4, 5, 6, 8, 10],
-        "arms": ["round-robin", "kvroute", "always-sticky", "smg-cache-aware"],
+        "arms": ["round-robin", "kvroute", "always-sticky"],
         "target": None,
     },
 }
@@ -583,18 +587,44 @@ def knee(stages, slo_s, bound):
             "ttft_p90_s": best["ttft_p90_s"], "hit_ratio": best["hit_ratio"], "max_token_share": best["max_token_share"]}
 
 
+def knee_interpolated(stages, slo_s, bound):
+    """The offered rate where TTFT p90 crosses the SLO, interpolated (log TTFT) between the
+    last stage within it and the next stage of the ramp; throughput interpolated at that rate."""
+    key = "output_tps" if bound == "decode" else "input_tps"
+    for a, b in zip(stages, stages[1:]):
+        pa, pb = a["ttft_p90_s"], b["ttft_p90_s"]
+        if pa is None or pa > slo_s or a["error_rate"] >= 0.01:
+            continue
+        if pb is not None and pb <= slo_s and b["error_rate"] < 0.01:
+            continue
+        if pb is None or pb <= 0 or pa <= 0:
+            f = 0.0
+        else:
+            f = (math.log(slo_s) - math.log(pa)) / (math.log(pb) - math.log(pa))
+            f = min(max(f, 0.0), 1.0)
+        return {"rate": a["rate"] + f * (b["rate"] - a["rate"]),
+                "throughput": a[key] + f * (b[key] - a[key])}
+    return None
+
+
 def add_headlines(wres, slo_s):
     for arm, res in wres["arms"].items():
         if "stages" in res:
             res["knee"] = knee(res["stages"], slo_s, wres["bound"])
             res["knee_5s"] = knee(res["stages"], max(slo_s, 5.0), wres["bound"])
-    rr = wres["arms"].get("round-robin", {}).get("knee")
-    heads = {}
+            res["knee_interp"] = knee_interpolated(res["stages"], slo_s, wres["bound"])
+    rr_arm = wres["arms"].get("round-robin", {})
+    heads, heads_i, heads_5 = {}, {}, {}
     for arm, res in wres["arms"].items():
-        k = res.get("knee")
-        if arm != "round-robin" and k and rr and rr["throughput"] > 0:
-            heads[arm] = k["throughput"] / rr["throughput"]
+        if arm == "round-robin":
+            continue
+        for key, out in (("knee", heads), ("knee_interp", heads_i), ("knee_5s", heads_5)):
+            k, rr = res.get(key), rr_arm.get(key)
+            if k and rr and rr["throughput"] > 0:
+                out[arm] = k["throughput"] / rr["throughput"]
     wres["ratios_vs_rr"] = heads
+    wres["ratios_vs_rr_interp"] = heads_i
+    wres["ratios_vs_rr_5s"] = heads_5
 
 
 def check_arm(res):
@@ -651,6 +681,9 @@ def markdown(results, img_rel):
              "with its defaults.")
     L.append("")
     # headline table
+    L.append("Throughput at the knee over round robin's, same run: **discrete knee** (interpolated crossing in "
+             "brackets). `–` means that round robin or the arm had no stage within the SLO.")
+    L.append("")
     L.append("| workload | llm-d target | kvroute / RR | always-sticky / RR | legacy blend / RR | active-request / RR | smg cache_aware / RR |")
     L.append("|---|---|---|---|---|---|---|")
     for wname, w in a["workloads"].items():
@@ -664,7 +697,8 @@ def markdown(results, img_rel):
             if "error" in w["arms"][arm]:
                 return "failed"
             if arm in r:
-                return f"{r[arm]:.2f}×"
+                ri = w.get("ratios_vs_rr_interp", {}).get(arm)
+                return f"**{r[arm]:.2f}×**" + (f" ({ri:.2f}×)" if ri is not None else "")
             return "no knee" if w["arms"][arm].get("knee") is None else "–"
         L.append(f"| {wname} | {tgt_s} | {cell('kvroute')} | {cell('always-sticky')} | {cell('legacy-blend')} | "
                  f"{cell('active-request')} | {cell('smg-cache-aware')} |")
@@ -741,6 +775,20 @@ def write_section(path, text):
         f.write(new)
 
 
+def publish(args, results):
+    if not args.out:
+        return
+    os.makedirs(args.img_dir, exist_ok=True)
+    for wname, w in results["workloads"].items():
+        plots.write_workload_svg(os.path.join(args.img_dir, f"quality-{wname}.svg"), wname, w, results["slo_s"])
+    img_rel = os.path.relpath(args.img_dir, os.path.dirname(os.path.abspath(args.out)))
+    text = markdown(results, img_rel)
+    if not results.get("smoke") and os.path.exists(ANALYSIS):
+        text += "\n" + open(ANALYSIS).read().strip() + "\n"
+    write_section(args.out, text)
+    log(f"wrote {args.out} and plots in {args.img_dir}")
+
+
 def print_headlines(results):
     print("\nHeadline: throughput at the TTFT knee (TTFT p90 <= %g s), versus Envoy round robin, same run:" % results["slo_s"])
     for wname, w in results["workloads"].items():
@@ -757,7 +805,10 @@ def print_headlines(results):
                 desc = f"knee {k['rate']:g} req/s, {k['throughput']:,.0f} {k['metric']}"
                 if ratio is not None:
                     desc += f"  => {ratio:.2f}x round robin"
-            if arm in ("kvroute", "active-request") and tgt is not None and ratio is not None:
+                    ri = w.get("ratios_vs_rr_interp", {}).get(arm)
+                    if ri is not None:
+                        desc += f" (interpolated {ri:.2f}x)"
+            if arm in ("kvroute", "active-request") and tgt is not None and ratio is not None and not results["smoke"]:
                 desc += f"  (llm-d target {tgt:g}x: {'met' if ratio >= tgt else 'MISSED'})"
             print(f"  {wname:<20} {arm:<16} {desc}")
         if rr is None and "round-robin" in w["arms"]:
@@ -784,6 +835,10 @@ def main(argv=None):
     p.add_argument("--envoy-concurrency", type=int, default=2)
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="wall-clock limit per request [300]")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kv-blocks", type=int, default=None, help=f"override KV blocks per server [{FLEET['num_gpu_blocks']}]")
+    p.add_argument("--rates", default=None, help="override the offered rates of every selected workload (comma list)")
+    p.add_argument("--from-results", default=None, metavar="JSON",
+                   help="run nothing: rewrite the Markdown section and plots from a results.json of an earlier run")
     args = p.parse_args(argv)
     args.workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
     for w in args.workloads:
@@ -792,10 +847,23 @@ def main(argv=None):
     args.arms = args.arms.split(",") if args.arms else None
     if args.smoke:
         args.request_timeout_s = min(args.request_timeout_s, 60.0)
+    if args.kv_blocks:
+        FLEET["num_gpu_blocks"] = args.kv_blocks
+    if args.rates:
+        for w in WORKLOADS.values():
+            w["rates"] = [float(x) for x in args.rates.split(",")]
     if args.out is None and not args.smoke:
         args.out = os.path.join(REPO, "docs", "benchmarks.md")
     if args.results is None and not args.smoke:
         args.results = os.path.join(HERE, "results", "quality.json")
+
+    if args.from_results:
+        results = json.load(open(args.from_results))
+        for w in results["workloads"].values():
+            add_headlines(w, results["slo_s"])
+        publish(args, results)
+        print_headlines(results)
+        return 0
 
     t0 = time.time()
     if not args.no_build:
@@ -821,13 +889,7 @@ def main(argv=None):
     if args.results:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
         shutil.copy(os.path.join(bench.work, "results.json"), args.results)
-    if args.out:
-        os.makedirs(args.img_dir, exist_ok=True)
-        for wname, w in results["workloads"].items():
-            plots.write_workload_svg(os.path.join(args.img_dir, f"quality-{wname}.svg"), wname, w, args.slo_s)
-        img_rel = os.path.relpath(args.img_dir, os.path.dirname(os.path.abspath(args.out)))
-        write_section(args.out, markdown(results, img_rel))
-        log(f"wrote {args.out} and plots in {args.img_dir}")
+    publish(args, results)
     print_headlines(results)
     print(f"\n(total {results['wall_min']:.1f} min; logs and raw JSON in {bench.work})")
     if failures:
