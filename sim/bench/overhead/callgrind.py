@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Instructions per request of Envoy's worker thread, with and without
+kvroute, counted by valgrind's callgrind: a figure that other processes on the
+machine cannot disturb.
+
+Each Envoy arm (round robin; kvroute) runs under
+`valgrind --tool=callgrind --separate-threads=yes --smc-check=all-non-file`
+(V8 writes the module's machine code at run time, so valgrind must watch all
+non-file memory for new code) with `--concurrency 1`, in front of the same
+stub as bench.py (not under valgrind). For each body size the script zeroes
+the counters (`callgrind_control -z`), sends N requests one at a time, dumps
+(`callgrind_control -d`), and reads the instruction count (Ir) of the busiest
+thread, the one worker: Ir / N is the cost per request. Background work on
+that thread during the window (timers) is included and is small; the
+collector's /metrics polling runs on the main thread and is not included.
+
+Slow: Envoy takes minutes to start under valgrind, V8 more.
+
+    python3 sim/bench/overhead/callgrind.py [--sizes 8k,64k,400k] [--requests 100]
+"""
+
+import argparse
+import glob
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench  # noqa: E402
+
+
+def post_n(port, bodies, n):
+    """n POSTs over one keep-alive connection; returns the statuses seen."""
+    statuses = {}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    for i in range(n):
+        body = bodies[i % len(bodies)]
+        conn.request("POST", bench.CHAT_PATH, body=body, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    conn.close()
+    return statuses
+
+
+def thread_irs(out_prefix, pid, dump_no):
+    """Ir per thread of dump number dump_no (callgrind.out.PID.DUMP-THREAD)."""
+    irs = {}
+    for path in glob.glob(f"{out_prefix}.{pid}.{dump_no}-*"):
+        tid = path.rsplit("-", 1)[-1]
+        with open(path, errors="replace") as f:
+            for line in f:
+                if line.startswith("summary:") or line.startswith("totals:"):
+                    irs[tid] = int(line.split()[1])
+                    break
+    return irs
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arms", default="envoy-rr,kvroute")
+    p.add_argument("--sizes", default="8k,64k,400k")
+    p.add_argument("--requests", type=int, default=100, help="requests per size (400k: a quarter)")
+    p.add_argument("--wasm", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(bench.REPO, "target")),
+                                               "wasm32-wasip1", "release", "kvroute_wasm.wasm"))
+    p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
+    p.add_argument("--start-timeout", type=int, default=1200, help="seconds to wait for Envoy under valgrind")
+    p.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-callgrind-{os.getpid()}"))
+    args = p.parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+    sizes = args.sizes.split(",")
+    arms = args.arms.split(",")
+    envoy = bench.envoy_binary()
+    bodies = {s: [b.encode() for b in bench.bodies_mod.generate(bench.SIZES[s], 64)] for s in sizes}
+    results = {}
+    try:
+        ports = bench.free_ports(5 + 2 * len(arms))
+        stub_admin, stub_ports = ports[0], ports[1:5]
+        with open(os.path.join(args.work, "stub.json"), "w") as f:
+            f.write(bench.stub_mod.render(stub_ports, stub_admin))
+        bench.Proc("stub", [envoy, "-c", os.path.join(args.work, "stub.json"), "--concurrency", "1",
+                            "--use-dynamic-base-id", "-l", "warn"], os.path.join(args.work, "stub.log"))
+        endpoints = ",".join(f"127.0.0.1:{p_}" for p_ in stub_ports)
+        for i, arm in enumerate(arms):
+            port, admin = ports[5 + 2 * i], ports[6 + 2 * i]
+            cfg = os.path.join(args.work, f"{arm}.yaml")
+            argv_r = [sys.executable, os.path.join(bench.REPO, "envoy", "render.py"), "--endpoints", endpoints,
+                      "--listen-port", str(port), "--admin-port", str(admin), "--wasm", args.wasm,
+                      "--plugin-config", args.plugin_config, "-o", cfg]
+            if arm == "envoy-rr":
+                argv_r.append("--baseline")
+            subprocess.run(argv_r, check=True)
+            prefix = os.path.join(args.work, f"callgrind.{arm}")
+            t0 = time.time()
+            proc = bench.Proc(arm, ["valgrind", "--tool=callgrind", "--separate-threads=yes",
+                                    "--smc-check=all-non-file", f"--callgrind-out-file={prefix}.%p",
+                                    envoy, "-c", cfg, "--concurrency", "1", "--use-dynamic-base-id", "-l", "warn"],
+                              os.path.join(args.work, f"{arm}.log"))
+            bench.wait_ready(arm, f"http://127.0.0.1:{port}", proc, deadline_s=args.start_timeout)
+            print(f"[callgrind] {arm} serving after {time.time() - t0:.0f}s under valgrind", flush=True)
+            post_n(port, bodies[sizes[0]], 10)  # warm-up: connections, JIT tiers
+            dump = 0
+            for s in sizes:
+                n = args.requests if s != "400k" else max(5, args.requests // 4)
+                post_n(port, bodies[s], min(n, 20))  # warm-up at this size
+                subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
+                t1 = time.time()
+                statuses = post_n(port, bodies[s], n)
+                subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+                dump += 1
+                irs = {}
+                for _ in range(60):
+                    irs = thread_irs(prefix, proc.pid, dump)
+                    if irs:
+                        break
+                    time.sleep(1)
+                busiest = max(irs.values()) if irs else 0
+                results.setdefault(arm, {})[s] = {
+                    "requests": n, "statuses": statuses, "worker_ir_per_request": busiest / n,
+                    "all_threads_ir_per_request": sum(irs.values()) / n, "seconds": time.time() - t1,
+                }
+                print(f"[callgrind] {arm} {s}: {busiest / n / 1e6:.2f} M instructions per request on the worker "
+                      f"({sum(irs.values()) / n / 1e6:.2f} M all threads), statuses {statuses}", flush=True)
+            proc.stop()
+    finally:
+        bench.stop_all()
+    with open(os.path.join(args.work, "callgrind.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    if "envoy-rr" in results and "kvroute" in results:
+        print("\n| size | Envoy RR Ir/req | kvroute Ir/req | added by kvroute | ratio |")
+        print("|---|---|---|---|---|")
+        for s in sizes:
+            a = results["envoy-rr"].get(s, {}).get("worker_ir_per_request")
+            b = results["kvroute"].get(s, {}).get("worker_ir_per_request")
+            if a and b:
+                print(f"| {s} | {a / 1e6:.2f} M | {b / 1e6:.2f} M | {(b - a) / 1e6:.2f} M | {b / a:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
