@@ -714,22 +714,23 @@ def markdown(results, img_rel):
         L.append("")
         L.append(f"![{wname}]({img_rel}/quality-{wname}.svg)")
         L.append("")
-        L.append("| arm | knee (req/s) | throughput at knee | hit % at knee | max server share at knee | "
-                 "TTFT p90 at knee (s) | knee at 5 s SLO (req/s, tok/s) |")
-        L.append("|---|---|---|---|---|---|---|")
+        L.append("| arm | knee (req/s) | throughput at knee | hit % at knee | prefill busy at knee | "
+                 "busiest server's share at knee | TTFT p90 at knee (s) | knee at 5 s SLO (req/s, tok/s) |")
+        L.append("|---|---|---|---|---|---|---|---|")
         for arm, res in w["arms"].items():
             if "error" in res:
-                L.append(f"| {arm} | failed: {res['error'][:80]} | | | | | |")
+                L.append(f"| {arm} | failed: {res['error'][:80]} | | | | | | |")
                 continue
             k, k5 = res.get("knee"), res.get("knee_5s")
             if k:
                 L.append(f"| {arm} | {k['rate']:g} | {k['throughput']:,.0f} {k['metric']} | "
                          f"{fmt(k['hit_ratio'] and k['hit_ratio'] * 100, '.0f')} | "
+                         f"{prefill_busy(k, a['fleet'])} | "
                          f"{fmt(k['max_token_share'] and k['max_token_share'] * 100, '.0f')} % | "
                          f"{k['ttft_p90_s']:.2f} | "
                          f"{k5_cell(k5)} |")
             else:
-                L.append(f"| {arm} | none (first stage over the SLO) | | | | | |")
+                L.append(f"| {arm} | none (first stage over the SLO) | | | | | | |")
         L.append("")
         L.append("<details><summary>every stage</summary>")
         L.append("")
@@ -755,6 +756,13 @@ def markdown(results, img_rel):
         L.append("</details>")
         L.append("")
     return "\n".join(L) + "\n"
+
+
+def prefill_busy(k, fleet):
+    """Share of the fleet's prefill capacity the knee stage used: uncached input tok/s / (N x prefill tok/s)."""
+    if k.get("metric") != "input tok/s" or k.get("hit_ratio") is None:
+        return "–"
+    return f"{k['throughput'] * (1 - k['hit_ratio']) / (fleet['endpoints'] * fleet['prefill_tps']) * 100:.0f} %"
 
 
 def k5_cell(k5):
@@ -837,6 +845,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kv-blocks", type=int, default=None, help=f"override KV blocks per server [{FLEET['num_gpu_blocks']}]")
     p.add_argument("--rates", default=None, help="override the offered rates of every selected workload (comma list)")
+    p.add_argument("--loadgen-extra", default=None, help="extra kvroute-loadgen flags for every selected workload, "
+                   "e.g. '--output-tokens 250' (what-if runs)")
     p.add_argument("--from-results", default=None, metavar="JSON",
                    help="run nothing: rewrite the Markdown section and plots from a results.json of an earlier run")
     args = p.parse_args(argv)
@@ -849,6 +859,10 @@ def main(argv=None):
         args.request_timeout_s = min(args.request_timeout_s, 60.0)
     if args.kv_blocks:
         FLEET["num_gpu_blocks"] = args.kv_blocks
+    if args.loadgen_extra:
+        for w in WORKLOADS.values():
+            w["loadgen"] = w["loadgen"] + args.loadgen_extra.split()
+            w["what"] += f"; what-if: `{args.loadgen_extra}`"
     if args.rates:
         for w in WORKLOADS.values():
             w["rates"] = [float(x) for x in args.rates.split(",")]
