@@ -16,6 +16,7 @@ COLORS = {
     "active-request": "#9467bd",
     "smg-cache-aware": "#1f77b4",
     "kvroute-18s": "#8c564b",
+    "kvroute-output-est": "#e377c2",
 }
 DASH = {"round-robin": "6,4", "smg-cache-aware": "2,3"}
 

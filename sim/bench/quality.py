@@ -52,7 +52,7 @@ SECTION = "## Routing quality through Envoy"
 ANALYSIS = os.path.join(HERE, "analysis.md")
 
 ALL_ARMS = ["round-robin", "kvroute", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"]
-KVROUTE_ARMS = {"kvroute", "always-sticky", "legacy-blend", "active-request", "kvroute-18s"}
+KVROUTE_ARMS = {"kvroute", "always-sticky", "legacy-blend", "active-request", "kvroute-18s", "kvroute-output-est"}
 
 # ---------------------------------------------------------------------------
 # The fleet and the workloads.
@@ -274,6 +274,11 @@ def plugin_config(arm, peak, penalty_ms, poll_ms):
                 "parameters": {"affinityThreshold": 0.8, "maxTTFTPenaltyMs": penalty_ms,
                                "peakPrefillThroughput": peak}}
     if arm == "kvroute":
+        plugins = [affinity, {"type": "token-load-scorer"}, {"type": "max-score-picker"}]
+        profile = [{"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},
+                   {"pluginRef": "max-score-picker"}]
+    elif arm == "kvroute-output-est":
+        producers[1] = {"type": "inflight-load-producer", "parameters": {"addEstimatedOutputTokens": True}}
         plugins = [affinity, {"type": "token-load-scorer"}, {"type": "max-score-picker"}]
         profile = [{"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},
                    {"pluginRef": "max-score-picker"}]
@@ -827,7 +832,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CI smoke: tiny workloads, one short stage per arm")
     p.add_argument("--workloads", default=None, help="comma list (default: all: " + ",".join(WORKLOADS) + ")")
-    p.add_argument("--arms", default=None, help="comma list overriding each workload's arms (" + ",".join(ALL_ARMS) + ",kvroute-18s)")
+    p.add_argument("--arms", default=None, help="comma list overriding each workload's arms (" + ",".join(ALL_ARMS) + ",kvroute-18s,kvroute-output-est)")
     p.add_argument("--out", default=None, help="Markdown file whose '" + SECTION + "' section is (re)written "
                    "(default docs/benchmarks.md for a full run, nothing for --smoke)")
     p.add_argument("--img-dir", default=os.path.join(REPO, "docs", "img"), help="where the SVG plots go")
