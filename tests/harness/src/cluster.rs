@@ -901,11 +901,10 @@ impl Cluster {
     /// The client sends a body chunk.
     pub fn send_body(&self, req: Req, chunk: &[u8], end_of_stream: bool) -> Result<()> {
         let held = self.with_stream(req, |s, _| {
-            if s.request_end_seen
-                && !s.held_chunks.iter().any(|(_, e)| !e)
-                && !s.held_chunks.is_empty()
-            {
-                return Err(anyhow!("harness misuse: body after end of stream"));
+            if s.request_end_seen || s.held_chunks.iter().any(|(_, end)| *end) {
+                return Err(anyhow!(
+                    "harness misuse: body after the end of stream of {req:?}"
+                ));
             }
             if s.stopped_all && s.decoding_paused {
                 s.held_chunks.push_back((chunk.to_vec(), end_of_stream));

@@ -182,6 +182,11 @@ fn stream_without_buffering_passes_chunks() {
     let s = c.stream(req).unwrap();
     assert_eq!(s.upstream_body, b"abcd");
     assert!(s.request_complete_upstream);
+    let err = c.send_body(req, b"more", true).unwrap_err().to_string();
+    assert!(
+        err.starts_with("harness misuse: body after the end"),
+        "{err}"
+    );
 }
 
 #[test]
