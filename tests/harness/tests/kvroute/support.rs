@@ -126,3 +126,18 @@ pub fn stat(c: &Cluster, name: &str) -> i64 {
         .or_else(|| c.metric(&format!("wasmcustom.{name}")))
         .unwrap_or(0)
 }
+
+/// CPU time this thread has used (user + system), from
+/// `/proc/thread-self/stat`; `None` off Linux. Speed limits are checked on
+/// CPU time so that other builds on a shared 2-core machine do not make a
+/// test fail; wall time is printed beside it.
+pub fn thread_cpu_time() -> Option<std::time::Duration> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    // Fields after the command name (which ends with the last ')').
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line, in clock ticks
+    // (USER_HZ, 100 on Linux).
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(std::time::Duration::from_millis(ticks * 10))
+}
