@@ -189,7 +189,7 @@ fn main() {
         for &c in &idx {
             println!(
                 "| {} KiB | {} | {:.2} | {:.2} | {:.2}× |",
-                cases[c].bytes >> 10,
+                (cases[c].bytes + 512) >> 10,
                 endpoints,
                 per_byte(c),
                 med(c, "route") / cases[c].bytes as f64,
@@ -215,7 +215,7 @@ fn main() {
         let d = |s: &str| (med(b, s) - med(a, s)) / extra;
         println!(
             "| {} KiB | {:.0} | {:.0} | {:.0} |",
-            cases[a].bytes >> 10,
+            (cases[a].bytes + 512) >> 10,
             d("decide"),
             d("state"),
             d("route")

@@ -104,15 +104,18 @@ pub fn chat_body(bytes: usize, conversation: u64) -> Vec<u8> {
     let mut messages =
         vec![serde_json::json!({"role": "system", "content": prose(bytes / 4, &mut seed)})];
     let turn = 2048.min(bytes / 4);
-    let mut len = bytes / 4;
+    // Bytes each message adds to the body, as serialised.
+    let size = |m: &serde_json::Value| m.to_string().len() + 1;
+    let mut len = size(&messages[0]) + 128;
     while len + 2 * turn < bytes {
         let role = if messages.len() % 2 == 1 {
             "user"
         } else {
             "assistant"
         };
-        messages.push(serde_json::json!({"role": role, "content": prose(turn, &mut seed)}));
-        len += turn;
+        let m = serde_json::json!({"role": role, "content": prose(turn, &mut seed)});
+        len += size(&m);
+        messages.push(m);
     }
     if messages.len() % 2 == 0 {
         messages.push(serde_json::json!({"role": "assistant", "content": prose(64, &mut seed)}));
@@ -184,7 +187,7 @@ impl Case {
     pub fn label(&self) -> String {
         format!(
             "{:>3} KiB x {:>2} endpoints",
-            self.bytes >> 10,
+            (self.bytes + 512) >> 10,
             self.endpoints
         )
     }

@@ -88,9 +88,24 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
         return Err(MetricsError::NotVllm);
     }
     if usage_n > 0 {
-        m.kv_cache_usage = (usage_sum / f64::from(usage_n)).clamp(0.0, 1.0);
+        m.kv_cache_usage = sane(usage_sum / f64::from(usage_n)).clamp(0.0, 1.0);
     }
+    // Per-sample values are finite, but sums over engines can overflow and
+    // a broken server can report negative counts.
+    m.waiting = sane(m.waiting);
+    m.running = sane(m.running);
+    m.prefix_queries = sane(m.prefix_queries);
+    m.prefix_hits = sane(m.prefix_hits);
     Ok(m)
+}
+
+/// Counts and counters: finite, ≥ 0, at most 1e15; anything else reads as 0.
+fn sane(v: f64) -> f64 {
+    if v.is_finite() && v >= 0.0 {
+        v.min(1e15)
+    } else {
+        0.0
+    }
 }
 
 /// `name{labels} value [timestamp]` → (name, labels, value).
@@ -191,5 +206,8 @@ vllm:cache_config_info{num_gpu_blocks="1000",a="x\"y",block_size="16"} 1.0
             Err(MetricsError::NotVllm)
         );
         assert!(parse(b"vllm:num_requests_running NaN\nvllm:num_requests_waiting 1").is_ok());
+        // Sums that overflow, and negative counts, read as 0 (fuzz find).
+        let m = parse(b"vllm:num_requests_waiting{engine=\"0\"} 1e308\nvllm:num_requests_waiting{engine=\"1\"} 1e308\nvllm:num_requests_running -5").unwrap();
+        assert_eq!((m.waiting, m.running), (0.0, 0.0));
     }
 }

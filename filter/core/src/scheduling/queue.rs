@@ -6,7 +6,13 @@
 use super::Candidate;
 
 pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
-    let waiting = |i: usize| cands[i].metrics.map(|m| m.waiting_requests);
+    // Non-finite values count as missing: min-max of ±inf would be NaN.
+    let waiting = |i: usize| {
+        cands[i]
+            .metrics
+            .map(|m| m.waiting_requests)
+            .filter(|w| w.is_finite())
+    };
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for &i in idx {
         if let Some(w) = waiting(i) {
@@ -17,7 +23,7 @@ pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
     for (o, &i) in out.iter_mut().zip(idx) {
         *o = match waiting(i) {
             None => 0.5,
-            Some(_) if hi <= lo => 1.0,
+            Some(_) if hi <= lo || !(hi - lo).is_finite() => 1.0,
             Some(w) => (hi - w) / (hi - lo),
         };
     }
@@ -50,5 +56,13 @@ mod tests {
         let mut out = [0.0; 2];
         score(&[c(Some(3.0)), c(Some(3.0))], &[0, 1], &mut out);
         assert_eq!(out, [1.0, 1.0]);
+        // A spread that overflows f64 must not turn into NaN.
+        let mut out = [0.0; 3];
+        score(
+            &[c(Some(-1e308)), c(Some(1e308)), c(Some(f64::INFINITY))],
+            &[0, 1, 2],
+            &mut out,
+        );
+        assert!(out.iter().all(|s| s.is_finite()), "{out:?}");
     }
 }

@@ -181,6 +181,10 @@ impl Scheduler {
             }
         }
 
+        // A non-finite score would outrank every real one; count it as 0.
+        for t in totals.iter_mut().filter(|t| !t.is_finite()) {
+            *t = 0.0;
+        }
         let order = match self.picker {
             Picker::MaxScore => max_score::rank(&totals, rng),
             Picker::WeightedRandom => weighted_random::rank(&totals, rng),
