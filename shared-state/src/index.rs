@@ -60,6 +60,11 @@ impl IndexGeometry {
     }
 }
 
+/// The shared-data key of shard `n`.
+pub fn shard_key_of(n: u32) -> String {
+    format!("kvroute/ix/{n}")
+}
+
 /// An endpoint as the index sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Holder {

@@ -290,7 +290,13 @@ impl Engine {
                 insert_counter: counter_after,
                 capacity_blocks: holders[decision.primary].capacity_blocks,
             };
+            // Judge the chosen endpoint's entries by its counter *after*
+            // this charge: this request's own entries are recorded with it,
+            // and the pre-charge counter would see them as already evicted.
             let is_live = |slot: u16, generation: u16, recorded: u32| {
+                if slot == me.slot {
+                    return me.holds(slot, generation, recorded);
+                }
                 holders
                     .iter()
                     .find(|h| h.slot == slot)
@@ -346,14 +352,26 @@ impl Engine {
     // -----------------------------------------------------------------------
     // Collector side.
 
-    /// Writes the initial tables: the static endpoint list, and empty load
-    /// and metrics tables if none exist yet (so workers always CAS against
-    /// an existing value).
+    /// Writes the initial state before traffic: the static endpoint list,
+    /// empty load and metrics tables and every (empty) index shard, if they
+    /// do not exist yet, so workers always CAS against an existing value.
     pub fn collector_init(&self, store: &dyn Store) -> Result<(), StoreError> {
         if let EndpointSource::Static(list) = &self.config.endpoints {
             self.apply_membership(store, list.iter().map(|a| (a.to_string(), true)).collect())?;
         }
-        self.ensure_tables(store)
+        self.ensure_tables(store)?;
+        // Create every index shard up front, before traffic: a worker that
+        // finds a shard missing must write it unconditionally, which could
+        // drop another worker's first insert. The index never holds more
+        // than its budget, so this only spends it early.
+        let empty = vec![0u8; index::SHARD_BYTES];
+        for n in 0..self.geometry.shards {
+            let key = index::shard_key_of(n);
+            if store.get(&key)?.is_none() {
+                store.set(&key, &empty, 0)?;
+            }
+        }
+        Ok(())
     }
 
     /// Creates the load and metrics tables if they do not exist yet. The

@@ -284,3 +284,48 @@ fn index_stays_under_budget() {
     assert!(s.bytes_with_prefix("kvroute/ix/") <= 262_144);
     assert!(inflight(&e, &s).iter().all(|&(t, r)| t == 0 && r == 0));
 }
+
+#[test]
+fn conversation_turns_stay_warm_with_known_capacity() {
+    // Regression: the chosen endpoint's own new entries were judged with its
+    // pre-charge insert counter, looked evicted, and were overwritten by
+    // later blocks of the same request.
+    let c = config(r#","sharedState":{"indexBudgetBytes":65536}"#);
+    let mut c = c;
+    c.prefix.auto_tune = false;
+    c.prefix.lru_capacity_per_server = 4096;
+    let e = Engine::new(c);
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let mut rng = Rng::new(9);
+    let sys = "You review pull requests for a large Rust codebase. ".repeat(60);
+    let mut messages = vec![serde_json::json!({"role":"system","content":sys})];
+    let mut first: Option<String> = None;
+    for turn in 0..6 {
+        messages.push(serde_json::json!({"role":"user","content":format!("turn {turn}: {}", "please look at this diff ".repeat(20))}));
+        let body = serde_json::json!({"model":"m","messages":messages}).to_string();
+        let r = routed(e.route(
+            &s,
+            ApiKind::ChatCompletions,
+            body.as_bytes(),
+            turn,
+            &mut rng,
+        ));
+        e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+        match &first {
+            None => first = Some(primary(&r).to_string()),
+            Some(f) => {
+                assert_eq!(primary(&r), f, "turn {turn}: {}", r.explanation);
+                let affinity: f64 = r
+                    .explanation
+                    .split(';')
+                    .find_map(|kv| kv.strip_prefix("affinity="))
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!(affinity > 0.8, "turn {turn}: {}", r.explanation);
+            }
+        }
+        messages.push(serde_json::json!({"role":"assistant","content":"looks good ".repeat(30)}));
+    }
+}
