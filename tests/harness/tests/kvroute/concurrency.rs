@@ -48,7 +48,7 @@ fn same_instant_conflict_on_an_index_shard() {
     let c = fleet(2, &config(serde_json::json!({})));
     let body = completion(&prompt("index race", 1500), false);
     // Warm the shards this prompt uses, so both writers take the CAS path
-    // (a first insert is unconditional in Envoy: see the ignored tests below).
+    // (a first insert is unconditional in Envoy: see the first-writer tests below).
     let warm = c.post(1, "/v1/completions", &body).unwrap();
     c.respond(warm, &[b"{}"]).unwrap();
     let other = body.clone();
@@ -70,12 +70,12 @@ fn same_instant_conflict_on_an_index_shard() {
     assert_eq!(primary(&c, third), primary(&c, first));
 }
 
-/// Module bug (kvroute-shared-state `cas::update`): a missing key is
-/// written with cas 0, which Envoy applies unconditionally. Two workers that
-/// both find `kvroute/load` missing (no collector yet, or the collector
-/// failed) each write their own table, and one charge is lost.
+/// Regression (found by this harness): a missing key written with cas 0 is
+/// applied unconditionally by Envoy, so two workers that both found
+/// `kvroute/load` missing (no collector yet) lost one charge. Fixed by
+/// creating the tables at configure and creating before changing in
+/// `cas::update`.
 #[test]
-#[ignore = "module bug: cas::update writes a missing key with cas 0 (unconditional in Envoy); run with --ignored"]
 fn first_writers_of_a_missing_load_table_keep_both_charges() {
     let wasm = kvroute_harness::artifacts::kvroute_wasm().unwrap();
     let cfg = config(serde_json::json!({}));
@@ -98,10 +98,9 @@ fn first_writers_of_a_missing_load_table_keep_both_charges() {
     );
 }
 
-/// The same race on a prefix-index shard: the second writer's entries are
-/// overwritten, so a prefix it just inserted is not found.
+/// The same race on a prefix-index shard (regression): the collector now
+/// creates every shard before traffic, so both writers go through CAS.
 #[test]
-#[ignore = "module bug: index shards are created with an unconditional first write; run with --ignored"]
 fn first_writers_of_an_index_shard_keep_both_inserts() {
     let c = fleet(2, &config(serde_json::json!({})));
     let body = completion(&prompt("cold shard race", 1500), false);
