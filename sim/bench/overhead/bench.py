@@ -379,6 +379,7 @@ def summarise(runs, sizes, arms):
                     continue
                 row = {
                     "rounds": len(rs),
+                    "p10_ms": med([x["latency_us"].get("p10", 0) / 1000 for x in rs]),
                     "p50_ms": med([x["latency_us"]["p50"] / 1000 for x in rs]),
                     "p90_ms": med([x["latency_us"]["p90"] / 1000 for x in rs]),
                     "p99_ms": med([x["latency_us"]["p99"] / 1000 for x in rs]),
@@ -393,6 +394,8 @@ def summarise(runs, sizes, arms):
                         continue
                     row[f"added_p50_ms_vs_{ref}"] = med(
                         [(a["latency_us"]["p50"] - b["latency_us"]["p50"]) / 1000 for a, b in pairs])
+                    row[f"added_p10_ms_vs_{ref}"] = med(
+                        [(a["latency_us"].get("p10", 0) - b["latency_us"].get("p10", 0)) / 1000 for a, b in pairs])
                     row[f"added_p99_ms_vs_{ref}"] = med(
                         [(a["latency_us"]["p99"] - b["latency_us"]["p99"]) / 1000 for a, b in pairs])
                     row[f"rps_ratio_vs_{ref}"] = med([a["rps"] / b["rps"] if b["rps"] else None for a, b in pairs])
@@ -432,22 +435,26 @@ def fmt(x, nd=2):
 def markdown(summary, sizes, arms):
     lines = []
     lines.append("| size | arm | p50 ms (c=1) | p99 ms (c=1) | added p50 vs RR ms | added p99 vs RR ms "
-                 "| req/s (c=16) | req/s ÷ RR | proxy CPU µs/req (c=1) | proxy CPU µs/req (c=16) "
-                 "| p50 ms (c=16) | p99 ms (c=16) |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "| req/s (c=16) | req/s ÷ RR | proxy CPU µs/req (c=1) | added CPU vs RR µs/req (c=1) "
+                 "| proxy CPU µs/req (c=16) | p50 ms (c=16) | p99 ms (c=16) |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size in sizes:
         for arm in arms:
             lat = summary.get(size, {}).get("latency", {}).get(arm)
             sat = summary.get(size, {}).get("saturation", {}).get(arm)
             if not lat and not sat:
                 continue
-            lat = lat or {}
-            sat = sat or {}
+            lat = dict(lat or {})
+            sat = dict(sat or {})
+            if arm == "direct":  # no proxy process: no proxy CPU
+                for row in (lat, sat):
+                    row["proxy_cpu_us_per_req"] = row["added_cpu_us_vs_envoy-rr"] = None
             lines.append(
                 f"| {size} | {arm} | {fmt(lat.get('p50_ms'), 3)} | {fmt(lat.get('p99_ms'), 3)} "
                 f"| {fmt(lat.get('added_p50_ms_vs_envoy-rr'), 3)} | {fmt(lat.get('added_p99_ms_vs_envoy-rr'), 3)} "
                 f"| {fmt(sat.get('rps'), 0)} | {fmt(sat.get('rps_ratio_vs_envoy-rr'), 2)} "
-                f"| {fmt(lat.get('proxy_cpu_us_per_req'), 1)} | {fmt(sat.get('proxy_cpu_us_per_req'), 1)} | {fmt(sat.get('p50_ms'), 2)} | {fmt(sat.get('p99_ms'), 2)} |"
+                f"| {fmt(lat.get('proxy_cpu_us_per_req'), 1)} | {fmt(lat.get('added_cpu_us_vs_envoy-rr'), 1)} "
+                f"| {fmt(sat.get('proxy_cpu_us_per_req'), 1)} | {fmt(sat.get('p50_ms'), 2)} | {fmt(sat.get('p99_ms'), 2)} |"
             )
     return "\n".join(lines)
 

@@ -38,10 +38,10 @@ function done(summary, latency, requests_stats)
   io.write(string.format(
     '{"requests":%d,"duration_us":%d,"bytes":%d,'
       .. '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},'
-      .. '"latency_us":{"min":%d,"mean":%.2f,"stdev":%.2f,"p50":%d,"p90":%d,"p99":%d,"p999":%d,"max":%d}}\n',
+      .. '"latency_us":{"min":%d,"mean":%.2f,"stdev":%.2f,"p10":%d,"p25":%d,"p50":%d,"p90":%d,"p99":%d,"p999":%d,"max":%d}}\n',
     summary.requests, summary.duration, summary.bytes,
     e.connect, e.read, e.write, e.status, e.timeout,
     latency.min, latency.mean, latency.stdev,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency:percentile(10), latency:percentile(25), latency:percentile(50), latency:percentile(90), latency:percentile(99),
     latency:percentile(99.9), latency.max))
 end
