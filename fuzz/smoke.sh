@@ -14,8 +14,10 @@
 # Seeds: testdata/requests/ (parse_request, without crash-* files),
 # fuzz/seeds/config/, fuzz/seeds/engine/. New inputs go to a scratch
 # folder; a crashing input is saved under fuzz/artifacts/TARGET/.
-# crash-* files in testdata/requests/ reproduce known core bugs: they are
-# replayed at the end and reported, but do not fail the smoke.
+# testdata/requests/crash-* bodies reproduce open core bugs: they are left
+# out of the seeds, replayed at the end and reported, but do not fail the
+# smoke. Fixed bugs' reproductions live on as seeds (e.g.
+# fuzz/seeds/engine/regression-nan-queue-score.bin).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 fuzz_dir=$PWD
@@ -32,6 +34,7 @@ host=$(rustc -vV | sed -n 's/^host: //p')
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$fuzz_dir/target}
 # What cargo-fuzz 0.13 passes for `-s none` (its default build also has debug
 # assertions). --target keeps the flags off build scripts and proc macros.
+export CARGO_PROFILE_RELEASE_DEBUG=line-tables-only
 export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions \
@@ -71,12 +74,12 @@ run engine "$fuzz_dir/seeds/engine" "" 4096
 shopt -s nullglob
 known=(../testdata/requests/crash-*)
 if [[ ${#known[@]} -gt 0 ]]; then
-  echo "==> known core bugs (testdata/requests/crash-*; reported, not failing the smoke)"
+  echo "==> open core bugs (testdata/requests/crash-*; reported, not failing the smoke)"
   for f in "${known[@]}"; do
     if "$bin/parse_request" -rss_limit_mb=512 -timeout=10 "$f" >"$scratch/known.log" 2>&1; then
-      echo "    $(basename "$f"): no longer crashes (fixed? rename it without crash-)"
+      echo "    $f: no longer crashes (fixed? then rename it without crash-)"
     else
-      echo "    $(basename "$f"): still crashes: $(grep -m1 -E 'panicked|ERROR' "$scratch/known.log" || true)"
+      echo "    $f: still crashes: $(grep -m1 -E 'panicked|ERROR' "$scratch/known.log" || true)"
     fi
   done
 fi

@@ -65,14 +65,6 @@ fn block_configs() -> [BlockConfig; 4] {
     ]
 }
 
-/// `KVROUTE_FUZZ_STRICT=1` turns off the tolerance for known core bugs
-/// (each is named where it is tolerated, with its reproduction under
-/// `fuzz/regressions/`), so that their reproductions crash again.
-pub fn strict() -> bool {
-    static STRICT: OnceLock<bool> = OnceLock::new();
-    *STRICT.get_or_init(|| std::env::var("KVROUTE_FUZZ_STRICT").is_ok_and(|v| v == "1"))
-}
-
 /// Heap bytes one parse may hold at once: `factor × body bytes + 64 KiB`.
 /// `KVROUTE_FUZZ_ALLOC_FACTOR` overrides the factor (default 64; see
 /// docs/benchmarks.md for what the parser actually needs).
