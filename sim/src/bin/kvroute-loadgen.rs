@@ -122,7 +122,9 @@ fn config(f: &Flags) -> Result<Parsed, String> {
         Some(_) => {
             let v: f64 = f.get("stop-after-ttft-p90", 0.0)?;
             if !(v > 0.0 && v.is_finite()) {
-                return Err("kvroute-loadgen: --stop-after-ttft-p90 must be a positive number".into());
+                return Err(
+                    "kvroute-loadgen: --stop-after-ttft-p90 must be a positive number".into(),
+                );
             }
             Some(v)
         }
