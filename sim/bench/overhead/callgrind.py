@@ -61,6 +61,52 @@ def thread_irs(out_prefix, pid, dump_no):
     return irs
 
 
+def regions(path):
+    """Self Ir of one callgrind dump, by code region: `jit` (no object, high
+    addresses: code V8 generated for the module), `envoy` (the stripped Envoy
+    binary, V8's runtime included), `memcpy` (libc memcpy/memmove, whoever
+    called it: the host's copies and the module's memory.copy alike),
+    `libc` (the rest of libc), `unmapped` (no object, low addresses)."""
+    names = {"ob": {}, "fn": {}}
+    cur = {"ob": "", "fn": ""}
+    out = {}
+    skip_next = False
+    with open(path, errors="replace") as f:
+        for line in f:
+            if skip_next:  # the inclusive cost of a call, not self cost
+                skip_next = False
+                continue
+            m = re.match(r"(c?)(ob|fn)=\((\d+)\)(?: (.*))?", line.rstrip("\n"))
+            if m:
+                if m.group(4):
+                    names[m.group(2)][m.group(3)] = m.group(4)
+                if not m.group(1):
+                    cur[m.group(2)] = names[m.group(2)].get(m.group(3), m.group(3))
+                continue
+            if line.startswith("calls="):
+                skip_next = True
+                continue
+            if not line or not (line[0].isdigit() or line[0] in "+-*"):
+                continue
+            parts = line.split()
+            if len(parts) < 2 or not parts[1].isdigit():
+                continue
+            ob, fn = cur["ob"], cur["fn"]
+            if "libc" in ob:
+                key = "memcpy" if ("memcpy" in fn or "memmove" in fn) else "libc"
+            elif ob.endswith("/envoy"):
+                key = "envoy"
+            elif "???" in ob or not ob:
+                try:
+                    key = "jit" if int(fn, 16) > 1 << 32 else "unmapped"
+                except ValueError:
+                    key = "unmapped"
+            else:
+                key = "other"
+            out[key] = out.get(key, 0) + int(parts[1])
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default="envoy-rr,kvroute")
@@ -120,7 +166,12 @@ def main(argv=None):
                         break
                     time.sleep(1)
                 busiest = max(irs.values()) if irs else 0
+                busiest_tid = max(irs, key=irs.get) if irs else None
+                split = {}
+                if busiest_tid:
+                    split = {k: v / n for k, v in regions(f"{prefix}.{proc.pid}.{dump}-{busiest_tid}").items()}
                 results.setdefault(arm, {})[s] = {
+                    "worker_ir_by_region_per_request": split,
                     "requests": n, "statuses": statuses, "worker_ir_per_request": busiest / n,
                     "all_threads_ir_per_request": sum(irs.values()) / n, "seconds": time.time() - t1,
                 }
@@ -139,6 +190,14 @@ def main(argv=None):
             b = results["kvroute"].get(s, {}).get("worker_ir_per_request")
             if a and b:
                 print(f"| {s} | {a / 1e6:.2f} M | {b / 1e6:.2f} M | {(b - a) / 1e6:.2f} M | {b / a:.2f} |")
+        print("\nworker Ir per request by region (M):\n")
+        keys = ["jit", "envoy", "memcpy", "libc", "unmapped", "other"]
+        print("| arm | size | " + " | ".join(keys) + " |")
+        print("|---|---|" + "---|" * len(keys))
+        for arm in ("envoy-rr", "kvroute"):
+            for s in sizes:
+                r = results[arm].get(s, {}).get("worker_ir_by_region_per_request", {})
+                print(f"| {arm} | {s} | " + " | ".join(f"{r.get(k, 0) / 1e6:.2f}" for k in keys) + " |")
     return 0
 
 

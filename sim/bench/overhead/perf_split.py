@@ -26,6 +26,7 @@ import collections
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -71,7 +72,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default="envoy-rr,kv-skip,kv-1block,kvroute")
     p.add_argument("--size", default="8k", choices=list(bench.SIZES))
-    p.add_argument("--seconds", type=int, default=5, help="seconds sampled per arm")
+    p.add_argument("--seconds", type=int, default=5, help="seconds sampled per arm and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, arms interleaved; medians are reported")
     p.add_argument("--connections", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=1, help="Envoy --concurrency (1: one worker to sample)")
     p.add_argument("--wasm", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(bench.REPO, "target")),
@@ -94,32 +96,41 @@ def main(argv=None):
         procs, urls, proxy_of, admins, startup, info = bench.start_everything(args, args.work, 4, arms)
         for arm in arms:
             bench.run_wrk(urls[arm], bodies, 4, 2, 0, lua)  # warm-up
-            data = os.path.join(args.work, f"{arm}.data")
-            total = args.seconds + 4
-            wrk = subprocess.Popen(
-                ["wrk", "-t1", f"-c{args.connections}", f"-d{total}s", "-s", lua, urls[arm], "--", bodies],
-                stdout=subprocess.PIPE, text=True)
-            time.sleep(2)
-            subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-F", "4000", "-g", "-p",
-                            str(proxy_of[arm].pid), "-o", data, "--", "sleep", str(args.seconds)],
-                           capture_output=True, check=True)
-            out, _ = wrk.communicate(timeout=total + 60)
-            res = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
-            rps = res["requests"] / (res["duration_us"] / 1e6)
-            script = subprocess.run(["perf", "script", "-i", data, "-F", "ip,sym,dso"],
-                                    capture_output=True, text=True).stdout
-            counts = classify(script)
-            period_us = 1e6 / 4000
-            reqs = rps * args.seconds
-            rows[arm] = {k: v * period_us / reqs for k, v in counts.items()}
-            rows[arm]["total"] = sum(counts.values()) * period_us / reqs
-            rows[arm]["rps"] = rps
-            print(f"[perf] {arm}: {rps:.0f} req/s, " + ", ".join(
-                f"{k} {v:.1f}" for k, v in sorted(rows[arm].items()) if k != "rps") + " µs/req", flush=True)
+        samples = {a: [] for a in arms}
+        for rnd in range(args.rounds):
+            for arm in arms:
+                data = os.path.join(args.work, f"{arm}-{rnd}.data")
+                total = args.seconds + 4
+                wrk = subprocess.Popen(
+                    ["wrk", "-t1", f"-c{args.connections}", f"-d{total}s", "-s", lua, urls[arm], "--", bodies],
+                    stdout=subprocess.PIPE, text=True)
+                time.sleep(2)
+                subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-F", "4000", "-g", "-p",
+                                str(proxy_of[arm].pid), "-o", data, "--", "sleep", str(args.seconds)],
+                               capture_output=True, check=True)
+                out, _ = wrk.communicate(timeout=total + 60)
+                res = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
+                rps = res["requests"] / (res["duration_us"] / 1e6)
+                script = subprocess.run(["perf", "script", "-i", data, "-F", "ip,sym,dso"],
+                                        capture_output=True, text=True).stdout
+                os.remove(data)
+                counts = classify(script)
+                period_us = 1e6 / 4000
+                reqs = rps * args.seconds
+                row = {k: v * period_us / reqs for k, v in counts.items()}
+                row["total"] = sum(counts.values()) * period_us / reqs
+                row["rps"] = rps
+                samples[arm].append(row)
+                print(f"[perf] r{rnd} {arm}: {rps:.0f} req/s, " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in sorted(row.items()) if k != "rps") + " µs/req", flush=True)
+        for arm in arms:
+            keys = set().union(*(r.keys() for r in samples[arm]))
+            rows[arm] = {k: statistics.median([r.get(k, 0.0) for r in samples[arm]]) for k in keys}
     finally:
         bench.stop_all()
     regions = ["jit", "native", "memmove from jit", "memmove from envoy", "libc other", "kernel", "other", "total"]
-    print(f"\nCPU µs per request by region, {args.size} bodies, wrk -c {args.connections}, "
+    print(f"\nCPU µs per request by region (median of {args.rounds} rounds), {args.size} bodies, "
+          f"wrk -c {args.connections}, "
           f"Envoy --concurrency {args.concurrency}\n")
     print("| region | " + " | ".join(arms) + " |")
     print("|---|" + "---|" * len(arms))
