@@ -115,6 +115,13 @@ class Proc:
             return ""
 
 
+def _git(*argv):
+    try:
+        return subprocess.run(["git", "-C", REPO, *argv], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def stop_all():
     for p in reversed(_children):
         try:
@@ -530,6 +537,9 @@ def main(argv=None):
         "seconds": seconds,
         "nproc": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
+        "git_head": _git("rev-parse", "HEAD"),
+        # Uncommitted changes to the module's sources when the run started.
+        "module_sources_dirty": bool(_git("status", "--porcelain", "filter", "shared-state")),
     }
     try:
         procs, urls, proxy_of, admins, startup, info = start_everything(args, work, args.endpoints, arms)
@@ -607,7 +617,8 @@ def main(argv=None):
     for k, (ok, v) in tg.items():
         print(f"[target] {'MET   ' if ok else 'MISSED'} {k}: {v}")
     print(f"[bench] results in {work}/results.json and results.md; load average {meta['loadavg_start']} -> "
-          f"{meta['loadavg_end']}")
+          f"{meta['loadavg_end']}; commit {meta['git_head'][:10]}"
+          f"{' (module sources modified)' if meta['module_sources_dirty'] else ''}")
     if failures:
         print("[bench] FAILED:", file=sys.stderr)
         for f_ in failures:
