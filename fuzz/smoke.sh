@@ -3,7 +3,7 @@
 # seeds. Exits non-zero if any target crashes (a panic, a failed invariant,
 # over 512 MB RSS, or one input taking over 10 s). The one command CI calls:
 #
-#   bash fuzz/smoke.sh                          # ~20 s per target
+#   bash fuzz/smoke.sh                          # 10 s per target
 #   KVROUTE_FUZZ_SECONDS=600 bash fuzz/smoke.sh  # a real run (see docs/benchmarks.md)
 #
 # Builds with plain cargo and the exact flags `cargo fuzz build -s none`
@@ -21,7 +21,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 fuzz_dir=$PWD
-seconds=${KVROUTE_FUZZ_SECONDS:-20}
+seconds=${KVROUTE_FUZZ_SECONDS:-10}
 started=$(date +%s)
 
 command -v cargo >/dev/null || { echo "smoke.sh: cargo not found: install Rust first" >&2; exit 1; }
