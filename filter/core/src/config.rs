@@ -789,6 +789,10 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             return Err(err("endpoints", "give either `static` or `fromCluster`, not both"))
         }
         Some(RawEndpoints { static_list: Some(list), .. }) => {
+            // Refuse long lists before the (quadratic) duplicate check.
+            if list.len() > 1024 {
+                return Err(err("endpoints.static", "at most 1024 endpoints"));
+            }
             let mut addrs = Vec::with_capacity(list.len());
             for (i, s) in list.iter().enumerate() {
                 let a: SocketAddr = s.parse().map_err(|_| {
