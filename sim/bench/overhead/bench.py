@@ -30,7 +30,6 @@ import ctypes
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import socket
