@@ -30,6 +30,7 @@ import ctypes
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -206,10 +207,15 @@ def admin_stats(admin_port, pattern):
 def run_wrk(url, bodies_file, connections, seconds, offset, lua):
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", lua,
             url, "--", bodies_file, CHAT_PATH, str(offset)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     for line in reversed(r.stdout.splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            res = json.loads(line)
+            # wrk's own CPU time: the load generator must stay small next to the proxy.
+            res["wrk_cpu_ns"] = int(((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)) * 1e9)
+            return res
     raise RuntimeError(f"wrk gave no result (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
 
 
@@ -349,6 +355,7 @@ def measure(arm, url, bodies_file, connections, seconds, offset, proxy, stub, st
     n = max(1, res["requests"])
     res["proxy_cpu_us_per_req"] = res["proxy_cpu_ns"] / n / 1000.0
     res["stub_cpu_us_per_req"] = res["stub_cpu_ns"] / n / 1000.0
+    res["wrk_cpu_us_per_req"] = res.get("wrk_cpu_ns", 0) / n / 1000.0
     res["arm"] = arm
     return res
 
@@ -392,6 +399,7 @@ def summarise(runs, sizes, arms):
                     "rps": med([x["rps"] for x in rs]),
                     "proxy_cpu_us_per_req": med([x["proxy_cpu_us_per_req"] for x in rs]),
                     "stub_cpu_us_per_req": med([x["stub_cpu_us_per_req"] for x in rs]),
+                    "wrk_cpu_us_per_req": med([x.get("wrk_cpu_us_per_req") for x in rs]),
                     "per_endpoint": [sum(x["per_endpoint"][i] for x in rs) for i in range(len(rs[0]["per_endpoint"]))],
                 }
                 for ref in ("envoy-rr", "smg"):
@@ -577,6 +585,7 @@ def main(argv=None):
                             f"[bench] r{rnd} {s:>4s} {mode:10s} {arm:8s} p50 {r['latency_us']['p50'] / 1000:7.3f} ms "
                             f"p99 {r['latency_us']['p99'] / 1000:7.3f} ms {r['rps']:8.0f} req/s "
                             f"proxy {r['proxy_cpu_us_per_req']:7.1f} µs/req stub {r['stub_cpu_us_per_req']:6.1f} µs/req "
+                            f"wrk {r['wrk_cpu_us_per_req']:6.1f} µs/req "
                             f"spread {r['per_endpoint']} {'; '.join(bad)}",
                             flush=True,
                         )
