@@ -66,6 +66,16 @@ pub struct Routed {
     pub stream: bool,
 }
 
+/// What the scheduler sees for one request (see [`Engine::snapshot`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// Healthy endpoints, in table order; candidate `i` is endpoint `i`.
+    pub endpoints: Vec<EndpointEntry>,
+    pub holders: Vec<Holder>,
+    pub candidates: Vec<Candidate>,
+    pub view: RequestView,
+}
+
 /// The engine for one configuration.
 #[derive(Clone, Debug)]
 pub struct Engine {
@@ -183,19 +193,21 @@ impl Engine {
         }
     }
 
-    /// The part of [`route`](Self::route) after parsing (also used by the
-    /// simulator, which builds prompts directly).
-    pub fn route_parsed(
+    /// The scheduler's input for a request, read from shared state: the
+    /// healthy endpoints, their index holders, their candidates (longest
+    /// held prefix, in-flight load, fresh metrics) and the request view.
+    /// `None` when no healthy endpoint is known.
+    pub fn snapshot(
         &self,
         store: &dyn Store,
         hashes: &[u64],
         prompt_tokens: u64,
         max_output_tokens: Option<u64>,
         now_ms: u64,
-        rng: &mut Rng,
-    ) -> Result<Option<Routed>, StoreError> {
+    ) -> Result<Option<Snapshot>, StoreError> {
         let table = self.endpoint_table(store)?;
-        let endpoints: Vec<&EndpointEntry> = table.endpoints.iter().filter(|e| e.healthy).collect();
+        let endpoints: Vec<EndpointEntry> =
+            table.endpoints.into_iter().filter(|e| e.healthy).collect();
         if endpoints.is_empty() {
             return Ok(None);
         }
@@ -244,10 +256,39 @@ impl Engine {
             block_size_tokens: self.config.prefix.blocks.block_size_tokens,
             max_output_tokens,
         };
+        Ok(Some(Snapshot {
+            endpoints,
+            holders,
+            candidates,
+            view,
+        }))
+    }
+
+    /// The part of [`route`](Self::route) after parsing (also used by the
+    /// simulator, which builds prompts directly).
+    pub fn route_parsed(
+        &self,
+        store: &dyn Store,
+        hashes: &[u64],
+        prompt_tokens: u64,
+        max_output_tokens: Option<u64>,
+        now_ms: u64,
+        rng: &mut Rng,
+    ) -> Result<Option<Routed>, StoreError> {
+        let Some(snap) = self.snapshot(store, hashes, prompt_tokens, max_output_tokens, now_ms)?
+        else {
+            return Ok(None);
+        };
+        let Snapshot {
+            endpoints,
+            holders,
+            candidates,
+            view,
+        } = snap;
         let Some(decision) = self.config.scheduler.schedule(&view, &candidates, rng) else {
             return Ok(None);
         };
-        let chosen = endpoints[decision.primary];
+        let chosen = &endpoints[decision.primary];
         let cand = &candidates[decision.primary];
         let charge = self.config.scheduler.inflight.charge(&view, cand);
         let new_blocks = u64::from(view.total_blocks.saturating_sub(cand.matched_blocks));
@@ -522,7 +563,7 @@ impl Engine {
 }
 
 /// `branch=sticky;endpoint=ip:port;affinity=0.95;ttft_ms=12.3;uncached_tokens=123;candidates=4;passed=1`
-fn explain(d: &Decision, endpoints: &[&EndpointEntry], uncached: u64) -> String {
+fn explain(d: &Decision, endpoints: &[EndpointEntry], uncached: u64) -> String {
     let r = &d.report[d.primary];
     let mut s = String::with_capacity(160);
     let _ = write!(

@@ -14,12 +14,8 @@ use kvroute_core::blocks::{prompt_blocks, PromptBlocks};
 use kvroute_core::config::Config;
 use kvroute_core::engine::{Engine, Outcome};
 use kvroute_core::request::{parse_request, ApiKind, InferenceRequest, ParseLimits};
-use kvroute_core::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
-use kvroute_shared_state::index::{self, Holder};
-use kvroute_shared_state::load::LoadTable;
+use kvroute_core::scheduling::{Candidate, Decision, RequestView, Rng};
 use kvroute_shared_state::memory::MemoryStore;
-use kvroute_shared_state::metrics::MetricsTable;
-use kvroute_shared_state::{Store, LOAD_KEY, METRICS_KEY};
 
 /// Body sizes benchmarked, bytes.
 pub const SIZES: [usize; 3] = [8 << 10, 64 << 10, 400 << 10];
@@ -205,69 +201,25 @@ impl Case {
         prompt_blocks(req, &self.engine.config.prefix.blocks)
     }
 
-    /// The scheduler's input for `blocks`, read from shared state the way
-    /// `Engine::route_parsed` reads it (endpoint table, load, metrics, index).
+    /// The scheduler's input for `blocks`, read from shared state by
+    /// `Engine::snapshot`, the same call `Engine::route_parsed` makes.
     pub fn candidates(
         &self,
         blocks: &PromptBlocks,
         max_output_tokens: Option<u64>,
     ) -> (RequestView, Vec<Candidate>) {
-        let e = &self.engine;
-        let table = e.endpoint_table(&self.store).expect("endpoint table");
-        let endpoints: Vec<_> = table.endpoints.iter().filter(|x| x.healthy).collect();
-        let load = LoadTable::decode(
-            self.store
-                .get(LOAD_KEY)
-                .expect("get")
-                .as_ref()
-                .map(|(b, _)| b.as_slice()),
-        );
-        let metrics = MetricsTable::decode(
-            self.store
-                .get(METRICS_KEY)
-                .expect("get")
-                .as_ref()
-                .map(|(b, _)| b.as_slice()),
-        );
-        let holders: Vec<Holder> = endpoints
-            .iter()
-            .map(|x| Holder {
-                slot: x.slot,
-                generation: x.generation,
-                insert_counter: load
-                    .get(x.slot, x.generation)
-                    .map_or(0, |r| r.insert_counter),
-                capacity_blocks: e.config.prefix.lru_capacity_per_server,
-            })
-            .collect();
-        let matches =
-            index::longest_prefixes(&self.store, &e.geometry(), &blocks.block_hashes, &holders)
-                .expect("index lookup");
-        let candidates = endpoints
-            .iter()
-            .zip(&matches.matched_blocks)
-            .map(|(x, &matched)| {
-                let rec = load.get(x.slot, x.generation);
-                Candidate {
-                    matched_blocks: matched,
-                    inflight_tokens: rec.map_or(0, |r| r.inflight_tokens()),
-                    inflight_requests: rec.map_or(0, |r| r.inflight_requests()),
-                    metrics: metrics.get(x.slot, x.generation).map(|m| EndpointMetrics {
-                        waiting_requests: m.waiting,
-                        running_requests: m.running,
-                        kv_cache_usage: m.kv_cache_usage,
-                    }),
-                    last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
-                }
-            })
-            .collect();
-        let view = RequestView {
-            prompt_tokens: blocks.prompt_tokens,
-            total_blocks: blocks.block_hashes.len() as u32,
-            block_size_tokens: e.config.prefix.blocks.block_size_tokens,
-            max_output_tokens,
-        };
-        (view, candidates)
+        let snap = self
+            .engine
+            .snapshot(
+                &self.store,
+                &blocks.block_hashes,
+                blocks.prompt_tokens,
+                max_output_tokens,
+                0,
+            )
+            .expect("shared state readable")
+            .expect("endpoints known");
+        (snap.view, snap.candidates)
     }
 
     pub fn decide(&self, view: &RequestView, candidates: &[Candidate], rng: &mut Rng) -> Decision {
