@@ -221,11 +221,11 @@ impl World {
                     s.is_finite(),
                     "a non-finite score {s} in {:?} ({})",
                     d.report,
-                    r.explanation
+                    r.explanation()
                 );
             }
         }
-        assert!(r.explanation.starts_with("branch="), "{}", r.explanation);
+        assert!(r.explanation().starts_with("branch="), "{}", r.explanation());
     }
 
     /// Counters equal the outstanding charges (while no reap happened), and

@@ -34,22 +34,42 @@ pub fn update<T, R>(
     key: &str,
     decode: impl Fn(Option<&[u8]>) -> T,
     encode: impl Fn(&T) -> Vec<u8>,
+    f: impl FnMut(&mut T) -> Option<R>,
+) -> Result<Updated<Option<R>>, StoreError> {
+    update_seeded(store, key, None, decode, encode, f)
+}
+
+/// [`update`], with the first attempt made on a value the caller has already
+/// read (`seed`: the decoded value and the CAS token it was read with), which
+/// saves a get when nobody wrote the key in between. A lost race retries
+/// from a fresh read, as [`update`] does.
+pub fn update_seeded<T, R>(
+    store: &dyn Store,
+    key: &str,
+    mut seed: Option<(T, u32)>,
+    decode: impl Fn(Option<&[u8]>) -> T,
+    encode: impl Fn(&T) -> Vec<u8>,
     mut f: impl FnMut(&mut T) -> Option<R>,
 ) -> Result<Updated<Option<R>>, StoreError> {
     let mut retries = 0;
     let mut created = false;
     loop {
-        let Some((bytes, cas)) = store.get(key)? else {
-            if created {
-                return Err(StoreError::Host(format!(
-                    "{key} is still missing after it was written"
-                )));
+        let (mut value, cas) = match seed.take() {
+            Some(s) => s,
+            None => {
+                let Some((bytes, cas)) = store.get(key)? else {
+                    if created {
+                        return Err(StoreError::Host(format!(
+                            "{key} is still missing after it was written"
+                        )));
+                    }
+                    store.set(key, &encode(&decode(None)), 0)?;
+                    created = true;
+                    continue;
+                };
+                (decode(Some(&bytes)), cas)
             }
-            store.set(key, &encode(&decode(None)), 0)?;
-            created = true;
-            continue;
         };
-        let mut value = decode(Some(&bytes));
         let Some(result) = f(&mut value) else {
             return Ok(Updated {
                 result: None,
@@ -57,6 +77,50 @@ pub fn update<T, R>(
             });
         };
         match store.set(key, &encode(&value), cas) {
+            Ok(()) => {
+                return Ok(Updated {
+                    result: Some(result),
+                    retries,
+                })
+            }
+            Err(StoreError::CasMismatch) if retries < MAX_CAS_RETRIES => retries += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// [`update`] for a value that is its own encoding (a byte buffer changed in
+/// place): no decode or encode copies. `init` is the value of a key that was
+/// never set, and `fix` normalises whatever was read (e.g. to a fixed size).
+/// Same CAS, creation and retry rules as [`update`].
+pub fn update_bytes<R>(
+    store: &dyn Store,
+    key: &str,
+    init: impl Fn() -> Vec<u8>,
+    fix: impl Fn(&mut Vec<u8>),
+    mut f: impl FnMut(&mut Vec<u8>) -> Option<R>,
+) -> Result<Updated<Option<R>>, StoreError> {
+    let mut retries = 0;
+    let mut created = false;
+    loop {
+        let Some((mut value, cas)) = store.get(key)? else {
+            if created {
+                return Err(StoreError::Host(format!(
+                    "{key} is still missing after it was written"
+                )));
+            }
+            store.set(key, &init(), 0)?;
+            created = true;
+            continue;
+        };
+        fix(&mut value);
+        let Some(result) = f(&mut value) else {
+            return Ok(Updated {
+                result: None,
+                retries,
+            });
+        };
+        match store.set(key, &value, cas) {
             Ok(()) => {
                 return Ok(Updated {
                     result: Some(result),

@@ -20,7 +20,7 @@
 //! monotone in i, and the longest held prefix is found by binary search:
 //! about log2(blocks) shard reads, not one per block.
 
-use crate::cas::{update, Updated};
+use crate::cas::{update_bytes, Updated};
 use crate::{Store, StoreError};
 
 /// Bytes per shard value.
@@ -153,17 +153,14 @@ fn write_entry(shard: &mut [u8], i: usize, e: Entry) {
     }
 }
 
-fn shard_or_empty(bytes: Option<&[u8]>) -> Vec<u8> {
-    let mut v = bytes.map(<[u8]>::to_vec).unwrap_or_default();
-    v.resize(SHARD_BYTES, 0);
-    v
-}
-
 /// Result of a lookup.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Matches {
     /// Per holder (same order): blocks held from block 0.
     pub matched_blocks: Vec<u32>,
+    /// Per holder: the `recorded` counter of its entry for block 0, if it
+    /// holds block 0 (see [`refresh_due`]).
+    pub first_recorded: Vec<Option<u32>>,
     /// Shard values read.
     pub shard_reads: u32,
 }
@@ -178,6 +175,7 @@ pub fn longest_prefixes(
     let n = hashes.len();
     let mut out = Matches {
         matched_blocks: vec![0; holders.len()],
+        first_recorded: vec![None; holders.len()],
         shard_reads: 0,
     };
     if n == 0 || holders.is_empty() {
@@ -185,7 +183,7 @@ pub fn longest_prefixes(
     }
     let groups = n.div_ceil(GROUP_BLOCKS);
     let mut shards: Vec<Option<Vec<u8>>> = vec![None; groups];
-    let mut held = |h: &Holder, i: usize, out: &mut Matches| -> Result<bool, StoreError> {
+    let mut held = |h: &Holder, i: usize, out: &mut Matches| -> Result<Option<u32>, StoreError> {
         let g = i / GROUP_BLOCKS;
         if shards[g].is_none() {
             let key = geo.shard_key(hashes[g * GROUP_BLOCKS]);
@@ -195,19 +193,20 @@ pub fn longest_prefixes(
         let shard = shards[g].as_deref().unwrap_or(&[]);
         let hash = key_hash(hashes[i]);
         let set = set_of(hash);
-        Ok((0..WAYS).any(|w| {
-            let e = read_entry(shard, set * WAYS + w);
-            e.hash == hash && h.holds(e.slot, e.generation, e.recorded)
-        }))
+        Ok((0..WAYS)
+            .map(|w| read_entry(shard, set * WAYS + w))
+            .find(|e| e.hash == hash && h.holds(e.slot, e.generation, e.recorded))
+            .map(|e| e.recorded))
     };
     for (k, h) in holders.iter().enumerate() {
-        if !held(h, 0, &mut out)? {
+        let Some(first) = held(h, 0, &mut out)? else {
             continue;
-        }
+        };
+        out.first_recorded[k] = Some(first);
         let (mut lo, mut hi) = (0usize, n - 1);
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
-            if held(h, mid, &mut out)? {
+            if held(h, mid, &mut out)?.is_some() {
                 lo = mid;
             } else {
                 hi = mid - 1;
@@ -218,6 +217,35 @@ pub fn longest_prefixes(
     Ok(out)
 }
 
+/// Should a holder's already-held prefix be written again, to refresh its
+/// entries' `recorded` counter? vLLM's cache is LRU: a hit keeps blocks warm.
+/// Rewriting held blocks on every hit is what made inserts dear (one shard
+/// read-modify-write per 16 blocks, every request), so they are refreshed
+/// only once they have aged half the endpoint's capacity (`first_recorded`
+/// from [`Matches`], the block-0 entry, is the oldest of a prefix written
+/// in order). With capacity unknown (0) entries never age, so no refresh.
+pub fn refresh_due(holder: &Holder, first_recorded: Option<u32>) -> bool {
+    let Some(recorded) = first_recorded else {
+        return true;
+    };
+    if holder.capacity_blocks == 0 || holder.capacity_blocks >= u64::from(u32::MAX / 2) {
+        return false;
+    }
+    let age = u64::from((holder.insert_counter as u32).wrapping_sub(recorded));
+    age >= holder.capacity_blocks / 2
+}
+
+/// How many leading blocks of a prompt an insert may skip: the whole
+/// [`GROUP_BLOCKS`] groups inside the `matched` prefix the holder already
+/// holds, unless they are due for a refresh. Always a multiple of
+/// `GROUP_BLOCKS`, so the remaining groups keep their shards.
+pub fn insert_skip(holder: &Holder, matched: u32, first_recorded: Option<u32>) -> usize {
+    if refresh_due(holder, first_recorded) {
+        return 0;
+    }
+    matched as usize / GROUP_BLOCKS * GROUP_BLOCKS
+}
+
 /// Counts of an insert.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InsertStats {
@@ -225,46 +253,52 @@ pub struct InsertStats {
     pub cas_retries: u32,
 }
 
-/// Records that `holder` holds every block in `hashes`, with the holder's
-/// insert counter as it is *after* this request's charge. `is_live(slot,
-/// generation, recorded)` says whether another endpoint's entry is still
-/// held; dead entries are overwritten first.
+/// Records that `holder` holds every block in `hashes` from block `skip`
+/// on (`skip` is rounded down to a whole group; see [`insert_skip`]), with
+/// the holder's insert counter as it is *after* this request's charge.
+/// `is_live(slot, generation, recorded)` says whether another endpoint's
+/// entry is still held; dead entries are overwritten first. A group whose
+/// entries are already exactly as they would be written is not written.
 pub fn insert(
     store: &dyn Store,
     geo: &IndexGeometry,
     hashes: &[u64],
+    skip: usize,
     holder: &Holder,
     is_live: &dyn Fn(u16, u16, u32) -> bool,
 ) -> Result<InsertStats, StoreError> {
     let mut stats = InsertStats::default();
     let recorded = holder.insert_counter as u32;
-    for group in hashes.chunks(GROUP_BLOCKS) {
+    let from = (skip / GROUP_BLOCKS * GROUP_BLOCKS).min(hashes.len());
+    for group in hashes[from..].chunks(GROUP_BLOCKS) {
         let key = geo.shard_key(group[0]);
-        let Updated { retries, .. } = update(
+        let Updated { result, retries } = update_bytes(
             store,
             &key,
-            shard_or_empty,
-            |s: &Vec<u8>| s.clone(),
-            |shard: &mut Vec<u8>| {
+            || vec![0; SHARD_BYTES],
+            |shard| shard.resize(SHARD_BYTES, 0),
+            |shard| {
+                let mut changed = false;
                 for &h in group {
-                    upsert(shard, key_hash(h), holder, recorded, is_live);
+                    changed |= upsert(shard, key_hash(h), holder, recorded, is_live);
                 }
-                Some(())
+                changed.then_some(())
             },
         )?;
-        stats.shard_writes += 1;
+        stats.shard_writes += u32::from(result.is_some());
         stats.cas_retries += retries;
     }
     Ok(stats)
 }
 
+/// Writes one entry; returns false if it was already there as written.
 fn upsert(
     shard: &mut [u8],
     hash: u64,
     holder: &Holder,
     recorded: u32,
     is_live: &dyn Fn(u16, u16, u32) -> bool,
-) {
+) -> bool {
     let set = set_of(hash);
     let base = set * WAYS;
     let entries: [Entry; WAYS] = std::array::from_fn(|w| read_entry(shard, base + w));
@@ -277,16 +311,17 @@ fn upsert(
                 .position(|e| e.hash == 0 || !is_live(e.slot, e.generation, e.recorded))
         })
         .unwrap_or(((mix(hash ^ u64::from(recorded)) >> 40) % WAYS as u64) as usize);
-    write_entry(
-        shard,
-        base + way,
-        Entry {
-            hash,
-            slot: holder.slot,
-            generation: holder.generation,
-            recorded,
-        },
-    );
+    let entry = Entry {
+        hash,
+        slot: holder.slot,
+        generation: holder.generation,
+        recorded,
+    };
+    if entries[way] == entry {
+        return false;
+    }
+    write_entry(shard, base + way, entry);
+    true
 }
 
 #[cfg(test)]
@@ -320,8 +355,8 @@ mod tests {
         let s = MemoryStore::new();
         let geo = IndexGeometry::from_budget(1 << 20);
         let a = chain(1, 100);
-        insert(&s, &geo, &a[..60], &holder(0, 60, 0), ALWAYS).unwrap();
-        insert(&s, &geo, &a[..25], &holder(1, 25, 0), ALWAYS).unwrap();
+        insert(&s, &geo, &a[..60], 0, &holder(0, 60, 0), ALWAYS).unwrap();
+        insert(&s, &geo, &a[..25], 0, &holder(1, 25, 0), ALWAYS).unwrap();
         let m = longest_prefixes(
             &s,
             &geo,
@@ -344,7 +379,7 @@ mod tests {
         let s = MemoryStore::new();
         let geo = IndexGeometry::from_budget(1 << 20);
         let a = chain(5, 10);
-        insert(&s, &geo, &a, &holder(0, 10, 100), ALWAYS).unwrap();
+        insert(&s, &geo, &a, 0, &holder(0, 10, 100), ALWAYS).unwrap();
         assert_eq!(
             longest_prefixes(&s, &geo, &a, &[holder(0, 109, 100)])
                 .unwrap()
@@ -380,6 +415,7 @@ mod tests {
                 &s,
                 &geo,
                 &chain(p + 1000, 8),
+                0,
                 &holder((p % 8) as u16, p, 0),
                 ALWAYS,
             )
@@ -388,6 +424,47 @@ mod tests {
         let used = s.bytes_with_prefix("kvroute/ix/") as u64;
         assert!(used <= budget, "{used} > {budget}");
         assert_eq!(used, geo.max_bytes(), "every shard touched at this volume");
+    }
+
+    #[test]
+    fn held_groups_are_skipped_until_due_for_refresh() {
+        let s = MemoryStore::new();
+        let geo = IndexGeometry::from_budget(1 << 20);
+        let a = chain(7, 40); // groups: 0..16, 16..32, 32..40
+        let st = insert(&s, &geo, &a, 0, &holder(0, 40, 1000), ALWAYS).unwrap();
+        assert_eq!(st.shard_writes, 3);
+        // Writing the same entries again changes nothing, so nothing is written.
+        let st = insert(&s, &geo, &a, 0, &holder(0, 40, 1000), ALWAYS).unwrap();
+        assert_eq!(st.shard_writes, 0);
+
+        let h = holder(0, 100, 1000);
+        let m = longest_prefixes(&s, &geo, &a, &[h]).unwrap();
+        assert_eq!(m.matched_blocks, vec![40]);
+        assert_eq!(m.first_recorded, vec![Some(40)]);
+        // Aged 60 of 1000: only whole held groups are skipped (32 blocks);
+        // the last, partial group is written with the new counter.
+        let skip = insert_skip(&h, 40, m.first_recorded[0]);
+        assert_eq!(skip, 32);
+        let st = insert(&s, &geo, &a, skip, &h, ALWAYS).unwrap();
+        assert_eq!(st.shard_writes, 1);
+        // Aged half the capacity: the whole prefix is refreshed, so it
+        // survives the next half capacity of inserts, as an LRU hit would.
+        let old = holder(0, 540, 1000);
+        let m = longest_prefixes(&s, &geo, &a, &[old]).unwrap();
+        assert_eq!(m.matched_blocks, vec![40]);
+        assert_eq!(insert_skip(&old, 40, m.first_recorded[0]), 0);
+        insert(&s, &geo, &a, 0, &old, ALWAYS).unwrap();
+        let later = holder(0, 1500, 1000);
+        let m = longest_prefixes(&s, &geo, &a, &[later]).unwrap();
+        assert_eq!(
+            m.matched_blocks,
+            vec![40],
+            "refreshed at 540, held until 1540"
+        );
+        // Nothing held at block 0: nothing skipped.
+        assert_eq!(insert_skip(&h, 0, None), 0);
+        // Capacity unknown: entries never age, held groups are always skipped.
+        assert_eq!(insert_skip(&holder(0, 1 << 30, 0), 40, Some(1)), 32);
     }
 
     #[test]
@@ -402,7 +479,7 @@ mod tests {
                 .matched_blocks,
             vec![0]
         );
-        insert(&s, &geo, &a, &holder(0, 4, 0), ALWAYS).unwrap();
+        insert(&s, &geo, &a, 0, &holder(0, 4, 0), ALWAYS).unwrap();
         assert_eq!(
             longest_prefixes(&s, &geo, &a, &[holder(0, 4, 0)])
                 .unwrap()

@@ -9,7 +9,7 @@
 //! | key | written by | what |
 //! |---|---|---|
 //! | `kvroute/endpoints` | collector | [`endpoints::EndpointTable`]: address, slot, generation, health |
-//! | `kvroute/load` | workers (and the collector's reaper) | [`load::LoadTable`]: per-slot in-flight tokens/requests in time buckets, insert counter |
+//! | `kvroute/load` | workers (and the collector: reaper, state epoch) | [`load::LoadTable`]: per-slot in-flight tokens/requests in time buckets, insert counter; the state epoch |
 //! | `kvroute/metrics` | collector | [`metrics::MetricsTable`]: last polled vLLM metrics per slot, with age |
 //! | `kvroute/ix/<n>` | workers | [`index::PrefixIndex`] shards: fixed-size tables of block entries |
 //!

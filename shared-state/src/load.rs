@@ -73,10 +73,15 @@ pub struct Ticket {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LoadTable {
+    /// The state epoch: the collector bumps it after every change to the
+    /// endpoint or metrics table, so a worker that reads this table (as it
+    /// does for every request) knows whether its copies of those two tables
+    /// are current without reading them. 0 = never bumped (no collector).
+    pub epoch: u64,
     pub records: Vec<LoadRecord>,
 }
 
-const MAGIC: u8 = 0x10;
+const MAGIC: u8 = 0x11;
 
 /// Bucket width for a reap bound: `reapAfterMs / 2`, at least 1 ms.
 pub fn window_ms(reap_after_ms: u64) -> u64 {
@@ -85,8 +90,9 @@ pub fn window_ms(reap_after_ms: u64) -> u64 {
 
 impl LoadTable {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(3 + self.records.len() * 134);
+        let mut w = Writer::with_capacity(11 + self.records.len() * 134);
         w.u8(MAGIC);
+        w.u64(self.epoch);
         w.u16(self.records.len() as u16);
         for r in &self.records {
             w.u16(r.generation);
@@ -113,6 +119,7 @@ impl LoadTable {
         if r.u8()? != MAGIC {
             return None;
         }
+        let epoch = r.u64()?;
         let n = r.u16()? as usize;
         if n > MAX_ENDPOINTS {
             return None;
@@ -136,7 +143,12 @@ impl LoadTable {
             }
             records.push(rec);
         }
-        Some(LoadTable { records })
+        Some(LoadTable { epoch, records })
+    }
+
+    /// Marks the endpoint or metrics table as changed (see `epoch`).
+    pub fn bump_epoch(&mut self) {
+        self.epoch = self.epoch.wrapping_add(1).max(1);
     }
 
     /// The record of `slot` if it belongs to `generation`.

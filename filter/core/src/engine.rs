@@ -10,13 +10,14 @@ use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::request::{parse_request, ApiKind, ParseError, ParseLimits};
 use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
-use kvroute_shared_state::cas::update;
+use kvroute_shared_state::cas::{update, update_seeded};
 use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
 use kvroute_shared_state::index::{self, Holder, IndexGeometry};
 use kvroute_shared_state::load::{window_ms, LoadTable, Ticket};
 use kvroute_shared_state::metrics::MetricsTable;
 use kvroute_shared_state::{Store, StoreError, ENDPOINTS_KEY, LOAD_KEY, METRICS_KEY};
 use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
 
 /// Why a request was not routed by kvroute.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,19 +62,37 @@ pub struct Routed {
     /// For releasing the charge; `None` if the charge could not be written.
     pub ticket: Option<Ticket>,
     pub decision: Decision,
-    /// Value of the debug header (`x-kvroute-decision`).
-    pub explanation: String,
+    /// Uncached prompt tokens charged to the primary.
+    pub uncached_tokens: u64,
     pub stream: bool,
+}
+
+impl Routed {
+    /// The primary's address (the first of `destination`).
+    pub fn primary_address(&self) -> &str {
+        self.destination.split(',').next().unwrap_or("")
+    }
+
+    /// Value of the debug header (`x-kvroute-decision`). Built on demand:
+    /// it formats floats, and the header is off by default.
+    pub fn explanation(&self) -> String {
+        explain(&self.decision, self.primary_address(), self.uncached_tokens)
+    }
 }
 
 /// What the scheduler sees for one request (see [`Engine::snapshot`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     /// Healthy endpoints, in table order; candidate `i` is endpoint `i`.
-    pub endpoints: Vec<EndpointEntry>,
+    pub endpoints: Arc<Vec<EndpointEntry>>,
     pub holders: Vec<Holder>,
+    /// Per endpoint: `recorded` of its index entry for block 0, if held.
+    pub first_recorded: Vec<Option<u32>>,
     pub candidates: Vec<Candidate>,
     pub view: RequestView,
+    /// The load table as read, with its CAS token (`None` if the key was
+    /// missing): the charge tries its CAS on it before reading again.
+    pub load: Option<(LoadTable, u32)>,
 }
 
 /// The engine for one configuration.
@@ -82,6 +101,29 @@ pub struct Engine {
     pub config: Config,
     geometry: IndexGeometry,
     limits: ParseLimits,
+    tables: TableCache,
+}
+
+/// The endpoint and metrics tables as this engine last read them, and the
+/// state epoch (see [`LoadTable::epoch`]) they belong to.
+#[derive(Debug)]
+struct Tables {
+    epoch: u64,
+    /// Healthy endpoints, in table order.
+    healthy: Arc<Vec<EndpointEntry>>,
+    metrics: Arc<MetricsTable>,
+}
+
+/// A per-engine (in Envoy: per worker VM) copy of [`Tables`]. Every request
+/// reads the load table anyway; while its epoch is unchanged, the endpoint
+/// and metrics tables are not read or decoded again. A clone starts empty.
+#[derive(Debug, Default)]
+struct TableCache(Mutex<Option<Tables>>);
+
+impl Clone for TableCache {
+    fn clone(&self) -> Self {
+        TableCache::default()
+    }
 }
 
 /// OpenAI-style error body.
@@ -100,6 +142,7 @@ impl Engine {
             config,
             geometry,
             limits,
+            tables: TableCache::default(),
         }
     }
 
@@ -121,6 +164,56 @@ impl Engine {
             }
             EndpointSource::FromCluster { .. } => EndpointTable::default(),
         })
+    }
+
+    /// The healthy endpoints and the metrics table for state epoch `epoch`:
+    /// this engine's copies if they belong to it, else read and decoded
+    /// (and kept, if the epoch is known). Epoch 0 (no collector has bumped
+    /// it) is never cached.
+    fn tables(
+        &self,
+        store: &dyn Store,
+        epoch: u64,
+    ) -> Result<(Arc<Vec<EndpointEntry>>, Arc<MetricsTable>), StoreError> {
+        if epoch != 0 {
+            if let Ok(guard) = self.tables.0.lock() {
+                if let Some(t) = guard.as_ref().filter(|t| t.epoch == epoch) {
+                    return Ok((t.healthy.clone(), t.metrics.clone()));
+                }
+            }
+        }
+        let table = self.endpoint_table(store)?;
+        let healthy: Arc<Vec<EndpointEntry>> =
+            Arc::new(table.endpoints.into_iter().filter(|e| e.healthy).collect());
+        let metrics = Arc::new(MetricsTable::decode(
+            store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()),
+        ));
+        if epoch != 0 {
+            if let Ok(mut guard) = self.tables.0.lock() {
+                *guard = Some(Tables {
+                    epoch,
+                    healthy: healthy.clone(),
+                    metrics: metrics.clone(),
+                });
+            }
+        }
+        Ok((healthy, metrics))
+    }
+
+    /// Tells workers that the endpoint or metrics table changed (the
+    /// collector calls this after writing either).
+    fn bump_epoch(&self, store: &dyn Store) -> Result<(), StoreError> {
+        update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| {
+                t.bump_epoch();
+                Some(())
+            },
+        )
+        .map(|_| ())
     }
 
     /// What the failure mode says to do with a request kvroute cannot route.
@@ -205,15 +298,14 @@ impl Engine {
         max_output_tokens: Option<u64>,
         now_ms: u64,
     ) -> Result<Option<Snapshot>, StoreError> {
-        let table = self.endpoint_table(store)?;
-        let endpoints: Vec<EndpointEntry> =
-            table.endpoints.into_iter().filter(|e| e.healthy).collect();
+        let load_read = store.get(LOAD_KEY)?;
+        let load_cas = load_read.as_ref().map(|(_, cas)| *cas);
+        let load = LoadTable::decode(load_read.as_ref().map(|(b, _)| b.as_slice()));
+        drop(load_read);
+        let (endpoints, metrics) = self.tables(store, load.epoch)?;
         if endpoints.is_empty() {
             return Ok(None);
         }
-        let load = LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
-        let metrics =
-            MetricsTable::decode(store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
         let stale_after = self.config.collector.metrics_stale_after_ms;
 
         let holders: Vec<Holder> = endpoints
@@ -259,8 +351,10 @@ impl Engine {
         Ok(Some(Snapshot {
             endpoints,
             holders,
+            first_recorded: matches.first_recorded,
             candidates,
             view,
+            load: load_cas.map(|cas| (load, cas)),
         }))
     }
 
@@ -282,8 +376,10 @@ impl Engine {
         let Snapshot {
             endpoints,
             holders,
+            first_recorded,
             candidates,
             view,
+            load,
         } = snap;
         let Some(decision) = self.config.scheduler.schedule(&view, &candidates, rng) else {
             return Ok(None);
@@ -296,9 +392,11 @@ impl Engine {
         let window = window_ms(self.config.collector.reap_after_ms);
 
         // The charge must land: retry lost CAS races (bounded in `update`).
-        let charged = update(
+        // The first try is on the table the snapshot read.
+        let charged = update_seeded(
             store,
             LOAD_KEY,
+            load,
             LoadTable::decode,
             LoadTable::encode,
             |t: &mut LoadTable| {
@@ -343,7 +441,11 @@ impl Engine {
                     .find(|h| h.slot == slot)
                     .is_some_and(|h| h.holds(slot, generation, recorded))
             };
-            let _ = index::insert(store, &self.geometry, hashes, &me, &is_live);
+            // Whole groups the endpoint already holds are not rewritten
+            // unless they are due for an LRU refresh.
+            let skip =
+                index::insert_skip(&me, cand.matched_blocks, first_recorded[decision.primary]);
+            let _ = index::insert(store, &self.geometry, hashes, skip, &me, &is_live);
         }
 
         let mut destination = chosen.address.clone();
@@ -351,12 +453,11 @@ impl Engine {
             destination.push(',');
             destination.push_str(&endpoints[f].address);
         }
-        let explanation = explain(&decision, &endpoints, charge.prompt_tokens);
         Ok(Some(Routed {
             destination,
             ticket,
             decision,
-            explanation,
+            uncached_tokens: charge.prompt_tokens,
             stream: false,
         }))
     }
@@ -443,7 +544,11 @@ impl Engine {
             EndpointTable::encode,
             |t: &mut EndpointTable| t.apply_membership(members.clone()).then_some(()),
         )?;
-        Ok(u.result.is_some())
+        let changed = u.result.is_some();
+        if changed {
+            self.bump_epoch(store)?;
+        }
+        Ok(changed)
     }
 
     /// Applies an admin `/clusters?format=json` body.
@@ -498,6 +603,7 @@ impl Engine {
                 Some(())
             },
         )?;
+        self.bump_epoch(store)?;
         Ok(problem)
     }
 
@@ -563,14 +669,14 @@ impl Engine {
 }
 
 /// `branch=sticky;endpoint=ip:port;affinity=0.95;ttft_ms=12.3;uncached_tokens=123;candidates=4;passed=1`
-fn explain(d: &Decision, endpoints: &[EndpointEntry], uncached: u64) -> String {
+fn explain(d: &Decision, primary_address: &str, uncached: u64) -> String {
     let r = &d.report[d.primary];
     let mut s = String::with_capacity(160);
     let _ = write!(
         s,
         "branch={};endpoint={};affinity={:.3};ttft_ms={:.1};uncached_tokens={};candidates={};passed={}",
         d.branch.as_str(),
-        endpoints[d.primary].address,
+        primary_address,
         r.affinity,
         r.ttft_ms,
         uncached,

@@ -255,7 +255,7 @@ impl HttpContext for RouteContext {
                 }
                 self.ticket = r.ticket;
                 if shared.engine.config.routing.debug_header {
-                    self.explanation = Some(r.explanation);
+                    self.explanation = Some(r.explanation());
                 }
                 Action::Continue
             }
@@ -274,18 +274,19 @@ impl HttpContext for RouteContext {
             }
         }
         if end_of_stream {
-            self.release_prompt();
+            // One write releases both parts (see `release_rest`).
             self.release_rest();
         }
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if body_size > 0 || end_of_stream {
-            self.release_prompt();
-        }
         if end_of_stream {
+            // A response that ends with its first chunk (non-streaming, or
+            // short) releases prompt and rest in one write.
             self.release_rest();
+        } else if body_size > 0 {
+            self.release_prompt();
         }
         Action::Continue
     }

@@ -63,11 +63,16 @@ fn shared_prefix_sticks_and_distinct_prefixes_spread() {
             i,
             &mut rng,
         ));
-        assert_eq!(primary(&r), primary(&first), "turn {i}: {}", r.explanation);
+        assert_eq!(
+            primary(&r),
+            primary(&first),
+            "turn {i}: {}",
+            r.explanation()
+        );
         assert!(
-            r.explanation.starts_with("branch=sticky"),
+            r.explanation().starts_with("branch=sticky"),
             "{}",
-            r.explanation
+            r.explanation()
         );
         e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
     }
@@ -113,9 +118,9 @@ fn spill_past_tau_and_accounting_returns_to_zero() {
         ));
         if primary(&r) != warm_ep {
             assert!(
-                r.explanation.starts_with("branch=saturation-release"),
+                r.explanation().starts_with("branch=saturation-release"),
                 "{}",
-                r.explanation
+                r.explanation()
             );
             spilled = true;
         }
@@ -315,17 +320,168 @@ fn conversation_turns_stay_warm_with_known_capacity() {
         match &first {
             None => first = Some(primary(&r).to_string()),
             Some(f) => {
-                assert_eq!(primary(&r), f, "turn {turn}: {}", r.explanation);
+                assert_eq!(primary(&r), f, "turn {turn}: {}", r.explanation());
                 let affinity: f64 = r
-                    .explanation
+                    .explanation()
                     .split(';')
                     .find_map(|kv| kv.strip_prefix("affinity="))
                     .unwrap()
                     .parse()
                     .unwrap();
-                assert!(affinity > 0.8, "turn {turn}: {}", r.explanation);
+                assert!(affinity > 0.8, "turn {turn}: {}", r.explanation());
             }
         }
         messages.push(serde_json::json!({"role":"assistant","content":"looks good ".repeat(30)}));
     }
+}
+
+/// A store that counts sets per key prefix and can interfere once: before
+/// the first set of `LOAD_KEY`, it writes the load table itself (as another
+/// worker charging at that instant would), so that set loses its CAS.
+struct Probe {
+    inner: MemoryStore,
+    index_sets: std::cell::Cell<u32>,
+    gets: std::cell::Cell<u32>,
+    interfere: std::cell::Cell<bool>,
+}
+
+impl Probe {
+    fn new() -> Probe {
+        Probe {
+            inner: MemoryStore::new(),
+            index_sets: 0.into(),
+            gets: 0.into(),
+            interfere: false.into(),
+        }
+    }
+}
+
+impl Store for Probe {
+    fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+        self.gets.set(self.gets.get() + 1);
+        self.inner.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+        if key.starts_with("kvroute/ix/") {
+            self.index_sets.set(self.index_sets.get() + 1);
+        }
+        if key == LOAD_KEY && self.interfere.replace(false) {
+            let (bytes, now) = self.inner.get(LOAD_KEY)?.unwrap();
+            let mut t = LoadTable::decode(Some(&bytes));
+            let (eps, _) = self.inner.get(ENDPOINTS_KEY)?.unwrap();
+            let ep = &EndpointTable::decode(&eps).unwrap().endpoints[2];
+            t.charge(ep.slot, ep.generation, 0, 1000, 7, 0, 0, 0)
+                .unwrap();
+            self.inner.set(LOAD_KEY, &t.encode(), now)?;
+        }
+        self.inner.set(key, value, cas)
+    }
+}
+
+#[test]
+fn a_charge_that_loses_its_cas_after_the_snapshot_retries_and_lands() {
+    let e = Engine::new(config(""));
+    let s = Probe::new();
+    e.collector_init(&s).unwrap();
+    let mut rng = Rng::new(3);
+    s.interfere.set(true);
+    let r = routed(e.route(
+        &s,
+        ApiKind::ChatCompletions,
+        &chat("a b c", "q"),
+        0,
+        &mut rng,
+    ));
+    assert!(!s.interfere.get(), "the interference did not happen");
+    assert!(r.ticket.is_some());
+    let load = inflight(&e, &s.inner);
+    // The other worker's charge (7 tokens on endpoint 3) and ours: none lost.
+    assert_eq!(load.iter().map(|l| l.1).sum::<u64>(), 2, "{load:?}");
+    assert!(load[2].0 >= 7, "{load:?}");
+}
+
+#[test]
+fn tables_are_cached_per_engine_until_the_collector_changes_them() {
+    let collector = Engine::new(config(""));
+    let worker = Engine::new(config(""));
+    let s = Probe::new();
+    collector.collector_init(&s).unwrap();
+    let mut rng = Rng::new(4);
+    let body = chat(&"tenant one system prompt ".repeat(20), "q");
+    routed(worker.route(&s, ApiKind::ChatCompletions, &body, 0, &mut rng));
+    // Warm: a decision reads the load table and the index, not the
+    // endpoint or metrics tables.
+    let before = s.gets.get();
+    let r = routed(worker.route(&s, ApiKind::ChatCompletions, &body, 0, &mut rng));
+    let warm_gets = s.gets.get() - before;
+    let index_reads = r.decision.report.len() as u32; // ≤ one shard read per warm holder here
+    assert!(
+        warm_gets <= 1 + index_reads,
+        "{warm_gets} gets for a warm decision"
+    );
+    // The collector drops two endpoints: the next decision sees it at once.
+    collector
+        .apply_membership(&s, vec![("127.0.0.1:3".into(), true)])
+        .unwrap();
+    for i in 0..5 {
+        let r = routed(worker.route(
+            &s,
+            ApiKind::ChatCompletions,
+            &chat("x", &i.to_string()),
+            0,
+            &mut rng,
+        ));
+        assert_eq!(r.destination, "127.0.0.1:3");
+    }
+    // And unhealthy endpoints leave the set too.
+    collector
+        .apply_membership(
+            &s,
+            vec![("127.0.0.1:3".into(), false), ("127.0.0.1:4".into(), true)],
+        )
+        .unwrap();
+    let r = routed(worker.route(&s, ApiKind::ChatCompletions, &body, 0, &mut rng));
+    assert_eq!(r.destination, "127.0.0.1:4");
+}
+
+#[test]
+fn a_sticky_request_does_not_rewrite_the_groups_it_already_holds() {
+    let doc = r#"{"endpoints":{"static":["127.0.0.1:1"]},
+        "plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":16}},
+                   {"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":100000,"peakPrefillThroughput":1000}},
+                   {"type":"token-load-scorer"},{"type":"max-score-picker"}],
+        "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"token-load-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = Probe::new();
+    e.collector_init(&s).unwrap();
+    let mut rng = Rng::new(5);
+    let mut route = |body: &[u8]| {
+        let before = s.index_sets.get();
+        let r = routed(e.route(&s, ApiKind::ChatCompletions, body, 0, &mut rng));
+        e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+        (r, s.index_sets.get() - before)
+    };
+    // 16-token blocks of 64 bytes: ~8 KiB is ~128 blocks, 8 groups.
+    let a = chat(&"shared system prompt words ".repeat(300), "same question");
+    let (_, writes) = route(&a);
+    assert!(writes >= 7, "{writes}");
+    // Another prompt advances the endpoint's insert counter, so rewriting
+    // A's entries would change them.
+    let (_, writes) = route(&chat(&"another tenant entirely ".repeat(300), "q"));
+    assert!(writes >= 7, "{writes}");
+    let (r, writes) = route(&a);
+    assert!(
+        r.explanation().contains("affinity=1.000"),
+        "{}",
+        r.explanation()
+    );
+    // At most the last, partial group is written again.
+    assert!(writes <= 1, "{writes} index writes for a held prompt");
+    // And the prefix is still found in full afterwards.
+    let (r, _) = route(&a);
+    assert!(
+        r.explanation().contains("affinity=1.000"),
+        "{}",
+        r.explanation()
+    );
 }

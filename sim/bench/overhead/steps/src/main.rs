@@ -184,7 +184,7 @@ fn main() {
                     drop(black_box(index::longest_prefixes(&store, &geo, h, &holders)))
                 }),
                 "insert" => hashes.iter().for_each(|h| {
-                    drop(black_box(index::insert(&store, &geo, h, &holders[0], &always)))
+                    drop(black_box(index::insert(&store, &geo, h, 0, &holders[0], &always)))
                 }),
                 "after_hash" => hashes.iter().zip(&tokens).for_each(|(h, &t)| {
                     match engine.route_parsed(&store, h, t, Some(16), 1_000, &mut rng) {
