@@ -11,7 +11,12 @@
 #   4. kvroute-core's tests compiled to wasm32-wasip1, run by tests/harness's kvroute-wasi-run
 #   5. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
 #   6. pytest tests/e2e                             (real Envoy + emulated vLLM fleet on 127.0.0.1)
+#   7. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
+#      and added latency (sim/bench/overhead/run.sh --quick, wrk); they prove the
+#      benchmarks run and every arm serves, they do not judge figures
 # Exits non-zero on any failure. Uses the normal target/ directory.
+# The tests/harness soak and bound tests run the full 100,000 lifecycles and
+# 1,000,000 prompts (KVROUTE_SOAK_LIFECYCLES / KVROUTE_BOUND_PROMPTS lower them).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -90,6 +95,16 @@ done_step
 step "pytest tests/e2e (real Envoy ${ENVOY_VERSION} + kvroute-emulator)"
 cargo build --bin kvroute-emulator
 KVROUTE_E2E_NO_BUILD=1 python3 -m pytest tests/e2e -p no:cacheprovider -q -rfE
+done_step
+
+# ---------------------------------------------------------------- benchmark smokes
+step "routing-quality benchmark smoke (python3 sim/bench/quality.py --smoke)"
+cargo build --bins -p kvroute-sim
+python3 sim/bench/quality.py --smoke --no-build --bin-profile debug
+done_step
+
+step "added-latency benchmark smoke (bash sim/bench/overhead/run.sh --quick)"
+bash sim/bench/overhead/run.sh --quick
 done_step
 
 echo

