@@ -235,15 +235,25 @@ pub fn refresh_due(holder: &Holder, first_recorded: Option<u32>) -> bool {
     age >= holder.capacity_blocks / 2
 }
 
-/// How many leading blocks of a prompt an insert may skip: the whole
-/// [`GROUP_BLOCKS`] groups inside the `matched` prefix the holder already
-/// holds, unless they are due for a refresh. Always a multiple of
-/// `GROUP_BLOCKS`, so the remaining groups keep their shards.
-pub fn insert_skip(holder: &Holder, matched: u32, first_recorded: Option<u32>) -> usize {
+/// How many leading blocks of a `total`-block prompt an insert may skip:
+/// the [`GROUP_BLOCKS`] groups wholly inside the `matched` prefix the holder
+/// already holds (all of them if it holds the whole prompt), unless they
+/// are due for a refresh. [`insert`] rounds it down to a whole group, so
+/// the group holding the first new block is written in full.
+pub fn insert_skip(
+    holder: &Holder,
+    matched: u32,
+    total: usize,
+    first_recorded: Option<u32>,
+) -> usize {
     if refresh_due(holder, first_recorded) {
         return 0;
     }
-    matched as usize / GROUP_BLOCKS * GROUP_BLOCKS
+    let matched = matched as usize;
+    if matched >= total {
+        return total;
+    }
+    matched / GROUP_BLOCKS * GROUP_BLOCKS
 }
 
 /// Counts of an insert.
@@ -254,7 +264,8 @@ pub struct InsertStats {
 }
 
 /// Records that `holder` holds every block in `hashes` from block `skip`
-/// on (`skip` is rounded down to a whole group; see [`insert_skip`]), with
+/// on (`skip` is rounded down to a whole group unless it covers the whole
+/// prompt; see [`insert_skip`]), with
 /// the holder's insert counter as it is *after* this request's charge.
 /// `is_live(slot, generation, recorded)` says whether another endpoint's
 /// entry is still held; dead entries are overwritten first. A group whose
@@ -269,7 +280,11 @@ pub fn insert(
 ) -> Result<InsertStats, StoreError> {
     let mut stats = InsertStats::default();
     let recorded = holder.insert_counter as u32;
-    let from = (skip / GROUP_BLOCKS * GROUP_BLOCKS).min(hashes.len());
+    let from = if skip >= hashes.len() {
+        hashes.len()
+    } else {
+        skip / GROUP_BLOCKS * GROUP_BLOCKS
+    };
     for group in hashes[from..].chunks(GROUP_BLOCKS) {
         let key = geo.shard_key(group[0]);
         let Updated { result, retries } = update_bytes(
@@ -441,9 +456,9 @@ mod tests {
         let m = longest_prefixes(&s, &geo, &a, &[h]).unwrap();
         assert_eq!(m.matched_blocks, vec![40]);
         assert_eq!(m.first_recorded, vec![Some(40)]);
-        // Aged 60 of 1000: only whole held groups are skipped (32 blocks);
-        // the last, partial group is written with the new counter.
-        let skip = insert_skip(&h, 40, m.first_recorded[0]);
+        // Aged 60 of 1000, the last block new: only whole held groups are
+        // skipped (32 blocks); the group of the new block is written.
+        let skip = insert_skip(&h, 39, 40, m.first_recorded[0]);
         assert_eq!(skip, 32);
         let st = insert(&s, &geo, &a, skip, &h, ALWAYS).unwrap();
         assert_eq!(st.shard_writes, 1);
@@ -452,7 +467,7 @@ mod tests {
         let old = holder(0, 540, 1000);
         let m = longest_prefixes(&s, &geo, &a, &[old]).unwrap();
         assert_eq!(m.matched_blocks, vec![40]);
-        assert_eq!(insert_skip(&old, 40, m.first_recorded[0]), 0);
+        assert_eq!(insert_skip(&old, 40, 40, m.first_recorded[0]), 0);
         insert(&s, &geo, &a, 0, &old, ALWAYS).unwrap();
         let later = holder(0, 1500, 1000);
         let m = longest_prefixes(&s, &geo, &a, &[later]).unwrap();
@@ -461,10 +476,13 @@ mod tests {
             vec![40],
             "refreshed at 540, held until 1540"
         );
+        // The whole prompt held and fresh: nothing is written at all.
+        let st = insert(&s, &geo, &a, insert_skip(&h, 40, 40, Some(100)), &h, ALWAYS).unwrap();
+        assert_eq!(st.shard_writes, 0);
         // Nothing held at block 0: nothing skipped.
-        assert_eq!(insert_skip(&h, 0, None), 0);
+        assert_eq!(insert_skip(&h, 0, 40, None), 0);
         // Capacity unknown: entries never age, held groups are always skipped.
-        assert_eq!(insert_skip(&holder(0, 1 << 30, 0), 40, Some(1)), 32);
+        assert_eq!(insert_skip(&holder(0, 1 << 30, 0), 39, 40, Some(1)), 32);
     }
 
     #[test]

@@ -443,8 +443,12 @@ impl Engine {
             };
             // Whole groups the endpoint already holds are not rewritten
             // unless they are due for an LRU refresh.
-            let skip =
-                index::insert_skip(&me, cand.matched_blocks, first_recorded[decision.primary]);
+            let skip = index::insert_skip(
+                &me,
+                cand.matched_blocks,
+                hashes.len(),
+                first_recorded[decision.primary],
+            );
             let _ = index::insert(store, &self.geometry, hashes, skip, &me, &is_live);
         }
 
