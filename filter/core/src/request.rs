@@ -1,9 +1,12 @@
 //! Parsing of OpenAI-compatible request bodies into what routing needs.
 //!
-//! One pass with `serde_json` over the buffered body. Strings without escapes
-//! are borrowed from the body; the only large copy is the rendered prompt,
-//! which is built once. Everything the routing core does not read (sampling
-//! parameters, logprobs, …) is skipped without being materialised.
+//! One pass over the buffered body. Chat and Responses bodies are rendered
+//! while they are read (`render`): message text is decoded from the body
+//! straight into the prompt, which is the only large allocation (about the
+//! size of the body). Other values, and the other APIs, are read with
+//! `serde_json`, borrowing strings without escapes from the body.
+//! Everything the routing core does not read (sampling parameters,
+//! logprobs, …) is skipped without being materialised.
 //!
 //! The *rendered prompt* is a byte string that stands in for what the model
 //! server will tokenize. It need not equal the chat template's output; it must
@@ -22,7 +25,13 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::fmt;
-use xxhash_rust::xxh3::xxh3_64;
+
+#[cfg(test)]
+mod differential;
+mod json;
+#[cfg(test)]
+mod reference;
+mod render;
 
 /// Which OpenAI-compatible API a request targets, chosen by path suffix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,9 +185,11 @@ pub fn parse_request(
     let json_err = |e: serde_json::Error| ParseError::Json(e.to_string());
     let (common, prompt) = match kind {
         ApiKind::ChatCompletions => {
-            let mut b: ChatBody = serde_json::from_slice(body).map_err(json_err)?;
-            let prompt = render_chat(b.tools, b.messages.as_deref())?;
-            (b.common(), prompt)
+            let p = render::parse(render::Body::Chat, body)?;
+            if p.messages.unwrap_or(0) == 0 {
+                return Err(ParseError::MissingPrompt);
+            }
+            (p.common, Prompt::Text(p.prompt))
         }
         ApiKind::Completions => {
             let mut b: CompletionBody = serde_json::from_slice(body).map_err(json_err)?;
@@ -190,9 +201,8 @@ pub fn parse_request(
             (b.common(), prompt)
         }
         ApiKind::Responses => {
-            let mut b: ResponsesBody = serde_json::from_slice(body).map_err(json_err)?;
-            let prompt = render_responses(b.instructions.as_deref(), b.input.take())?;
-            (b.common(), prompt)
+            let p = render::parse(render::Body::Responses, body)?;
+            (p.common, Prompt::Text(p.prompt))
         }
         ApiKind::Embeddings => {
             let mut b: EmbeddingsBody = serde_json::from_slice(body).map_err(json_err)?;
@@ -275,13 +285,10 @@ struct Common<'a> {
 
 body_struct!(EmbeddingsBody {});
 
-body_struct!(ChatBody {
-    #[serde(borrow, default)]
-    messages: Option<Vec<Message<'a>>>,
-    #[serde(borrow, default)]
-    tools: Option<&'a RawValue>,
-});
-
+/// A message read by serde: only those given as a JSON array
+/// (`[role, name, content, tool_calls]`, which serde's derive accepts for a
+/// struct) or that are not objects (to get serde's error); `render` reads
+/// message objects itself.
 #[derive(Deserialize)]
 struct Message<'a> {
     #[serde(borrow, default)]
@@ -439,13 +446,6 @@ impl<'de: 'a, 'a> Deserialize<'de> for PromptItem<'a> {
     }
 }
 
-body_struct!(ResponsesBody {
-    #[serde(borrow, default)]
-    instructions: Option<Cow<'a, str>>,
-    #[serde(borrow, default)]
-    input: Option<ResponsesInput<'a>>,
-});
-
 /// `input` is a string or a list of items; message items look like chat
 /// messages (`role` + `content` string or parts with `input_text`).
 enum ResponsesInput<'a> {
@@ -480,118 +480,39 @@ impl<'de: 'a, 'a> Deserialize<'de> for ResponsesInput<'a> {
 }
 
 // ---------------------------------------------------------------------------
-// Rendering.
+// Rendering of what serde read (see `render` for the common path).
 
-fn render_chat(
-    tools: Option<&RawValue>,
-    messages: Option<&[Message<'_>]>,
-) -> Result<Prompt, ParseError> {
-    let messages = match messages {
-        Some(m) if !m.is_empty() => m,
-        _ => return Err(ParseError::MissingPrompt),
-    };
-    let mut out =
-        Vec::with_capacity(estimate_render_len(messages) + tools.map_or(0, |t| t.get().len() + 16));
-    if let Some(t) = tools {
-        out.extend_from_slice(b"<|tools|>");
-        out.extend_from_slice(t.get().as_bytes());
-        out.push(b'\n');
-    }
-    for m in messages {
-        render_message(&mut out, m)?;
-    }
-    Ok(Prompt::Text(out))
-}
-
-fn render_responses(
-    instructions: Option<&str>,
-    input: Option<ResponsesInput<'_>>,
-) -> Result<Prompt, ParseError> {
-    let mut out = Vec::new();
-    if let Some(i) = instructions {
-        out.extend_from_slice(b"<|instructions|>\n");
-        out.extend_from_slice(i.as_bytes());
-        out.push(b'\n');
-    }
-    match input {
-        Some(ResponsesInput::Text(t)) => {
-            out.extend_from_slice(b"<|user|>\n");
-            out.extend_from_slice(t.as_bytes());
-            out.push(b'\n');
-        }
-        Some(ResponsesInput::Items(items)) => {
-            for m in &items {
-                render_message(&mut out, m)?;
-            }
-        }
-        None => {}
-    }
-    Ok(Prompt::Text(out))
-}
-
-fn estimate_render_len(messages: &[Message<'_>]) -> usize {
-    messages
-        .iter()
-        .map(|m| {
-            16 + match &m.content {
-                Some(Content::Text(t)) => t.len(),
-                Some(Content::Parts(p)) => p.iter().map(|r| r.get().len()).sum(),
-                _ => 0,
-            }
-        })
-        .sum()
-}
-
-fn render_message(out: &mut Vec<u8>, m: &Message<'_>) -> Result<(), ParseError> {
-    out.extend_from_slice(b"<|");
-    out.extend_from_slice(m.role.as_deref().unwrap_or("user").as_bytes());
-    out.extend_from_slice(b"|>");
+/// Renders a message read by serde: `<|role|>` [`<|name:NAME|>`] `\n`
+/// text-content `\n` [`<|tool_calls|>` raw-json `\n`].
+fn render_message(
+    out: &mut json::Out,
+    m: &Message<'_>,
+    scratch: &mut Vec<u8>,
+) -> Result<(), ParseError> {
+    use json::Sink;
+    out.put(b"<|");
+    out.put(m.role.as_deref().unwrap_or("user").as_bytes());
+    out.put(b"|>");
     if let Some(n) = &m.name {
-        out.extend_from_slice(b"<|name:");
-        out.extend_from_slice(n.as_bytes());
-        out.extend_from_slice(b"|>");
+        out.put(b"<|name:");
+        out.put(n.as_bytes());
+        out.put(b"|>");
     }
-    out.push(b'\n');
+    out.put_byte(b'\n');
     match &m.content {
-        Some(Content::Text(t)) => out.extend_from_slice(t.as_bytes()),
+        Some(Content::Text(t)) => out.put(t.as_bytes()),
         Some(Content::Parts(parts)) => {
             for raw in parts {
-                render_part(out, raw)?;
+                render::raw_part(out, raw, scratch)?;
             }
         }
         Some(Content::Null) | None => {}
     }
-    out.push(b'\n');
+    out.put_byte(b'\n');
     if let Some(tc) = m.tool_calls {
-        out.extend_from_slice(b"<|tool_calls|>");
-        out.extend_from_slice(tc.get().as_bytes());
-        out.push(b'\n');
-    }
-    Ok(())
-}
-
-fn render_part(out: &mut Vec<u8>, raw: &RawValue) -> Result<(), ParseError> {
-    // A bare string inside a content array is text too. Look at the first
-    // byte instead of trying a string parse: a failed parse builds an error
-    // message, which made non-text parts ~100x dearer than text (fuzz find).
-    if raw.get().starts_with('"') {
-        let s = serde_json::from_str::<Cow<'_, str>>(raw.get())
-            .map_err(|e| ParseError::Json(e.to_string()))?;
-        out.extend_from_slice(s.as_bytes());
-        return Ok(());
-    }
-    let part: Part<'_> =
-        serde_json::from_str(raw.get()).map_err(|e| ParseError::Json(e.to_string()))?;
-    let kind = part.kind.as_deref().unwrap_or("");
-    match (kind, &part.text) {
-        ("text" | "input_text" | "output_text" | "", Some(t)) => {
-            out.extend_from_slice(t.as_bytes())
-        }
-        _ => {
-            let kind = if kind.is_empty() { "part" } else { kind };
-            let tag = format!("<|{kind}:{:016x}|>", xxh3_64(raw.get().as_bytes()));
-            out.extend_from_slice(tag.as_bytes());
-        }
+        out.put(b"<|tool_calls|>");
+        out.put(tc.get().as_bytes());
+        out.put_byte(b'\n');
     }
     Ok(())
 }
