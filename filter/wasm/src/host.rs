@@ -91,6 +91,11 @@ extern "C" {
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
     ) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: u32,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
+    ) -> u32;
     fn proxy_replace_header_map_value(
         map_type: u32,
         key_data: *const u8,
@@ -257,6 +262,58 @@ pub fn get_property(path: &[&str]) -> HostResult<Option<Vec<u8>>> {
     }
 }
 
+/// A whole header map, in one host call (instead of one call, plus one
+/// allocation callback into the VM, per header read).
+pub fn get_headers(map: Map) -> HostResult<Vec<(String, String)>> {
+    let mut data = null_mut();
+    let mut size = 0;
+    // SAFETY: valid pointers.
+    match unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) } {
+        // SAFETY: host-allocated per the ABI.
+        OK => Ok(unsafe { take(data, size) }
+            .map(|b| deserialize_pairs(&b))
+            .unwrap_or_default()),
+        NOT_FOUND => Ok(Vec::new()),
+        status => Err(HostError {
+            call: "proxy_get_header_map_pairs",
+            status,
+        }),
+    }
+}
+
+/// Decodes [`serialize_pairs`]' format; a malformed map decodes as far as
+/// it is well formed (never panics).
+pub fn deserialize_pairs(b: &[u8]) -> Vec<(String, String)> {
+    let u32_at = |o: usize| {
+        b.get(o..o + 4)
+            .and_then(|s| s.try_into().ok())
+            .map(|a: [u8; 4]| u32::from_le_bytes(a) as usize)
+    };
+    let Some(n) = u32_at(0) else {
+        return Vec::new();
+    };
+    // Each pair takes at least 10 bytes: two lengths and two NULs.
+    let n = n.min(b.len() / 10);
+    let mut out = Vec::with_capacity(n);
+    let mut data = 4 + n * 8;
+    for i in 0..n {
+        let (Some(kl), Some(vl)) = (u32_at(4 + i * 8), u32_at(8 + i * 8)) else {
+            break;
+        };
+        let k = data;
+        let v = k.saturating_add(kl).saturating_add(1);
+        let (Some(key), Some(value)) = (b.get(k..k + kl), b.get(v..v.saturating_add(vl))) else {
+            break;
+        };
+        out.push((
+            String::from_utf8_lossy(key).into_owned(),
+            String::from_utf8_lossy(value).into_owned(),
+        ));
+        data = v.saturating_add(vl).saturating_add(1);
+    }
+    out
+}
+
 /// Proxy-wasm header map serialisation: count, (key len, value len)*, then
 /// each key and value NUL-terminated.
 fn serialize_pairs(pairs: &[(&str, &str)]) -> Vec<u8> {
@@ -374,5 +431,33 @@ impl Store for HostStore {
                 .to_string(),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_pairs_round_trip_and_bad_maps_do_not_panic() {
+        let pairs = [
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("x", ""),
+        ];
+        let b = serialize_pairs(&pairs);
+        let back = deserialize_pairs(&b);
+        assert_eq!(
+            back,
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<Vec<_>>()
+        );
+        for cut in 0..b.len() {
+            let got = deserialize_pairs(&b[..cut]);
+            assert!(got.len() <= pairs.len());
+        }
+        assert!(deserialize_pairs(&[0xff; 64]).len() <= 6);
     }
 }

@@ -117,36 +117,38 @@ impl HttpContext for RouteContext {
             return Action::Continue;
         };
         let routing = &shared.engine.config.routing;
-        // Never trust a client-supplied destination, routed or not.
-        match host::get_header(Map::RequestHeaders, &routing.destination_header) {
-            Ok(Some(_)) => {
-                shared.stats.inc(Counter::ClientHeaderStripped);
-                if let Err(e) =
-                    host::remove_header(Map::RequestHeaders, &routing.destination_header)
-                {
-                    // Cannot strip it: refuse rather than let the client pick.
-                    self.host_error("removing the client's destination header", e);
-                    return self.reply(
-                        500,
-                        &kvroute_core::engine::openai_error(
-                            "internal error",
-                            "internal_error",
-                            500,
-                        ),
-                    );
-                }
+        // One host call for the whole map: every header read costs a call
+        // plus an allocation callback into the VM.
+        let (headers, unread) = match host::get_headers(Map::RequestHeaders) {
+            Ok(h) => (h, false),
+            Err(e) => {
+                self.host_error("reading request headers", e);
+                (Vec::new(), true)
             }
-            Ok(None) => {}
-            Err(e) => self.host_error("reading request headers", e),
+        };
+        let header = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        // Never trust a client-supplied destination, routed or not.
+        // (Headers that could not be read may hold one: remove it blind.)
+        if unread || header(&routing.destination_header).is_some() {
+            if !unread {
+                shared.stats.inc(Counter::ClientHeaderStripped);
+            }
+            if let Err(e) = host::remove_header(Map::RequestHeaders, &routing.destination_header) {
+                // Cannot strip it: refuse rather than let the client pick.
+                self.host_error("removing the client's destination header", e);
+                return self.reply(
+                    500,
+                    &kvroute_core::engine::openai_error("internal error", "internal_error", 500),
+                );
+            }
         }
-        let method = host::get_header(Map::RequestHeaders, ":method")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let path = host::get_header(Map::RequestHeaders, ":path")
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let method = header(":method").unwrap_or_default();
+        let path = header(":path").unwrap_or_default();
 
         if let Some(state_path) = &routing.state_path {
             let bare = path.split('?').next().unwrap_or("");
