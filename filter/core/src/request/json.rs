@@ -502,32 +502,10 @@ fn copy_plain(buf: &mut Vec<u8>, src: &[u8], mut pos: usize, flags: impl Fn(u64)
             if out.capacity() - out.len() < BLOCK {
                 break;
             }
-            let (ab, cd) = block.split_at(16);
-            let ((a, b), (c, d)) = (ab.split_at(8), cd.split_at(8));
-            let (Ok(a), Ok(b), Ok(c), Ok(d)) = (
-                <[u8; 8]>::try_from(a),
-                <[u8; 8]>::try_from(b),
-                <[u8; 8]>::try_from(c),
-                <[u8; 8]>::try_from(d),
-            ) else {
-                break;
-            };
-            let fa = flags(u64::from_le_bytes(a));
-            let fb = flags(u64::from_le_bytes(b));
-            let fc = flags(u64::from_le_bytes(c));
-            let fd = flags(u64::from_le_bytes(d));
+            let flagged = first_flagged(block, &flags);
             out.extend_from_slice(block);
-            if (fa | fb) | (fc | fd) != 0 {
-                let k = if fa != 0 {
-                    lane(fa)
-                } else if fb != 0 {
-                    8 + lane(fb)
-                } else if fc != 0 {
-                    16 + lane(fc)
-                } else {
-                    24 + lane(fd)
-                };
-                stop = Some(k);
+            if flagged.is_some() {
+                stop = flagged;
                 break;
             }
             pos += BLOCK;
@@ -593,6 +571,33 @@ fn scan(s: &[u8], non_ascii: &mut bool) -> usize {
 
 /// The index of the first byte of `s` that `flags` flags, or `s.len()`.
 ///
+/// The offset of the first flagged byte in a 32-byte block (four words of
+/// [`find`]'s SWAR test), or `None`.
+#[inline(always)]
+fn first_flagged(block: &[u8], flags: &impl Fn(u64) -> u64) -> Option<usize> {
+    let Ok(block) = <&[u8; 32]>::try_from(block) else {
+        return None;
+    };
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&block[i..i + 8]);
+        flags(u64::from_le_bytes(w))
+    };
+    let (fa, fb, fc, fd) = (word(0), word(8), word(16), word(24));
+    if (fa | fb) | (fc | fd) == 0 {
+        return None;
+    }
+    Some(if fa != 0 {
+        lane(fa)
+    } else if fb != 0 {
+        8 + lane(fb)
+    } else if fc != 0 {
+        16 + lane(fc)
+    } else {
+        24 + lane(fd)
+    })
+}
+
 /// Eight bytes at a time (SWAR, as serde_json does): `flags` sets the top
 /// bit of each flagged byte lane of a word, exactly for the lowest one.
 #[inline(always)]
@@ -600,30 +605,8 @@ fn find(s: &[u8], flags: impl Fn(u64) -> u64) -> usize {
     let mut i = 0;
     let mut blocks = s.chunks_exact(32);
     for block in &mut blocks {
-        let (ab, cd) = block.split_at(16);
-        let ((a, b), (c, d)) = (ab.split_at(8), cd.split_at(8));
-        let (Ok(a), Ok(b), Ok(c), Ok(d)) = (
-            <[u8; 8]>::try_from(a),
-            <[u8; 8]>::try_from(b),
-            <[u8; 8]>::try_from(c),
-            <[u8; 8]>::try_from(d),
-        ) else {
-            break;
-        };
-        let fa = flags(u64::from_le_bytes(a));
-        let fb = flags(u64::from_le_bytes(b));
-        let fc = flags(u64::from_le_bytes(c));
-        let fd = flags(u64::from_le_bytes(d));
-        if (fa | fb) | (fc | fd) != 0 {
-            return i + if fa != 0 {
-                lane(fa)
-            } else if fb != 0 {
-                8 + lane(fb)
-            } else if fc != 0 {
-                16 + lane(fc)
-            } else {
-                24 + lane(fd)
-            };
+        if let Some(k) = first_flagged(block, &flags) {
+            return i + k;
         }
         i += 32;
     }
