@@ -46,9 +46,57 @@ pub fn update<T, R>(
 pub fn update_seeded<T, R>(
     store: &dyn Store,
     key: &str,
-    mut seed: Option<(T, u32)>,
+    seed: Option<(T, u32)>,
     decode: impl Fn(Option<&[u8]>) -> T,
     encode: impl Fn(&T) -> Vec<u8>,
+    f: impl FnMut(&mut T) -> Option<R>,
+) -> Result<Updated<Option<R>>, StoreError> {
+    cas_loop(
+        store,
+        key,
+        seed,
+        || encode(&decode(None)),
+        |bytes| decode(Some(&bytes)),
+        |value, cas| store.set(key, &encode(value), cas),
+        f,
+    )
+}
+
+/// [`update`] for a value that is its own encoding (a byte buffer changed in
+/// place): no decode or encode copies. `init` is the value of a key that was
+/// never set, and `fix` normalises whatever was read (e.g. to a fixed size).
+/// Same CAS, creation and retry rules as [`update`].
+pub fn update_bytes<R>(
+    store: &dyn Store,
+    key: &str,
+    init: impl Fn() -> Vec<u8>,
+    fix: impl Fn(&mut Vec<u8>),
+    f: impl FnMut(&mut Vec<u8>) -> Option<R>,
+) -> Result<Updated<Option<R>>, StoreError> {
+    cas_loop(
+        store,
+        key,
+        None,
+        init,
+        |mut bytes| {
+            fix(&mut bytes);
+            bytes
+        },
+        |value, cas| store.set(key, value, cas),
+        f,
+    )
+}
+
+/// The loop behind [`update_seeded`] and [`update_bytes`]: `create` is the
+/// encoded initial value of a missing key, `read` turns fetched bytes into
+/// the value `f` changes, and `write` sets it with a CAS token.
+fn cas_loop<T, R>(
+    store: &dyn Store,
+    key: &str,
+    mut seed: Option<(T, u32)>,
+    create: impl Fn() -> Vec<u8>,
+    read: impl Fn(Vec<u8>) -> T,
+    write: impl Fn(&T, u32) -> Result<(), StoreError>,
     mut f: impl FnMut(&mut T) -> Option<R>,
 ) -> Result<Updated<Option<R>>, StoreError> {
     let mut retries = 0;
@@ -63,11 +111,11 @@ pub fn update_seeded<T, R>(
                             "{key} is still missing after it was written"
                         )));
                     }
-                    store.set(key, &encode(&decode(None)), 0)?;
+                    store.set(key, &create(), 0)?;
                     created = true;
                     continue;
                 };
-                (decode(Some(&bytes)), cas)
+                (read(bytes), cas)
             }
         };
         let Some(result) = f(&mut value) else {
@@ -76,51 +124,7 @@ pub fn update_seeded<T, R>(
                 retries,
             });
         };
-        match store.set(key, &encode(&value), cas) {
-            Ok(()) => {
-                return Ok(Updated {
-                    result: Some(result),
-                    retries,
-                })
-            }
-            Err(StoreError::CasMismatch) if retries < MAX_CAS_RETRIES => retries += 1,
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-/// [`update`] for a value that is its own encoding (a byte buffer changed in
-/// place): no decode or encode copies. `init` is the value of a key that was
-/// never set, and `fix` normalises whatever was read (e.g. to a fixed size).
-/// Same CAS, creation and retry rules as [`update`].
-pub fn update_bytes<R>(
-    store: &dyn Store,
-    key: &str,
-    init: impl Fn() -> Vec<u8>,
-    fix: impl Fn(&mut Vec<u8>),
-    mut f: impl FnMut(&mut Vec<u8>) -> Option<R>,
-) -> Result<Updated<Option<R>>, StoreError> {
-    let mut retries = 0;
-    let mut created = false;
-    loop {
-        let Some((mut value, cas)) = store.get(key)? else {
-            if created {
-                return Err(StoreError::Host(format!(
-                    "{key} is still missing after it was written"
-                )));
-            }
-            store.set(key, &init(), 0)?;
-            created = true;
-            continue;
-        };
-        fix(&mut value);
-        let Some(result) = f(&mut value) else {
-            return Ok(Updated {
-                result: None,
-                retries,
-            });
-        };
-        match store.set(key, &value, cas) {
+        match write(&value, cas) {
             Ok(()) => {
                 return Ok(Updated {
                     result: Some(result),
