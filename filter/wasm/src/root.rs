@@ -5,7 +5,7 @@
 use crate::collector::Collector;
 use crate::host::{self, Buffer, Level};
 use crate::http::RouteContext;
-use crate::stats::Stats;
+use crate::stats::{Stats, FLUSH_PERIOD_MS};
 use crate::COLLECTOR_ROOT_ID;
 use kvroute_core::config::Config;
 use kvroute_core::engine::Engine;
@@ -29,6 +29,14 @@ pub struct Root {
 }
 
 impl Context for Root {
+    fn on_done(&mut self) -> bool {
+        // The VM is going away: hand over what was counted since the last tick.
+        if let Some(s) = &self.shared {
+            s.stats.flush();
+        }
+        true
+    }
+
     fn on_http_call_response(
         &mut self,
         token_id: u32,
@@ -89,10 +97,21 @@ impl RootContext for Root {
                 .routing
                 .seed
                 .unwrap_or_else(|| host::now_ns().unwrap_or(0) ^ 0x6b76_726f_7574_6521);
+            // Counts go to Envoy on the tick; without a tick, at once.
+            let stats = match host::set_tick_period_ms(FLUSH_PERIOD_MS) {
+                Ok(()) => Stats::define_batched(),
+                Err(e) => {
+                    host::log(
+                        Level::Warn,
+                        &format!("kvroute: no tick ({e}); counters are sent per request"),
+                    );
+                    Stats::define()
+                }
+            };
             self.shared = Some(Rc::new(Shared {
                 engine,
                 rng: RefCell::new(Rng::new(seed)),
-                stats: Stats::define(),
+                stats,
             }));
             host::log(Level::Info, "kvroute filter configured");
         }
@@ -102,6 +121,9 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if let Some(c) = self.collector.as_mut() {
             c.on_tick();
+        }
+        if let Some(s) = &self.shared {
+            s.stats.flush();
         }
     }
 

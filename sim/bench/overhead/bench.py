@@ -284,7 +284,7 @@ def start_everything(args, work, endpoints_n, arms):
         if spec.get("plugin"):
             plugin = _plugin_variant(args.plugin_config, spec["plugin"], work, name)
         argv = [sys.executable, os.path.join(REPO, "envoy", "render.py"), "--endpoints", ",".join(endpoints),
-                "--listen-port", str(port), "--admin-port", str(admin), "--wasm", args.wasm,
+                "--listen-port", str(port), "--admin-port", str(admin), "--wasm", spec.get("wasm", args.wasm),
                 "--plugin-config", plugin, "-o", cfg]
         if spec.get("baseline"):
             argv.append("--baseline")
@@ -304,6 +304,7 @@ def start_everything(args, work, endpoints_n, arms):
     admins = {"stub": stub_admin}
     specs = {"envoy-rr": {"baseline": True}, "kvroute": {}}
     specs.update(PROFILE_ARMS)
+    specs.update({name: {"wasm": path} for name, path in args.variants.items()})
     for i, name in enumerate(envoy_arms):
         port, admin = rest[2 * i], rest[2 * i + 1]
         cfg = render(name, port, admin, specs[name])
@@ -491,6 +492,9 @@ def main(argv=None):
     p.add_argument("--wasm", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(REPO, "target")),
                                                "wasm32-wasip1", "release", "kvroute_wasm.wasm"))
     p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=WASM",
+                   help="an extra arm NAME: the kvroute arm with another build of the module (A/B of two "
+                        "builds side by side in one run); repeatable; name it in --arms too")
     p.add_argument("--smg", default=shutil.which("smg") or "smg", help="smg executable")
     p.add_argument("--work", help="work dir (bodies, configs, logs, results); default a temp dir")
     p.add_argument("--check-targets", action="store_true", help="also exit 1 when a target is missed")
@@ -504,8 +508,14 @@ def main(argv=None):
         arms = ["envoy-rr", "envoy-buffer", "kv-skip", "kv-1block", "kvroute"]
     else:
         arms = list(ARMS)
+    args.variants = {}
+    for v in args.variant:
+        name, sep, path = v.partition("=")
+        if not sep or not name or name in ARMS or name in PROFILE_ARMS or not os.path.exists(path):
+            p.error(f"--variant {v}: want NAME=WASM with a new name and an existing file")
+        args.variants[name] = path
     for a in arms:
-        if a not in ARMS and a not in PROFILE_ARMS:
+        if a not in ARMS and a not in PROFILE_ARMS and a not in args.variants:
             p.error(f"unknown arm {a}")
     for s in sizes:
         if s not in SIZES:

@@ -240,3 +240,23 @@ fn without_allow_flag_nothing_is_charged() {
     c.client_abort(req).unwrap();
     assert_eq!(total_inflight(&c), (0, 0));
 }
+
+/// A filter VM keeps its counts until its tick: no counter host call on a
+/// request's path, and Envoy's counters catch up within one tick period.
+#[test]
+fn filter_counters_reach_envoy_on_the_tick() {
+    let c = fleet(1, &config(serde_json::json!({})));
+    for i in 0..3 {
+        let req = c
+            .post(1, "/v1/completions", &completion(&format!("count {i}"), false))
+            .unwrap();
+        assert!(primary(&c, req).is_some());
+        c.respond(req, &[b"{}"]).unwrap();
+    }
+    let routed = || c.metric("kvroute_routed").unwrap_or(0);
+    assert_eq!(routed(), 0, "counted on the request path, not batched");
+    c.advance(std::time::Duration::from_millis(250)).unwrap();
+    assert_eq!(routed(), 3, "the tick did not hand the counts to Envoy");
+    c.advance(std::time::Duration::from_millis(250)).unwrap();
+    assert_eq!(routed(), 3, "a count was handed over twice");
+}
