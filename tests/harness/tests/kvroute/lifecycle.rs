@@ -248,7 +248,11 @@ fn filter_counters_reach_envoy_on_the_tick() {
     let c = fleet(1, &config(serde_json::json!({})));
     for i in 0..3 {
         let req = c
-            .post(1, "/v1/completions", &completion(&format!("count {i}"), false))
+            .post(
+                1,
+                "/v1/completions",
+                &completion(&format!("count {i}"), false),
+            )
             .unwrap();
         assert!(primary(&c, req).is_some());
         c.respond(req, &[b"{}"]).unwrap();
