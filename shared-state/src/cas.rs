@@ -66,17 +66,25 @@ pub fn update_seeded<T, R>(
 /// place): no decode or encode copies. `init` is the value of a key that was
 /// never set, and `fix` normalises whatever was read (e.g. to a fixed size).
 /// Same CAS, creation and retry rules as [`update`].
+///
+/// `seed`, like [`update_seeded`]'s: bytes already read with their CAS token
+/// (`fix` is applied to them too), tried first instead of a get.
 pub fn update_bytes<R>(
     store: &dyn Store,
     key: &str,
+    seed: Option<(Vec<u8>, u32)>,
     init: impl Fn() -> Vec<u8>,
     fix: impl Fn(&mut Vec<u8>),
     f: impl FnMut(&mut Vec<u8>) -> Option<R>,
 ) -> Result<Updated<Option<R>>, StoreError> {
+    let seed = seed.map(|(mut bytes, cas)| {
+        fix(&mut bytes);
+        (bytes, cas)
+    });
     cas_loop(
         store,
         key,
-        None,
+        seed,
         init,
         |mut bytes| {
             fix(&mut bytes);

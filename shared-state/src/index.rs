@@ -163,7 +163,14 @@ pub struct Matches {
     pub first_recorded: Vec<Option<u32>>,
     /// Shard values read.
     pub shard_reads: u32,
+    /// The shard values read, by group (`None`: not read, or the key did
+    /// not exist), with their CAS tokens: [`insert`] starts from them
+    /// instead of reading the shard again.
+    pub shards: ShardReads,
 }
+
+/// Shard values a lookup read, by group index, with their CAS tokens.
+pub type ShardReads = Vec<Option<(Vec<u8>, u32)>>;
 
 /// Finds, for each holder, the longest run of `hashes` from block 0 it holds.
 pub fn longest_prefixes(
@@ -177,20 +184,25 @@ pub fn longest_prefixes(
         matched_blocks: vec![0; holders.len()],
         first_recorded: vec![None; holders.len()],
         shard_reads: 0,
+        shards: Vec::new(),
     };
     if n == 0 || holders.is_empty() {
         return Ok(out);
     }
     let groups = n.div_ceil(GROUP_BLOCKS);
-    let mut shards: Vec<Option<Vec<u8>>> = vec![None; groups];
+    // Per group: not read yet (None), or (bytes, CAS token if the key exists).
+    let mut shards: Vec<Option<(Vec<u8>, Option<u32>)>> = vec![None; groups];
     let mut held = |h: &Holder, i: usize, out: &mut Matches| -> Result<Option<u32>, StoreError> {
         let g = i / GROUP_BLOCKS;
         if shards[g].is_none() {
             let key = geo.shard_key(hashes[g * GROUP_BLOCKS]);
             out.shard_reads += 1;
-            shards[g] = Some(store.get(&key)?.map(|(v, _)| v).unwrap_or_default());
+            shards[g] = Some(match store.get(&key)? {
+                Some((v, cas)) => (v, Some(cas)),
+                None => (Vec::new(), None),
+            });
         }
-        let shard = shards[g].as_deref().unwrap_or(&[]);
+        let shard = shards[g].as_ref().map_or(&[][..], |(v, _)| v.as_slice());
         let hash = key_hash(hashes[i]);
         let set = set_of(hash);
         Ok((0..WAYS)
@@ -214,6 +226,10 @@ pub fn longest_prefixes(
         }
         out.matched_blocks[k] = (lo + 1) as u32;
     }
+    out.shards = shards
+        .into_iter()
+        .map(|r| r.and_then(|(v, cas)| Some((v, cas?))))
+        .collect();
     Ok(out)
 }
 
@@ -278,6 +294,21 @@ pub fn insert(
     holder: &Holder,
     is_live: &dyn Fn(u16, u16, u32) -> bool,
 ) -> Result<InsertStats, StoreError> {
+    insert_seeded(store, geo, hashes, skip, holder, is_live, Vec::new())
+}
+
+/// [`insert`], starting each group's read-modify-write from the shard the
+/// lookup read for it ([`Matches::shards`]), if any: one get less per such
+/// group when nobody wrote the shard in between (a lost race re-reads).
+pub fn insert_seeded(
+    store: &dyn Store,
+    geo: &IndexGeometry,
+    hashes: &[u64],
+    skip: usize,
+    holder: &Holder,
+    is_live: &dyn Fn(u16, u16, u32) -> bool,
+    mut reads: ShardReads,
+) -> Result<InsertStats, StoreError> {
     let mut stats = InsertStats::default();
     let recorded = holder.insert_counter as u32;
     let from = if skip >= hashes.len() {
@@ -285,11 +316,15 @@ pub fn insert(
     } else {
         skip / GROUP_BLOCKS * GROUP_BLOCKS
     };
-    for group in hashes[from..].chunks(GROUP_BLOCKS) {
+    for (i, group) in hashes[from..].chunks(GROUP_BLOCKS).enumerate() {
         let key = geo.shard_key(group[0]);
+        let seed = reads
+            .get_mut(from / GROUP_BLOCKS + i)
+            .and_then(Option::take);
         let Updated { result, retries } = update_bytes(
             store,
             &key,
+            seed,
             || vec![0; SHARD_BYTES],
             |shard| shard.resize(SHARD_BYTES, 0),
             |shard| {
@@ -483,6 +518,58 @@ mod tests {
         assert_eq!(insert_skip(&h, 0, 40, None), 0);
         // Capacity unknown: entries never age, held groups are always skipped.
         assert_eq!(insert_skip(&holder(0, 1 << 30, 0), 39, 40, Some(1)), 32);
+    }
+
+    /// Counts gets, to see which reads an insert saves.
+    struct Counting<'a>(&'a MemoryStore, std::cell::Cell<u32>);
+
+    impl Store for Counting<'_> {
+        fn get(&self, key: &str) -> Result<Option<(Vec<u8>, u32)>, StoreError> {
+            self.1.set(self.1.get() + 1);
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: u32) -> Result<(), StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn insert_starts_from_the_shards_the_lookup_read() {
+        let geo = IndexGeometry::from_budget(1 << 20);
+        let a = chain(11, 40); // 3 groups
+        let holders = [holder(0, 0, 0), holder(1, 16, 0)];
+        // Two identical stores: one insert seeded from the lookup, one not.
+        let (mem, plain) = (MemoryStore::new(), MemoryStore::new());
+        let mut gets = Vec::new();
+        for (store, seeded) in [(&mem, true), (&plain, false)] {
+            insert(store, &geo, &a[..16], 0, &holder(1, 16, 0), ALWAYS).unwrap();
+            let s = Counting(store, Default::default());
+            let m = longest_prefixes(&s, &geo, &a, &holders).unwrap();
+            assert_eq!(m.matched_blocks, vec![0, 16]);
+            let reused = m.shards.iter().filter(|r| r.is_some()).count() as u32;
+            assert!(reused >= 1, "group 0's shard exists and was read");
+            s.1.set(0);
+            let reads = if seeded { m.shards } else { Vec::new() };
+            let st = insert_seeded(&s, &geo, &a, 0, &holder(0, 40, 0), ALWAYS, reads).unwrap();
+            assert_eq!((st.shard_writes, st.cas_retries), (3, 0));
+            gets.push((s.1.get(), reused));
+            let m = longest_prefixes(store, &geo, &a, &[holder(0, 40, 0)]).unwrap();
+            assert_eq!(m.matched_blocks, vec![40]);
+        }
+        // Every shard the lookup read is one get less for the insert.
+        assert_eq!(gets[0].0 + gets[0].1, gets[1].0, "{gets:?}");
+
+        // A seed that went stale (another worker wrote the shard since):
+        // the CAS fails, the insert re-reads, and neither write is lost.
+        let b = chain(12, 16);
+        mem.set(&geo.shard_key(b[0]), &[0; SHARD_BYTES], 0).unwrap();
+        let m = longest_prefixes(&mem, &geo, &b, &[holder(2, 0, 0)]).unwrap();
+        assert!(m.shards[0].is_some());
+        insert(&mem, &geo, &b, 0, &holder(3, 16, 0), ALWAYS).unwrap();
+        let st = insert_seeded(&mem, &geo, &b, 0, &holder(2, 16, 0), ALWAYS, m.shards).unwrap();
+        assert_eq!((st.shard_writes, st.cas_retries), (1, 1));
+        let m = longest_prefixes(&mem, &geo, &b, &[holder(2, 16, 0), holder(3, 16, 0)]).unwrap();
+        assert_eq!(m.matched_blocks, vec![16, 16]);
     }
 
     #[test]

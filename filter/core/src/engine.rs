@@ -88,6 +88,8 @@ pub struct Snapshot {
     pub holders: Vec<Holder>,
     /// Per endpoint: `recorded` of its index entry for block 0, if held.
     pub first_recorded: Vec<Option<u32>>,
+    /// The index shards the lookup read (see [`index::Matches::shards`]).
+    pub shards: index::ShardReads,
     pub candidates: Vec<Candidate>,
     pub view: RequestView,
     /// The load table as read, with its CAS token (`None` if the key was
@@ -352,6 +354,7 @@ impl Engine {
             endpoints,
             holders,
             first_recorded: matches.first_recorded,
+            shards: matches.shards,
             candidates,
             view,
             load: load_cas.map(|cas| (load, cas)),
@@ -377,6 +380,7 @@ impl Engine {
             endpoints,
             holders,
             first_recorded,
+            shards,
             candidates,
             view,
             load,
@@ -449,7 +453,8 @@ impl Engine {
                 hashes.len(),
                 first_recorded[decision.primary],
             );
-            let _ = index::insert(store, &self.geometry, hashes, skip, &me, &is_live);
+            let _ =
+                index::insert_seeded(store, &self.geometry, hashes, skip, &me, &is_live, shards);
         }
 
         let mut destination = chosen.address.clone();
