@@ -1,9 +1,8 @@
 //! The proxy-wasm ABI 0.2.1 calls kvroute makes, declared here so that every
-//! status the host returns becomes a `Result` (the SDK's own wrappers panic
-//! on statuses they do not expect, and a panic kills the VM for every
-//! request on the worker). Memory the host returns was allocated through the
-//! module's `proxy_on_memory_allocate` (the SDK's allocator), so it is taken
-//! back as a `Vec`.
+//! status the host returns becomes a `Result` (a panic would kill the VM
+//! for every request on the worker). Memory the host returns was allocated
+//! through the module's `proxy_on_memory_allocate` ([`crate::abi`]), exactly
+//! the size asked for, so it is taken back as a `Vec`.
 
 use kvroute_shared_state::{Store, StoreError};
 use std::fmt;
@@ -141,6 +140,18 @@ extern "C" {
         return_id: *mut u32,
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_http_call(
+        upstream_data: *const u8,
+        upstream_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        trailers_data: *const u8,
+        trailers_size: usize,
+        timeout_milliseconds: u32,
+        return_token: *mut u32,
+    ) -> u32;
 }
 
 /// Takes ownership of a host-allocated buffer.
@@ -354,24 +365,28 @@ pub fn send_local_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -
     })
 }
 
-/// Starts an HTTP call; returns its token.
-///
-/// This one goes through the SDK: its dispatcher must learn the token to
-/// deliver the response to the right context, and only the SDK's own
-/// wrapper tells it. That wrapper panics on statuses other than Ok,
-/// BadArgument and InternalFailure, which Envoy does not return here.
+/// Starts an HTTP call (no body, no trailers); returns its token. The
+/// answer comes to `proxy_on_http_call_response` of the calling root.
 pub fn http_call(cluster: &str, headers: &[(&str, &str)], timeout_ms: u32) -> HostResult<u32> {
-    proxy_wasm::hostcalls::dispatch_http_call(
-        cluster,
-        headers.to_vec(),
-        None,
-        Vec::new(),
-        std::time::Duration::from_millis(u64::from(timeout_ms)),
-    )
-    .map_err(|status| HostError {
-        call: "proxy_http_call",
-        status: status as u32,
-    })
+    let h = serialize_pairs(headers);
+    let trailers = serialize_pairs(&[]);
+    let mut token = 0;
+    // SAFETY: valid pointers for the duration of the call.
+    check("proxy_http_call", unsafe {
+        proxy_http_call(
+            cluster.as_ptr(),
+            cluster.len(),
+            h.as_ptr(),
+            h.len(),
+            null(),
+            0,
+            trailers.as_ptr(),
+            trailers.len(),
+            timeout_ms,
+            &mut token,
+        )
+    })?;
+    Ok(token)
 }
 
 pub fn define_counter(name: &str) -> HostResult<u32> {

@@ -3,17 +3,16 @@
 //! headers → (strip client destination header; Pause if routable) → body
 //! chunks buffered to end of stream → `Engine::route` → destination header,
 //! Continue → first response body byte: release the prompt charge → end of
-//! response / `on_log` / `on_done`: release the rest. The release flags make
-//! every exit path release exactly once, whatever order Envoy calls them in.
+//! response, or `proxy_on_delete` on any other exit: release the rest. The
+//! release flags make every exit path release exactly once.
 
+use crate::abi::Action;
 use crate::host::{self, Buffer, Level, Map};
 use crate::root::Shared;
 use crate::stats::Counter;
 use kvroute_core::engine::{Outcome, Unrouted};
 use kvroute_core::request::{ApiKind, ParseError};
 use kvroute_shared_state::load::Ticket;
-use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::Action;
 use std::rc::Rc;
 
 /// Response header carrying the decision explanation (`routing.debugHeader`).
@@ -104,15 +103,14 @@ impl RouteContext {
     }
 }
 
-impl Context for RouteContext {
-    fn on_done(&mut self) -> bool {
+impl RouteContext {
+    /// The context's end (`proxy_on_delete`), on every exit path: releases
+    /// what the request still holds.
+    pub fn on_delete(&mut self) {
         self.release_rest();
-        true
     }
-}
 
-impl HttpContext for RouteContext {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    pub fn on_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(shared) = self.shared.clone() else {
             return Action::Continue;
         };
@@ -192,7 +190,7 @@ impl HttpContext for RouteContext {
         Action::Pause
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    pub fn on_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let (Some(shared), Some(kind)) = (self.shared.clone(), self.kind) else {
             return Action::Continue;
         };
@@ -269,7 +267,7 @@ impl HttpContext for RouteContext {
         }
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    pub fn on_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if let Some(x) = self.explanation.take() {
             if let Err(e) = host::set_header(Map::ResponseHeaders, DECISION_HEADER, &x) {
                 self.host_error("setting the decision header", e);
@@ -282,7 +280,7 @@ impl HttpContext for RouteContext {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    pub fn on_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if end_of_stream {
             // A response that ends with its first chunk (non-streaming, or
             // short) releases prompt and rest in one write.
@@ -291,9 +289,5 @@ impl HttpContext for RouteContext {
             self.release_prompt();
         }
         Action::Continue
-    }
-
-    fn on_log(&mut self) {
-        self.release_rest();
     }
 }

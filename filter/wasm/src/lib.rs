@@ -13,6 +13,8 @@
 #![deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 #[cfg(target_arch = "wasm32")]
+mod abi;
+#[cfg(target_arch = "wasm32")]
 mod collector;
 pub mod host;
 #[cfg(target_arch = "wasm32")]
@@ -24,10 +26,3 @@ mod stats;
 
 /// `root_id` of the singleton collector. Any other root id is the filter.
 pub const COLLECTOR_ROOT_ID: &str = "kvroute-collector";
-
-#[cfg(target_arch = "wasm32")]
-proxy_wasm::main! {{
-    proxy_wasm::set_root_context(|_context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
-        Box::new(root::Root::default())
-    });
-}}

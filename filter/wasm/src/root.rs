@@ -10,8 +10,6 @@ use crate::COLLECTOR_ROOT_ID;
 use kvroute_core::config::Config;
 use kvroute_core::engine::Engine;
 use kvroute_core::scheduling::Rng;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::ContextType;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -28,30 +26,21 @@ pub struct Root {
     collector: Option<Collector>,
 }
 
-impl Context for Root {
-    fn on_done(&mut self) -> bool {
-        // The VM is going away: hand over what was counted since the last tick.
+impl Root {
+    /// The root context's end: hand over what was counted since the last tick.
+    pub fn on_delete(&self) {
         if let Some(s) = &self.shared {
             s.stats.flush();
         }
-        true
     }
 
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
+    pub fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize) {
         if let Some(c) = self.collector.as_mut() {
             c.on_http_call_response(token_id, num_headers, body_size);
         }
     }
-}
 
-impl RootContext for Root {
-    fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
+    pub fn on_configure(&mut self, plugin_configuration_size: usize) -> bool {
         let bytes =
             match host::get_buffer(Buffer::PluginConfiguration, 0, plugin_configuration_size) {
                 Ok(Some(b)) => b,
@@ -118,7 +107,7 @@ impl RootContext for Root {
         true
     }
 
-    fn on_tick(&mut self) {
+    pub fn on_tick(&mut self) {
         if let Some(c) = self.collector.as_mut() {
             c.on_tick();
         }
@@ -127,12 +116,8 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        // Must return Some: the SDK's dispatcher treats None as fatal.
-        Some(Box::new(RouteContext::new(self.shared.clone())))
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+    /// A request's context.
+    pub fn new_stream(&self) -> RouteContext {
+        RouteContext::new(self.shared.clone())
     }
 }

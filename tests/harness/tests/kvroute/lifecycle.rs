@@ -264,3 +264,47 @@ fn filter_counters_reach_envoy_on_the_tick() {
     c.advance(std::time::Duration::from_millis(250)).unwrap();
     assert_eq!(routed(), 3, "a count was handed over twice");
 }
+
+/// Envoy calls only the callbacks a module exports, and each call is a VM
+/// entry and exit: the module must not export per-request callbacks it
+/// does not use (as an SDK dispatcher would), and must export those it does.
+#[test]
+fn module_exports_only_the_callbacks_it_uses() {
+    let wasm = kvroute_harness::artifacts::kvroute_wasm().unwrap();
+    let engine = wasmtime::Engine::default();
+    let module = wasmtime::Module::from_file(&engine, &wasm).unwrap();
+    let names: Vec<&str> = module.exports().map(|e| e.name()).collect();
+    for unused in [
+        "proxy_on_log",
+        "proxy_on_done",
+        "proxy_on_request_trailers",
+        "proxy_on_response_trailers",
+        "proxy_on_request_metadata",
+        "proxy_on_response_metadata",
+        "proxy_on_new_connection",
+        "proxy_on_downstream_data",
+        "proxy_on_upstream_data",
+    ] {
+        assert!(!names.contains(&unused), "exports {unused}: {names:?}");
+    }
+    for needed in [
+        "_initialize",
+        "proxy_abi_version_0_2_1",
+        "proxy_on_memory_allocate",
+        "proxy_on_context_create",
+        "proxy_on_vm_start",
+        "proxy_on_configure",
+        "proxy_on_tick",
+        "proxy_on_http_call_response",
+        "proxy_on_request_headers",
+        "proxy_on_request_body",
+        "proxy_on_response_headers",
+        "proxy_on_response_body",
+        "proxy_on_delete",
+    ] {
+        assert!(
+            names.contains(&needed),
+            "does not export {needed}: {names:?}"
+        );
+    }
+}
