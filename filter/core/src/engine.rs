@@ -65,6 +65,8 @@ pub struct Routed {
     /// Uncached prompt tokens charged to the primary.
     pub uncached_tokens: u64,
     pub stream: bool,
+    /// CAS races the charge and the index insert lost (and retried).
+    pub cas_retries: u32,
 }
 
 impl Routed {
@@ -416,10 +418,10 @@ impl Engine {
                 )
             },
         );
-        let (ticket, counter_after) = match charged {
+        let (ticket, counter_after, mut cas_retries) = match charged {
             Ok(u) => match u.result {
-                Some((t, c)) => (Some(t), c),
-                None => (None, 0),
+                Some((t, c)) => (Some(t), c, u.retries),
+                None => (None, 0, u.retries),
             },
             Err(e) => return Err(e),
         };
@@ -453,8 +455,11 @@ impl Engine {
                 hashes.len(),
                 first_recorded[decision.primary],
             );
-            let _ =
-                index::insert_seeded(store, &self.geometry, hashes, skip, &me, &is_live, shards);
+            if let Ok(st) =
+                index::insert_seeded(store, &self.geometry, hashes, skip, &me, &is_live, shards)
+            {
+                cas_retries += st.cas_retries;
+            }
         }
 
         let mut destination = chosen.address.clone();
@@ -468,11 +473,13 @@ impl Engine {
             decision,
             uncached_tokens: charge.prompt_tokens,
             stream: false,
+            cas_retries,
         }))
     }
 
     /// Releases the prompt part of a charge (first response byte).
-    pub fn release_prompt(&self, store: &dyn Store, ticket: &Ticket) -> Result<(), StoreError> {
+    /// Returns the CAS races the write lost before it went through.
+    pub fn release_prompt(&self, store: &dyn Store, ticket: &Ticket) -> Result<u32, StoreError> {
         update(
             store,
             LOAD_KEY,
@@ -480,7 +487,7 @@ impl Engine {
             LoadTable::encode,
             |t: &mut LoadTable| t.release_prompt(ticket).then_some(()),
         )
-        .map(|_| ())
+        .map(|u| u.retries)
     }
 
     /// Releases the rest of a charge (end of stream, reset, abort…).
@@ -489,7 +496,7 @@ impl Engine {
         store: &dyn Store,
         ticket: &Ticket,
         prompt_released: bool,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u32, StoreError> {
         update(
             store,
             LOAD_KEY,
@@ -497,7 +504,7 @@ impl Engine {
             LoadTable::encode,
             |t: &mut LoadTable| t.release_rest(ticket, prompt_released).then_some(()),
         )
-        .map(|_| ())
+        .map(|u| u.retries)
     }
 
     // -----------------------------------------------------------------------

@@ -56,8 +56,9 @@ impl RouteContext {
         }
         self.prompt_released = true;
         if let (Some(s), Some(t)) = (&self.shared, &self.ticket) {
-            if let Err(e) = s.engine.release_prompt(&host::HostStore, t) {
-                self.host_error("releasing the prompt charge", e);
+            match s.engine.release_prompt(&host::HostStore, t) {
+                Ok(retries) => s.stats.add(Counter::CasRetries, u64::from(retries)),
+                Err(e) => self.host_error("releasing the prompt charge", e),
             }
         }
     }
@@ -68,11 +69,12 @@ impl RouteContext {
         }
         self.done = true;
         if let (Some(s), Some(t)) = (&self.shared, &self.ticket) {
-            if let Err(e) = s
+            match s
                 .engine
                 .release_rest(&host::HostStore, t, self.prompt_released)
             {
-                self.host_error("releasing the request charge", e);
+                Ok(retries) => s.stats.add(Counter::CasRetries, u64::from(retries)),
+                Err(e) => self.host_error("releasing the request charge", e),
             }
         }
     }
@@ -243,6 +245,9 @@ impl RouteContext {
                     return Action::Continue;
                 }
                 shared.stats.inc(Counter::Routed);
+                shared
+                    .stats
+                    .add(Counter::CasRetries, u64::from(r.cas_retries));
                 shared.stats.inc(match r.decision.branch.as_str() {
                     "sticky" => Counter::BranchSticky,
                     "saturation-release" => Counter::BranchSaturationRelease,

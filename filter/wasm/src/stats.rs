@@ -28,9 +28,10 @@ pub enum Counter {
     HostErrors,
     MetricsPollFailures,
     ReapedRequests,
+    CasRetries,
 }
 
-const NAMES: [&str; 12] = [
+const NAMES: [&str; 13] = [
     "kvroute_routed",
     "kvroute_fail_open",
     "kvroute_rejected",
@@ -43,6 +44,7 @@ const NAMES: [&str; 12] = [
     "kvroute_host_errors",
     "kvroute_metrics_poll_failures",
     "kvroute_reaped_requests",
+    "kvroute_cas_retries",
 ];
 
 #[derive(Debug, Default)]

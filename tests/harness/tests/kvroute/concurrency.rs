@@ -37,6 +37,13 @@ fn two_workers_same_prefix_same_instant_with_cas_conflict() {
     let third = c.post(1, "/v1/completions", &body).unwrap();
     assert!(primary(&c, third).is_some());
     assert_eq!(total_inflight(&c).1, 3);
+    // Every lost race is counted: the hook's one and the three forced.
+    let retries = stat(&c, "kvroute_cas_retries");
+    let lost = (c.cas_mismatches() - mismatches_before) as i64;
+    assert!(
+        retries >= 4 && retries <= lost,
+        "{retries} retries, {lost} mismatches"
+    );
     for r in [first, second, third] {
         c.respond(r, &[b"{}"]).unwrap();
     }
