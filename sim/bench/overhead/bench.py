@@ -304,7 +304,7 @@ def start_everything(args, work, endpoints_n, arms):
     admins = {"stub": stub_admin}
     specs = {"envoy-rr": {"baseline": True}, "kvroute": {}}
     specs.update(PROFILE_ARMS)
-    specs.update({name: {"wasm": path} for name, path in args.variants.items()})
+    specs.update({name: {"wasm": path} for name, path in getattr(args, "variants", {}).items()})
     for i, name in enumerate(envoy_arms):
         port, admin = rest[2 * i], rest[2 * i + 1]
         cfg = render(name, port, admin, specs[name])
