@@ -478,46 +478,60 @@ mod tests {
 
     #[test]
     fn held_groups_are_skipped_until_due_for_refresh() {
+        const G: usize = GROUP_BLOCKS;
+        let n = 2 * G + G / 2; // groups: 0..G, G..2G, 2G..n
+        let nn = n as u64;
         let s = MemoryStore::new();
         let geo = IndexGeometry::from_budget(1 << 20);
-        let a = chain(7, 40); // groups: 0..16, 16..32, 32..40
-        let st = insert(&s, &geo, &a, 0, &holder(0, 40, 1000), ALWAYS).unwrap();
+        let a = chain(7, n);
+        let st = insert(&s, &geo, &a, 0, &holder(0, nn, 1000), ALWAYS).unwrap();
         assert_eq!(st.shard_writes, 3);
         // Writing the same entries again changes nothing, so nothing is written.
-        let st = insert(&s, &geo, &a, 0, &holder(0, 40, 1000), ALWAYS).unwrap();
+        let st = insert(&s, &geo, &a, 0, &holder(0, nn, 1000), ALWAYS).unwrap();
         assert_eq!(st.shard_writes, 0);
 
-        let h = holder(0, 100, 1000);
+        let h = holder(0, nn + 60, 1000);
         let m = longest_prefixes(&s, &geo, &a, &[h]).unwrap();
-        assert_eq!(m.matched_blocks, vec![40]);
-        assert_eq!(m.first_recorded, vec![Some(40)]);
+        assert_eq!(m.matched_blocks, vec![n as u32]);
+        assert_eq!(m.first_recorded, vec![Some(n as u32)]);
         // Aged 60 of 1000, the last block new: only whole held groups are
-        // skipped (32 blocks); the group of the new block is written.
-        let skip = insert_skip(&h, 39, 40, m.first_recorded[0]);
-        assert_eq!(skip, 32);
+        // skipped (2 groups); the group of the new block is written.
+        let skip = insert_skip(&h, n as u32 - 1, n, m.first_recorded[0]);
+        assert_eq!(skip, 2 * G);
         let st = insert(&s, &geo, &a, skip, &h, ALWAYS).unwrap();
         assert_eq!(st.shard_writes, 1);
         // Aged half the capacity: the whole prefix is refreshed, so it
         // survives the next half capacity of inserts, as an LRU hit would.
-        let old = holder(0, 540, 1000);
+        let old = holder(0, nn + 500, 1000);
         let m = longest_prefixes(&s, &geo, &a, &[old]).unwrap();
-        assert_eq!(m.matched_blocks, vec![40]);
-        assert_eq!(insert_skip(&old, 40, 40, m.first_recorded[0]), 0);
+        assert_eq!(m.matched_blocks, vec![n as u32]);
+        assert_eq!(insert_skip(&old, n as u32, n, m.first_recorded[0]), 0);
         insert(&s, &geo, &a, 0, &old, ALWAYS).unwrap();
-        let later = holder(0, 1500, 1000);
+        let later = holder(0, nn + 1460, 1000);
         let m = longest_prefixes(&s, &geo, &a, &[later]).unwrap();
         assert_eq!(
             m.matched_blocks,
-            vec![40],
-            "refreshed at 540, held until 1540"
+            vec![n as u32],
+            "refreshed at n + 500, held until n + 1500"
         );
         // The whole prompt held and fresh: nothing is written at all.
-        let st = insert(&s, &geo, &a, insert_skip(&h, 40, 40, Some(100)), &h, ALWAYS).unwrap();
+        let st = insert(
+            &s,
+            &geo,
+            &a,
+            insert_skip(&h, n as u32, n, Some(nn as u32 + 60)),
+            &h,
+            ALWAYS,
+        )
+        .unwrap();
         assert_eq!(st.shard_writes, 0);
         // Nothing held at block 0: nothing skipped.
-        assert_eq!(insert_skip(&h, 0, 40, None), 0);
+        assert_eq!(insert_skip(&h, 0, n, None), 0);
         // Capacity unknown: entries never age, held groups are always skipped.
-        assert_eq!(insert_skip(&holder(0, 1 << 30, 0), 39, 40, Some(1)), 32);
+        assert_eq!(
+            insert_skip(&holder(0, 1 << 30, 0), n as u32 - 1, n, Some(1)),
+            2 * G
+        );
     }
 
     /// Counts gets, to see which reads an insert saves.
@@ -536,25 +550,28 @@ mod tests {
     #[test]
     fn insert_starts_from_the_shards_the_lookup_read() {
         let geo = IndexGeometry::from_budget(1 << 20);
-        let a = chain(11, 40); // 3 groups
-        let holders = [holder(0, 0, 0), holder(1, 16, 0)];
+        const G: usize = GROUP_BLOCKS;
+        let n = 2 * G + G / 2; // 3 groups
+        let a = chain(11, n);
+        let holders = [holder(0, 0, 0), holder(1, G as u64, 0)];
         // Two identical stores: one insert seeded from the lookup, one not.
         let (mem, plain) = (MemoryStore::new(), MemoryStore::new());
         let mut gets = Vec::new();
         for (store, seeded) in [(&mem, true), (&plain, false)] {
-            insert(store, &geo, &a[..16], 0, &holder(1, 16, 0), ALWAYS).unwrap();
+            insert(store, &geo, &a[..G], 0, &holders[1], ALWAYS).unwrap();
             let s = Counting(store, Default::default());
             let m = longest_prefixes(&s, &geo, &a, &holders).unwrap();
-            assert_eq!(m.matched_blocks, vec![0, 16]);
+            assert_eq!(m.matched_blocks, vec![0, G as u32]);
             let reused = m.shards.iter().filter(|r| r.is_some()).count() as u32;
             assert!(reused >= 1, "group 0's shard exists and was read");
             s.1.set(0);
             let reads = if seeded { m.shards } else { Vec::new() };
-            let st = insert_seeded(&s, &geo, &a, 0, &holder(0, 40, 0), ALWAYS, reads).unwrap();
+            let me = holder(0, n as u64, 0);
+            let st = insert_seeded(&s, &geo, &a, 0, &me, ALWAYS, reads).unwrap();
             assert_eq!((st.shard_writes, st.cas_retries), (3, 0));
             gets.push((s.1.get(), reused));
-            let m = longest_prefixes(store, &geo, &a, &[holder(0, 40, 0)]).unwrap();
-            assert_eq!(m.matched_blocks, vec![40]);
+            let m = longest_prefixes(store, &geo, &a, &[me]).unwrap();
+            assert_eq!(m.matched_blocks, vec![n as u32]);
         }
         // Every shard the lookup read is one get less for the insert.
         assert_eq!(gets[0].0 + gets[0].1, gets[1].0, "{gets:?}");
