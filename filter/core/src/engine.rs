@@ -418,13 +418,9 @@ impl Engine {
                 )
             },
         );
-        let (ticket, counter_after, mut cas_retries) = match charged {
-            Ok(u) => match u.result {
-                Some((t, c)) => (Some(t), c, u.retries),
-                None => (None, 0, u.retries),
-            },
-            Err(e) => return Err(e),
-        };
+        let charged = charged?;
+        let mut cas_retries = charged.retries;
+        let (ticket, counter_after) = charged.result.map_or((None, 0), |(t, c)| (Some(t), c));
 
         // Record the blocks for the chosen endpoint (advisory: a failure
         // only costs future affinity).

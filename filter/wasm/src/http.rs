@@ -103,9 +103,7 @@ impl RouteContext {
         );
         Action::Continue
     }
-}
 
-impl RouteContext {
     /// The context's end (`proxy_on_delete`), on every exit path: releases
     /// what the request still holds.
     pub fn on_delete(&mut self) {
