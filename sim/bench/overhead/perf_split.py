@@ -81,7 +81,15 @@ def main(argv=None):
     p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
     p.add_argument("--smg", default="smg")
     p.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-perf-{os.getpid()}"))
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=WASM",
+                   help="an extra arm: the kvroute arm with another module (as bench.py --variant)")
     args = p.parse_args(argv)
+    args.variants = {}
+    for v in args.variant:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not os.path.exists(path):
+            p.error(f"--variant {v}: want NAME=WASM with an existing file")
+        args.variants[name] = path
     args.stub_concurrency = 1
     arms = args.arms.split(",")
     os.makedirs(args.work, exist_ok=True)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The floor of kvroute's design on Envoy's V8, side by side with round robin,
+# kvroute loaded but not routing (kv-skip) and kvroute itself: builds the
+# floor module (src/lib.rs) and runs ../run.sh at 8 KiB with it as an extra
+# arm. Other options go to bench.py, e.g. --rounds 3.
+#
+#   bash sim/bench/overhead/floor/run.sh
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(cd "$here/../../../.." && pwd)"
+target_dir="${CARGO_TARGET_DIR:-$repo/target}"
+if ! rustup target list --installed 2>/dev/null | grep -q wasm32-wasip1; then
+  rustup target add wasm32-wasip1
+fi
+cargo build -q --release --target wasm32-wasip1 --manifest-path "$here/Cargo.toml" \
+  --target-dir "$target_dir/overhead-floor"
+floor="$target_dir/overhead-floor/wasm32-wasip1/release/kvroute_overhead_floor.wasm"
+exec bash "$here/../run.sh" --sizes 8k --arms envoy-rr,kv-skip,host-floor,kvroute \
+  --variant "host-floor=$floor" "$@"
