@@ -32,6 +32,23 @@ impl Bucket {
     fn is_empty(&self) -> bool {
         self.prompt_tokens == 0 && self.output_tokens == 0 && self.requests == 0
     }
+
+    fn release_prompt(&mut self, t: &Ticket) {
+        self.prompt_tokens = self.prompt_tokens.saturating_sub(t.prompt_tokens);
+    }
+
+    fn release_rest(&mut self, t: &Ticket, prompt_released: bool) {
+        if !prompt_released {
+            self.release_prompt(t);
+        }
+        self.output_tokens = self.output_tokens.saturating_sub(t.output_tokens);
+        self.requests = self.requests.saturating_sub(1);
+        if self.requests == 0 {
+            // Rounding can leave nothing behind: all requests are out.
+            self.prompt_tokens = 0;
+            self.output_tokens = 0;
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -82,6 +99,25 @@ pub struct LoadTable {
 }
 
 const MAGIC: u8 = 0x11;
+/// The encoding's layout (see [`LoadTable::encode`]): magic, epoch, count;
+/// per record generation, insert counter, last cold pick, reaped requests,
+/// then the buckets (start, prompt, output, requests).
+const HEADER_BYTES: usize = 1 + 8 + 2;
+const RECORD_HEAD_BYTES: usize = 2 + 8 + 8 + 4;
+const BUCKET_BYTES: usize = 8 + 8 + 8 + 4;
+const RECORD_BYTES: usize = RECORD_HEAD_BYTES + BUCKETS * BUCKET_BYTES;
+
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(a)
+}
 
 /// Bucket width for a reap bound: `reapAfterMs / 2`, at least 1 ms.
 pub fn window_ms(reap_after_ms: u64) -> u64 {
@@ -90,7 +126,7 @@ pub fn window_ms(reap_after_ms: u64) -> u64 {
 
 impl LoadTable {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(11 + self.records.len() * 134);
+        let mut w = Writer::with_capacity(HEADER_BYTES + self.records.len() * RECORD_BYTES);
         w.u8(MAGIC);
         w.u64(self.epoch);
         w.u16(self.records.len() as u16);
@@ -239,34 +275,78 @@ impl LoadTable {
     /// Releases the prompt part (prefill is done). Returns false when the
     /// charge was already reaped or the endpoint's slot was reused.
     pub fn release_prompt(&mut self, t: &Ticket) -> bool {
-        match self.bucket_of(t) {
-            Some(b) => {
-                b.prompt_tokens = b.prompt_tokens.saturating_sub(t.prompt_tokens);
-                true
-            }
-            None => false,
-        }
+        self.bucket_of(t).map(|b| b.release_prompt(t)).is_some()
     }
 
     /// Releases the request and its output part, and the prompt part too
     /// unless `prompt_released`.
     pub fn release_rest(&mut self, t: &Ticket, prompt_released: bool) -> bool {
-        match self.bucket_of(t) {
-            Some(b) => {
-                if !prompt_released {
-                    b.prompt_tokens = b.prompt_tokens.saturating_sub(t.prompt_tokens);
+        self.bucket_of(t)
+            .map(|b| b.release_rest(t, prompt_released))
+            .is_some()
+    }
+
+    /// [`release_prompt`](Self::release_prompt) (`rest: None`) or
+    /// [`release_rest`](Self::release_rest) (`rest: Some(prompt_released)`)
+    /// on the encoded table: `bytes` ends up as the encoding of the
+    /// released table, and the result is the release's. A well-formed
+    /// encoding is patched in place (the ticket's bucket is the only thing
+    /// a release changes), so a release builds no table and allocates
+    /// nothing; anything else goes through decode, release and encode.
+    pub fn release_encoded(bytes: &mut Vec<u8>, t: &Ticket, rest: Option<bool>) -> bool {
+        match Self::bucket_at(bytes, t) {
+            Some(Some(at)) => {
+                let mut b = Bucket {
+                    start_ms: t.bucket_start_ms,
+                    prompt_tokens: le_u64(bytes, at + 8),
+                    output_tokens: le_u64(bytes, at + 16),
+                    requests: le_u32(bytes, at + 24),
+                };
+                match rest {
+                    None => b.release_prompt(t),
+                    Some(prompt_released) => b.release_rest(t, prompt_released),
                 }
-                b.output_tokens = b.output_tokens.saturating_sub(t.output_tokens);
-                b.requests = b.requests.saturating_sub(1);
-                if b.requests == 0 {
-                    // Rounding can leave nothing behind: all requests are out.
-                    b.prompt_tokens = 0;
-                    b.output_tokens = 0;
-                }
+                bytes[at + 8..at + 16].copy_from_slice(&b.prompt_tokens.to_le_bytes());
+                bytes[at + 16..at + 24].copy_from_slice(&b.output_tokens.to_le_bytes());
+                bytes[at + 24..at + 28].copy_from_slice(&b.requests.to_le_bytes());
                 true
             }
-            None => false,
+            // Well formed, and the charge is gone: nothing to write.
+            Some(None) => false,
+            None => {
+                let mut table = LoadTable::decode(Some(bytes));
+                let released = match rest {
+                    None => table.release_prompt(t),
+                    Some(prompt_released) => table.release_rest(t, prompt_released),
+                };
+                *bytes = table.encode();
+                released
+            }
         }
+    }
+
+    /// Where the ticket's bucket starts in `bytes`: `None` if `bytes` is not
+    /// exactly one well-formed encoding, `Some(None)` if it is and the
+    /// ticket's record or bucket is not there any more.
+    fn bucket_at(bytes: &[u8], t: &Ticket) -> Option<Option<usize>> {
+        if bytes.len() < HEADER_BYTES || bytes[0] != MAGIC {
+            return None;
+        }
+        let n = usize::from(u16::from_le_bytes([bytes[9], bytes[10]]));
+        if n > MAX_ENDPOINTS || bytes.len() != HEADER_BYTES + n * RECORD_BYTES {
+            return None;
+        }
+        let slot = usize::from(t.slot);
+        let bucket = usize::from(t.bucket);
+        if slot >= n || bucket >= BUCKETS {
+            return Some(None);
+        }
+        let rec = HEADER_BYTES + slot * RECORD_BYTES;
+        if u16::from_le_bytes([bytes[rec], bytes[rec + 1]]) != t.generation {
+            return Some(None);
+        }
+        let at = rec + RECORD_HEAD_BYTES + bucket * BUCKET_BYTES;
+        Some((le_u64(bytes, at) == t.bucket_start_ms).then_some(at))
     }
 
     /// Zeroes buckets whose charges are all older than `reap_after_ms`.
@@ -365,5 +445,96 @@ mod tests {
             LoadTable::default()
         );
         assert_eq!(LoadTable::decode(None), LoadTable::default());
+    }
+
+    /// `release_encoded` against decode → release → encode, over random
+    /// tables, tickets that match, have a stale bucket, generation, slot
+    /// or bucket index, and encodings that are short, long or corrupt.
+    #[test]
+    fn release_on_the_bytes_matches_release_on_the_table() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n.max(1)
+        };
+        let mut patched = 0;
+        for case in 0..20_000 {
+            let mut table = LoadTable {
+                epoch: next(5),
+                records: Vec::new(),
+            };
+            let mut tickets = Vec::new();
+            for _ in 0..next(6) {
+                let slot = next(8) as u16;
+                let now = next(20_000);
+                if let Some((t, _)) = table.charge(
+                    slot,
+                    next(3) as u16,
+                    now,
+                    W,
+                    next(4) * next(1000),
+                    next(3) * next(100),
+                    next(40),
+                    next(2) * now,
+                ) {
+                    tickets.push(t);
+                }
+            }
+            if next(4) == 0 {
+                table.reap(next(30_000), 2 * W);
+            }
+            let mut t = match tickets.get(next(tickets.len() as u64 + 2) as usize) {
+                Some(t) => *t,
+                None => Ticket {
+                    slot: next(10) as u16,
+                    generation: next(3) as u16,
+                    bucket: next(5) as u8,
+                    bucket_start_ms: next(20) * W,
+                    prompt_tokens: next(500),
+                    output_tokens: next(50),
+                },
+            };
+            match next(8) {
+                0 => t.bucket_start_ms += W,
+                1 => t.generation ^= 1,
+                2 => t.prompt_tokens = u64::MAX,
+                _ => {}
+            }
+            let mut bytes = table.encode();
+            match case % 16 {
+                0 => bytes.push(0),
+                1 => {
+                    bytes.pop();
+                }
+                2 => bytes[0] ^= 0xff,
+                3 => bytes.truncate(next(12) as usize),
+                _ => {}
+            }
+            let rest = match next(3) {
+                0 => None,
+                1 => Some(false),
+                _ => Some(true),
+            };
+            let mut expected_table = LoadTable::decode(Some(&bytes));
+            let expected = match rest {
+                None => expected_table.release_prompt(&t),
+                Some(p) => expected_table.release_rest(&t, p),
+            };
+            let before = bytes.clone();
+            let got = LoadTable::release_encoded(&mut bytes, &t, rest);
+            assert_eq!(got, expected, "case {case}: {t:?} {rest:?}");
+            if got {
+                assert_eq!(
+                    bytes,
+                    expected_table.encode(),
+                    "case {case}: {t:?} {rest:?}"
+                );
+                patched += usize::from(before.len() == bytes.len() && case % 16 > 3);
+            }
+        }
+        // Most releases hit a live bucket of a well-formed table.
+        assert!(patched > 3_000, "only {patched} in-place releases");
     }
 }

@@ -10,7 +10,7 @@ use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::request::{parse_request, ApiKind, ParseError, ParseLimits};
 use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
-use kvroute_shared_state::cas::{update, update_seeded};
+use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
 use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
 use kvroute_shared_state::index::{self, Holder, IndexGeometry};
 use kvroute_shared_state::load::{window_ms, LoadTable, Ticket};
@@ -128,6 +128,21 @@ impl Clone for TableCache {
     fn clone(&self) -> Self {
         TableCache::default()
     }
+}
+
+/// A release on the load table's bytes, patched in place
+/// ([`LoadTable::release_encoded`]); lost CAS races are retried. Returns
+/// the races lost.
+fn release(store: &dyn Store, ticket: &Ticket, rest: Option<bool>) -> Result<u32, StoreError> {
+    update_bytes(
+        store,
+        LOAD_KEY,
+        None,
+        || LoadTable::default().encode(),
+        |_| {},
+        |bytes: &mut Vec<u8>| LoadTable::release_encoded(bytes, ticket, rest).then_some(()),
+    )
+    .map(|u| u.retries)
 }
 
 /// OpenAI-style error body.
@@ -476,14 +491,7 @@ impl Engine {
     /// Releases the prompt part of a charge (first response byte).
     /// Returns the CAS races the write lost before it went through.
     pub fn release_prompt(&self, store: &dyn Store, ticket: &Ticket) -> Result<u32, StoreError> {
-        update(
-            store,
-            LOAD_KEY,
-            LoadTable::decode,
-            LoadTable::encode,
-            |t: &mut LoadTable| t.release_prompt(ticket).then_some(()),
-        )
-        .map(|u| u.retries)
+        release(store, ticket, None)
     }
 
     /// Releases the rest of a charge (end of stream, reset, abort…).
@@ -493,14 +501,7 @@ impl Engine {
         ticket: &Ticket,
         prompt_released: bool,
     ) -> Result<u32, StoreError> {
-        update(
-            store,
-            LOAD_KEY,
-            LoadTable::decode,
-            LoadTable::encode,
-            |t: &mut LoadTable| t.release_rest(ticket, prompt_released).then_some(()),
-        )
-        .map(|u| u.retries)
+        release(store, ticket, Some(prompt_released))
     }
 
     // -----------------------------------------------------------------------
