@@ -2,7 +2,9 @@
 # The floor of kvroute's design on Envoy's V8, side by side with round robin,
 # kvroute loaded but not routing (kv-skip) and kvroute itself: builds the
 # floor module (src/lib.rs) and runs ../run.sh at 8 KiB with it as an extra
-# arm. Other options go to bench.py, e.g. --rounds 3.
+# arm. Other options go to bench.py, e.g. --rounds 3. The floor's values are
+# 1 byte; FLOOR_LOAD_BYTES, FLOOR_SHARD_BYTES and FLOOR_SHARDS in the
+# environment build it with other sizes and key counts (src/lib.rs).
 #
 #   bash sim/bench/overhead/floor/run.sh
 set -euo pipefail

@@ -15,7 +15,8 @@
 //!   back (the release)
 //! - `proxy_on_delete`
 //!
-//! The values written are a few bytes; the destination is the next static
+//! The values written are 1 byte unless built with other sizes (see
+//! `LOAD_BYTES`; `run.sh` builds both); the destination is the next static
 //! endpoint in turn, read from the plugin configuration's `endpoints.static`
 //! the way `envoy/render.py` writes it. A lost CAS race is retried, as
 //! kvroute does. Benchmark fixture only: it routes round robin.
@@ -68,8 +69,37 @@ const REQUEST_BODY: u32 = 0;
 const PLUGIN_CONFIGURATION: u32 = 7;
 const DESTINATION: &str = "x-gateway-destination-endpoint";
 const LOAD_KEY: &str = "floor/load";
-const SHARD_KEY: &str = "floor/ix/0";
 const CAS_MISMATCH: u32 = 8;
+// Value sizes and the number of index keys, fixed at build time (default
+// 1 byte, 1 key); with FLOOR_LOAD_BYTES=547 FLOOR_SHARD_BYTES=4096
+// FLOOR_SHARDS=16384 the values and the key count are kvroute's (4 endpoints,
+// the default 64 MiB index).
+const LOAD_BYTES: usize = build_number(option_env!("FLOOR_LOAD_BYTES"));
+const SHARD_BYTES: usize = build_number(option_env!("FLOOR_SHARD_BYTES"));
+const SHARDS: usize = build_number(option_env!("FLOOR_SHARDS"));
+
+/// A pseudo-random index key for the n-th request.
+#[allow(clippy::modulo_one)] // SHARDS is 1 in the default build
+fn shard_of(n: u64) -> usize {
+    (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize % SHARDS
+}
+
+const fn build_number(v: Option<&str>) -> usize {
+    let Some(v) = v else {
+        return 1;
+    };
+    let b = v.as_bytes();
+    let (mut i, mut n) = (0, 0usize);
+    while i < b.len() {
+        n = n * 10 + (b[i] - b'0') as usize;
+        i += 1;
+    }
+    if n == 0 {
+        1
+    } else {
+        n
+    }
+}
 
 #[derive(Default)]
 struct Stream {
@@ -81,6 +111,7 @@ struct Stream {
 struct State {
     endpoints: Vec<String>,
     next: usize,
+    requests: u64,
     streams: HashMap<u32, Stream>,
 }
 
@@ -104,9 +135,10 @@ fn get_buffer(kind: u32, size: usize) -> Vec<u8> {
     unsafe { take(p, n) }
 }
 
-/// Reads `key` and writes it back one byte changed, with its CAS token;
-/// retries a lost race (bounded).
-fn read_modify_write(key: &str) {
+/// Reads `key` (created as `size` zero bytes if missing) and writes it
+/// back one byte changed, with its CAS token; retries a lost race
+/// (bounded).
+fn read_modify_write(key: &str, size: usize) {
     for _ in 0..8 {
         let (mut p, mut n, mut cas) = (std::ptr::null_mut(), 0, 0u32);
         let status =
@@ -117,7 +149,7 @@ fn read_modify_write(key: &str) {
             Vec::new()
         };
         if value.is_empty() {
-            value.push(0);
+            value.resize(size, 0);
         }
         value[0] = value[0].wrapping_add(1);
         let set = unsafe {
@@ -241,10 +273,16 @@ pub extern "C" fn proxy_on_request_body(context_id: u32, size: usize, eos: u32) 
     std::hint::black_box(get_buffer(REQUEST_BODY, size));
     let mut t = 0u64;
     unsafe { proxy_get_current_time_nanoseconds(&mut t) };
-    read_modify_write(LOAD_KEY);
-    read_modify_write(SHARD_KEY);
+    read_modify_write(LOAD_KEY, LOAD_BYTES);
     let destination = STATE.with(|s| {
         let mut s = s.borrow_mut();
+        s.requests = s.requests.wrapping_add(1);
+        // A different index key per request when there are several.
+        if SHARDS == 1 {
+            read_modify_write("floor/ix/0", SHARD_BYTES);
+        } else {
+            read_modify_write(&format!("floor/ix/{}", shard_of(s.requests)), SHARD_BYTES);
+        }
         if let Some(st) = s.streams.get_mut(&context_id) {
             st.charged = true;
         }
@@ -281,7 +319,7 @@ fn release(context_id: u32) {
             .is_some_and(|st| std::mem::take(&mut st.charged))
     });
     if charged {
-        read_modify_write(LOAD_KEY);
+        read_modify_write(LOAD_KEY, LOAD_BYTES);
     }
 }
 
