@@ -94,7 +94,11 @@ unsafe impl GlobalAlloc for Counting {
 static GLOBAL: Counting = Counting;
 
 fn counters() -> [u64; 3] {
-    [ALLOCS.load(Relaxed), ALLOC_BYTES.load(Relaxed), REALLOC_MOVED.load(Relaxed)]
+    [
+        ALLOCS.load(Relaxed),
+        ALLOC_BYTES.load(Relaxed),
+        REALLOC_MOVED.load(Relaxed),
+    ]
 }
 
 const CONFIG: &str = r#"{
@@ -121,15 +125,32 @@ fn main() {
     let path = args.get(1).expect("usage: steps BODIES.jsonl [ROUNDS]");
     let rounds: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(7);
     let text = std::fs::read_to_string(path).expect("read bodies");
-    let bodies: Vec<&[u8]> = text.lines().filter(|l| !l.is_empty()).map(str::as_bytes).collect();
+    let bodies: Vec<&[u8]> = text
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(str::as_bytes)
+        .collect();
     let n = bodies.len() as f64;
 
     let config = Config::from_json(CONFIG.as_bytes()).expect("config");
     let blocks_cfg = config.prefix.blocks.clone();
     let engine = Engine::new(config);
     let geo = engine.geometry();
-    let limits = ParseLimits { max_body_bytes: 4 << 20 };
+    let limits = ParseLimits {
+        max_body_bytes: 4 << 20,
+    };
     let store = MemoryStore::new();
+    // As the collector does in Envoy: the endpoint table written and the
+    // state epoch bumped, so the engine keeps its table copies between
+    // requests instead of rebuilding them from the static list each time.
+    // (Not `collector_init`: creating all 16,384 index shards up front
+    // makes node 20's V8 segfault in this program.)
+    let members = (1..=4)
+        .map(|i| (format!("127.0.0.1:800{i}"), true))
+        .collect();
+    engine
+        .apply_membership(&store, members)
+        .expect("endpoint table");
     let mut rng = Rng::new(11);
 
     let route_all = |store: &MemoryStore, rng: &mut Rng| {
@@ -157,7 +178,12 @@ fn main() {
         .map(|r| kvroute_core::blocks::prompt_blocks(r, &blocks_cfg).block_hashes)
         .collect();
     let holders: Vec<Holder> = (0..4u16)
-        .map(|slot| Holder { slot, generation: 1, insert_counter: 1 << 20, capacity_blocks: 0 })
+        .map(|slot| Holder {
+            slot,
+            generation: 1,
+            insert_counter: 1 << 20,
+            capacity_blocks: 0,
+        })
         .collect();
     let always = |_: u16, _: u16, _: u32| true;
 
@@ -165,7 +191,15 @@ fn main() {
         .iter()
         .map(|r| kvroute_core::blocks::prompt_blocks(r, &blocks_cfg).prompt_tokens)
         .collect();
-    let steps = ["copy", "parse", "hash", "lookup", "insert", "after_hash", "route"];
+    let steps = [
+        "copy",
+        "parse",
+        "hash",
+        "lookup",
+        "insert",
+        "after_hash",
+        "route",
+    ];
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); steps.len()];
     let mut traffic = [[0u64; 3]; 7];
     for round in 0..rounds {
@@ -175,16 +209,32 @@ fn main() {
             match *step {
                 "copy" => bodies.iter().for_each(|b| drop(black_box(b.to_vec()))),
                 "parse" => bodies.iter().for_each(|b| {
-                    drop(black_box(parse_request(ApiKind::ChatCompletions, black_box(b), &limits)))
+                    drop(black_box(parse_request(
+                        ApiKind::ChatCompletions,
+                        black_box(b),
+                        &limits,
+                    )))
                 }),
                 "hash" => reqs.iter().for_each(|r| {
-                    drop(black_box(kvroute_core::blocks::prompt_blocks(black_box(r), &blocks_cfg)))
+                    drop(black_box(kvroute_core::blocks::prompt_blocks(
+                        black_box(r),
+                        &blocks_cfg,
+                    )))
                 }),
                 "lookup" => hashes.iter().for_each(|h| {
-                    drop(black_box(index::longest_prefixes(&store, &geo, h, &holders)))
+                    drop(black_box(index::longest_prefixes(
+                        &store, &geo, h, &holders,
+                    )))
                 }),
                 "insert" => hashes.iter().for_each(|h| {
-                    drop(black_box(index::insert(&store, &geo, h, 0, &holders[0], &always)))
+                    drop(black_box(index::insert(
+                        &store,
+                        &geo,
+                        h,
+                        0,
+                        &holders[0],
+                        &always,
+                    )))
                 }),
                 "after_hash" => hashes.iter().zip(&tokens).for_each(|(h, &t)| {
                     match engine.route_parsed(&store, h, t, Some(16), 1_000, &mut rng) {
