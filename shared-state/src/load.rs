@@ -33,13 +33,16 @@ impl Bucket {
         self.prompt_tokens == 0 && self.output_tokens == 0 && self.requests == 0
     }
 
-    fn release_prompt(&mut self, t: &Ticket) {
-        self.prompt_tokens = self.prompt_tokens.saturating_sub(t.prompt_tokens);
-    }
-
-    fn release_rest(&mut self, t: &Ticket, prompt_released: bool) {
+    /// The prompt part (`rest: None`), or the request and its output part,
+    /// with the prompt part unless already released (`rest:
+    /// Some(prompt_released)`).
+    fn release(&mut self, t: &Ticket, rest: Option<bool>) {
+        let Some(prompt_released) = rest else {
+            self.prompt_tokens = self.prompt_tokens.saturating_sub(t.prompt_tokens);
+            return;
+        };
         if !prompt_released {
-            self.release_prompt(t);
+            self.prompt_tokens = self.prompt_tokens.saturating_sub(t.prompt_tokens);
         }
         self.output_tokens = self.output_tokens.saturating_sub(t.output_tokens);
         self.requests = self.requests.saturating_sub(1);
@@ -275,15 +278,17 @@ impl LoadTable {
     /// Releases the prompt part (prefill is done). Returns false when the
     /// charge was already reaped or the endpoint's slot was reused.
     pub fn release_prompt(&mut self, t: &Ticket) -> bool {
-        self.bucket_of(t).map(|b| b.release_prompt(t)).is_some()
+        self.release(t, None)
     }
 
     /// Releases the request and its output part, and the prompt part too
     /// unless `prompt_released`.
     pub fn release_rest(&mut self, t: &Ticket, prompt_released: bool) -> bool {
-        self.bucket_of(t)
-            .map(|b| b.release_rest(t, prompt_released))
-            .is_some()
+        self.release(t, Some(prompt_released))
+    }
+
+    fn release(&mut self, t: &Ticket, rest: Option<bool>) -> bool {
+        self.bucket_of(t).map(|b| b.release(t, rest)).is_some()
     }
 
     /// [`release_prompt`](Self::release_prompt) (`rest: None`) or
@@ -302,10 +307,7 @@ impl LoadTable {
                     output_tokens: le_u64(bytes, at + 16),
                     requests: le_u32(bytes, at + 24),
                 };
-                match rest {
-                    None => b.release_prompt(t),
-                    Some(prompt_released) => b.release_rest(t, prompt_released),
-                }
+                b.release(t, rest);
                 bytes[at + 8..at + 16].copy_from_slice(&b.prompt_tokens.to_le_bytes());
                 bytes[at + 16..at + 24].copy_from_slice(&b.output_tokens.to_le_bytes());
                 bytes[at + 24..at + 28].copy_from_slice(&b.requests.to_le_bytes());
@@ -315,10 +317,7 @@ impl LoadTable {
             Some(None) => false,
             None => {
                 let mut table = LoadTable::decode(Some(bytes));
-                let released = match rest {
-                    None => table.release_prompt(t),
-                    Some(prompt_released) => table.release_rest(t, prompt_released),
-                };
+                let released = table.release(t, rest);
                 *bytes = table.encode();
                 released
             }

@@ -274,24 +274,25 @@ pub extern "C" fn proxy_on_request_body(context_id: u32, size: usize, eos: u32) 
     let mut t = 0u64;
     unsafe { proxy_get_current_time_nanoseconds(&mut t) };
     read_modify_write(LOAD_KEY, LOAD_BYTES);
-    let destination = STATE.with(|s| {
+    let (request, destination) = STATE.with(|s| {
         let mut s = s.borrow_mut();
         s.requests = s.requests.wrapping_add(1);
-        // A different index key per request when there are several.
-        if SHARDS == 1 {
-            read_modify_write("floor/ix/0", SHARD_BYTES);
-        } else {
-            read_modify_write(&format!("floor/ix/{}", shard_of(s.requests)), SHARD_BYTES);
-        }
+        let request = s.requests;
         if let Some(st) = s.streams.get_mut(&context_id) {
             st.charged = true;
         }
         if s.endpoints.is_empty() {
-            return String::new();
+            return (request, String::new());
         }
         s.next = (s.next + 1) % s.endpoints.len();
-        s.endpoints[s.next].clone()
+        (request, s.endpoints[s.next].clone())
     });
+    // A different index key per request when there are several.
+    if SHARDS == 1 {
+        read_modify_write("floor/ix/0", SHARD_BYTES);
+    } else {
+        read_modify_write(&format!("floor/ix/{}", shard_of(request)), SHARD_BYTES);
+    }
     if !destination.is_empty() {
         unsafe {
             proxy_replace_header_map_value(
