@@ -5,6 +5,13 @@
 //! Continue → first response body byte: release the prompt charge → end of
 //! response, or `proxy_on_delete` on any other exit: release the rest. The
 //! release flags make every exit path release exactly once.
+//!
+//! A non-streaming request (`"stream"` absent or false) releases everything
+//! at its first response body byte, in one write: the model server sends
+//! such a body only once the request has finished, so prefill and decode
+//! are both over by then, and a second read-modify-write of the load table
+//! a few microseconds later (at the end of the stream) would only cost
+//! three more VM crossings per request.
 
 use crate::abi::Action;
 use crate::host::{self, Buffer, Level, Map};
@@ -23,6 +30,8 @@ pub struct RouteContext {
     /// Set once the request is known to be routable.
     kind: Option<ApiKind>,
     ticket: Option<Ticket>,
+    /// The routed request asked for a streamed response.
+    streaming: bool,
     prompt_released: bool,
     done: bool,
     explanation: Option<String>,
@@ -36,6 +45,7 @@ impl RouteContext {
             shared,
             kind: None,
             ticket: None,
+            streaming: false,
             prompt_released: false,
             done: false,
             explanation: None,
@@ -257,6 +267,7 @@ impl RouteContext {
                     self.host_error("charging the endpoint", "shared data refused the write");
                 }
                 self.ticket = r.ticket;
+                self.streaming = r.stream;
                 if shared.engine.config.routing.debug_header {
                     self.explanation = Some(r.explanation());
                 }
@@ -284,9 +295,10 @@ impl RouteContext {
     }
 
     pub fn on_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if end_of_stream {
-            // A response that ends with its first chunk (non-streaming, or
-            // short) releases prompt and rest in one write.
+        if end_of_stream || (body_size > 0 && !self.streaming) {
+            // A response that ends with its first chunk, or the first chunk
+            // of a non-streaming response (the request is over on the model
+            // server): prompt and rest in one write.
             self.release_rest();
         } else if body_size > 0 {
             self.release_prompt();

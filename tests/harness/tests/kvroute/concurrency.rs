@@ -170,7 +170,8 @@ fn soak_100k_lifecycles_match_the_model() {
     let prefixes: Vec<String> = (0..40)
         .map(|i| prompt(&format!("tenant {i} system"), 300))
         .collect();
-    let mut open: Vec<(Req, Phase, Option<String>)> = Vec::new();
+    // (request, phase, endpoint still counted in the model, streaming)
+    let mut open: Vec<(Req, Phase, Option<String>, bool)> = Vec::new();
     let mut model: HashMap<String, u64> = HashMap::new();
     let mut done = 0usize;
     let mut routed = 0usize;
@@ -202,24 +203,32 @@ fn soak_100k_lifecycles_match_the_model() {
                 );
             }
             let p = &prefixes[dice.below(prefixes.len() as u64) as usize];
-            let body = completion(&format!("{p} q{}", dice.next()), dice.below(2) == 0);
+            let streaming = dice.below(2) == 0;
+            let body = completion(&format!("{p} q{}", dice.next()), streaming);
             let req = c.post(vm, "/v1/completions", &body).unwrap();
             let target = primary(&c, req);
             if let Some(t) = &target {
                 *model.entry(t.clone()).or_default() += 1;
                 routed += 1;
             }
-            open.push((req, Phase::Sent, target));
+            open.push((req, Phase::Sent, target, streaming));
             continue;
         }
         let i = dice.below(open.len() as u64) as usize;
-        let (req, phase, target) = open[i].clone();
+        let (req, phase, target, streaming) = open[i].clone();
         let roll = dice.below(100);
         let ended = match phase {
             Phase::Sent if roll < 60 => {
                 c.respond_headers(req, 200, &[], false).unwrap();
                 c.respond_body(req, b"data: a\n\n", false).unwrap();
                 open[i].1 = Phase::FirstByte;
+                if !streaming {
+                    // A non-streaming body comes once the request is over:
+                    // its first byte releases the request.
+                    if let Some(t) = open[i].2.take() {
+                        *model.get_mut(&t).expect("modelled") -= 1;
+                    }
+                }
                 false
             }
             Phase::Sent if roll < 75 => {
@@ -259,7 +268,7 @@ fn soak_100k_lifecycles_match_the_model() {
             }
         }
     }
-    for (req, _, target) in open.drain(..) {
+    for (req, _, target, _) in open.drain(..) {
         c.client_abort(req).unwrap();
         if let Some(t) = target {
             *model.get_mut(&t).unwrap() -= 1;

@@ -138,6 +138,39 @@ fn prompt_tokens_are_released_at_the_first_response_byte() {
     assert_eq!(total_inflight(&c), (0, 0));
 }
 
+/// vLLM sends a non-streaming body only once the request has finished:
+/// its first byte releases the prompt and the request together, in one
+/// write, and the end of the stream releases nothing more.
+#[test]
+fn a_non_streaming_request_releases_everything_at_its_first_response_byte() {
+    let c = fleet(1, &config(serde_json::json!({})));
+    let body = completion(&prompt("non-streaming", 1000), false);
+    let witness = c.post(1, "/v1/completions", &body).unwrap();
+    let target = primary(&c, witness).unwrap();
+    let (witness_tokens, witness_requests) = inflight_of(&c, &target);
+    assert!(witness_tokens > 0 && witness_requests == 1);
+    let req = c.post(1, "/v1/completions", &body).unwrap();
+    assert_eq!(primary(&c, req).as_deref(), Some(target.as_str()));
+    assert_eq!(inflight_of(&c, &target).1, 2);
+    c.respond_headers(req, 200, &[("content-type", "application/json")], false)
+        .unwrap();
+    c.respond_body(req, b"{\"choices\":[", false).unwrap();
+    assert_eq!(
+        inflight_of(&c, &target),
+        (witness_tokens, 1),
+        "the finished request still holds a charge"
+    );
+    c.respond_body(req, b"]}", true).unwrap();
+    assert_eq!(
+        inflight_of(&c, &target),
+        (witness_tokens, 1),
+        "the end of the stream released a second time"
+    );
+    c.respond(witness, &[b"{\"choices\":[]}"]).unwrap();
+    assert_eq!(total_inflight(&c), (0, 0));
+    assert!(c.vm_failure(1).is_none());
+}
+
 #[test]
 fn fail_closed_local_reply_charges_nothing() {
     let c = fleet(
