@@ -8,7 +8,7 @@
 
 use crate::abi::{Headers, ACTION_CONTINUE};
 use crate::http_call::{HttpCallReply, HttpCallRequest};
-use crate::vm_state::{Callback, Deferred, LocalReply, Stream, VmState};
+use crate::vm_state::{Callback, Crossings, Deferred, LocalReply, Stream, VmState};
 use crate::world::{Delivered, World};
 use anyhow::{anyhow, bail, Context as _, Result};
 use std::cell::{Cell, RefCell};
@@ -271,8 +271,18 @@ impl Cluster {
             status: (0, String::new()),
             memory: None,
             alloc: None,
+            crossings: Crossings::default(),
         };
         let mut store = Store::new(engine(), state);
+        store.call_hook(|mut ctx, hook| {
+            let c = &mut ctx.data_mut().crossings;
+            match hook {
+                wasmtime::CallHook::CallingWasm => c.entries += 1,
+                wasmtime::CallHook::CallingHost => c.host_calls += 1,
+                _ => {}
+            }
+            Ok(())
+        });
         let instance = linker.instantiate(&mut store, &module).map_err(|e| {
             anyhow!(
                 "module {} does not link against the harness host (Envoy's ABI 0.2.1 + WASI subset): {e:?}",
@@ -396,6 +406,11 @@ impl Cluster {
 
     pub fn vm_count(&self) -> usize {
         self.0.vms.borrow().len()
+    }
+
+    /// Calls across VM `vm`'s boundary so far (see [`Crossings`]).
+    pub fn crossings(&self, vm: usize) -> Result<Crossings> {
+        Ok(self.vm(vm)?.borrow().store.data().crossings)
     }
 
     /// Why the VM failed (a trap), if it did.

@@ -134,6 +134,19 @@ pub struct VmState {
     pub status: (u32, String),
     pub memory: Option<Memory>,
     pub alloc: Option<TypedFunc<i32, i32>>,
+    /// Calls across the VM boundary, counted by a store call hook.
+    pub crossings: Crossings,
+}
+
+/// Calls across a VM's boundary. In Envoy each one is a V8 call with its
+/// wrappers, a few thousand instructions (docs/benchmarks.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Crossings {
+    /// Host → module: callbacks, and the allocation callbacks the host
+    /// makes to hand data back (`proxy_on_memory_allocate`).
+    pub entries: u64,
+    /// Module → host: every ABI and WASI import called.
+    pub host_calls: u64,
 }
 
 impl VmState {

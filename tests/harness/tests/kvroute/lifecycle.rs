@@ -298,6 +298,54 @@ fn filter_counters_reach_envoy_on_the_tick() {
     assert_eq!(routed(), 3, "a count was handed over twice");
 }
 
+/// Every call across the VM boundary costs Envoy a few thousand
+/// instructions (`sim/bench/overhead/envoy_callgrind.py`), as much as a
+/// good part of the routing work, so a routed request's crossings are
+/// counted and bounded here: a change that adds one fails this test.
+///
+/// A non-streaming request whose prompt (31 blocks) shares its first 23
+/// blocks with earlier ones, answered as Envoy's HTTP/1 codec delivers a
+/// response (headers, the body, then an empty end-of-stream chunk):
+/// - 13 entries: context creation, request headers, request body, response
+///   headers, response body ×2, delete, and an allocation callback for each
+///   of the 6 reads below;
+/// - 11 host calls: header map, body, clock, load table get, 2 index shard
+///   gets (the prompt spans two 16-block groups), the charge (set), the
+///   index insert (set), the destination header, and one release (a get
+///   and a set) at the response's first byte.
+#[test]
+fn a_routed_request_makes_few_vm_crossings() {
+    let c = fleet(1, &config(serde_json::json!({})));
+    let shared = prompt("tenant system prompt", 1500);
+    let body = |i: usize| completion(&prompt(&format!("{shared} user {i}"), 2000), false);
+    let serve = |req| {
+        c.respond_headers(req, 200, &[("content-type", "application/json")], false)
+            .unwrap();
+        c.respond_body(req, b"{\"choices\":[]}", false).unwrap();
+        c.respond_body(req, b"", true).unwrap();
+        assert!(c.is_ended(req));
+    };
+    for i in 0..3 {
+        let req = c.post(1, "/v1/completions", &body(i)).unwrap();
+        assert!(primary(&c, req).is_some(), "warm-up request {i} routed");
+        serve(req);
+    }
+    let before = c.crossings(1).unwrap();
+    let req = c.post(1, "/v1/completions", &body(3)).unwrap();
+    assert!(primary(&c, req).is_some());
+    serve(req);
+    let after = c.crossings(1).unwrap();
+    let entries = after.entries - before.entries;
+    let host_calls = after.host_calls - before.host_calls;
+    eprintln!("one routed request: {entries} VM entries, {host_calls} host calls");
+    assert_eq!(total_inflight(&c), (0, 0));
+    assert!(entries <= 13, "{entries} VM entries per request (was 13)");
+    assert!(
+        host_calls <= 11,
+        "{host_calls} host calls per request (was 11)"
+    );
+}
+
 /// Envoy calls only the callbacks a module exports, and each call is a VM
 /// entry and exit: the module must not export per-request callbacks it
 /// does not use (as an SDK dispatcher would), and must export those it does.
