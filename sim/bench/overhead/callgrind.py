@@ -14,9 +14,14 @@ thread, the one worker: Ir / N is the cost per request. Background work on
 that thread during the window (timers) is included and is small; the
 collector's /metrics polling runs on the main thread and is not included.
 
+Arms: `envoy-rr`, `kvroute` (--wasm), `host-floor` (sim/bench/overhead/floor,
+built here: kvroute's VM entries and host calls without its routing work),
+and any NAME given with `--variant NAME=WASM` (another build of the module).
+
 Slow: Envoy takes minutes to start under valgrind, V8 more.
 
     python3 sim/bench/overhead/callgrind.py [--sizes 8k,64k,400k] [--requests 100]
+    python3 sim/bench/overhead/callgrind.py --sizes 8k --arms envoy-rr,host-floor,kvroute,new --variant new=/tmp/new.wasm
 """
 
 import argparse
@@ -107,6 +112,14 @@ def regions(path):
     return out
 
 
+def build_floor():
+    """Builds sim/bench/overhead/floor (its own workspace) and returns the module."""
+    target = os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(bench.REPO, "target")), "overhead-floor")
+    subprocess.run(["cargo", "build", "-q", "--release", "--target", "wasm32-wasip1", "--manifest-path",
+                    os.path.join(HERE, "floor", "Cargo.toml"), "--target-dir", target], check=True)
+    return os.path.join(target, "wasm32-wasip1", "release", "kvroute_overhead_floor.wasm")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default="envoy-rr,kvroute")
@@ -115,12 +128,21 @@ def main(argv=None):
     p.add_argument("--wasm", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(bench.REPO, "target")),
                                                "wasm32-wasip1", "release", "kvroute_wasm.wasm"))
     p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=WASM",
+                   help="an arm NAME running another build of the module; name it in --arms too")
     p.add_argument("--start-timeout", type=int, default=1200, help="seconds to wait for Envoy under valgrind")
     p.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-callgrind-{os.getpid()}"))
     args = p.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     sizes = args.sizes.split(",")
     arms = args.arms.split(",")
+    wasm_of = {"envoy-rr": args.wasm, "kvroute": args.wasm}
+    wasm_of.update(v.split("=", 1) for v in args.variant)
+    if "host-floor" in arms and "host-floor" not in wasm_of:
+        wasm_of["host-floor"] = build_floor()
+    unknown = [a for a in arms if a not in wasm_of]
+    if unknown:
+        p.error(f"unknown arms {unknown}: name other builds with --variant NAME=WASM")
     envoy = bench.envoy_binary()
     bodies = {s: [b.encode() for b in bench.bodies_mod.generate(bench.SIZES[s], 64)] for s in sizes}
     results = {}
@@ -136,7 +158,7 @@ def main(argv=None):
             port, admin = ports[5 + 2 * i], ports[6 + 2 * i]
             cfg = os.path.join(args.work, f"{arm}.yaml")
             argv_r = [sys.executable, os.path.join(bench.REPO, "envoy", "render.py"), "--endpoints", endpoints,
-                      "--listen-port", str(port), "--admin-port", str(admin), "--wasm", args.wasm,
+                      "--listen-port", str(port), "--admin-port", str(admin), "--wasm", wasm_of[arm],
                       "--plugin-config", args.plugin_config, "-o", cfg]
             if arm == "envoy-rr":
                 argv_r.append("--baseline")
@@ -182,22 +204,25 @@ def main(argv=None):
         bench.stop_all()
     with open(os.path.join(args.work, "callgrind.json"), "w") as f:
         json.dump(results, f, indent=1)
-    if "envoy-rr" in results and "kvroute" in results:
-        print("\n| size | Envoy RR Ir/req | kvroute Ir/req | added by kvroute | ratio |")
-        print("|---|---|---|---|---|")
+    print("\n| size | arm | worker Ir/req | added over envoy-rr | × envoy-rr |")
+    print("|---|---|---|---|---|")
+    for s in sizes:
+        base = results.get("envoy-rr", {}).get(s, {}).get("worker_ir_per_request")
+        for arm in arms:
+            b = results.get(arm, {}).get(s, {}).get("worker_ir_per_request")
+            if b is None:
+                continue
+            added = f"{(b - base) / 1e6:.3f} M" if base and arm != "envoy-rr" else "—"
+            ratio = f"{b / base:.2f}" if base else "—"
+            print(f"| {s} | {arm} | {b / 1e6:.3f} M | {added} | {ratio} |")
+    print("\nworker Ir per request by region (M):\n")
+    keys = ["jit", "envoy", "memcpy", "libc", "unmapped", "other"]
+    print("| arm | size | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for arm in arms:
         for s in sizes:
-            a = results["envoy-rr"].get(s, {}).get("worker_ir_per_request")
-            b = results["kvroute"].get(s, {}).get("worker_ir_per_request")
-            if a and b:
-                print(f"| {s} | {a / 1e6:.2f} M | {b / 1e6:.2f} M | {(b - a) / 1e6:.2f} M | {b / a:.2f} |")
-        print("\nworker Ir per request by region (M):\n")
-        keys = ["jit", "envoy", "memcpy", "libc", "unmapped", "other"]
-        print("| arm | size | " + " | ".join(keys) + " |")
-        print("|---|---|" + "---|" * len(keys))
-        for arm in ("envoy-rr", "kvroute"):
-            for s in sizes:
-                r = results[arm].get(s, {}).get("worker_ir_by_region_per_request", {})
-                print(f"| {arm} | {s} | " + " | ".join(f"{r.get(k, 0) / 1e6:.2f}" for k in keys) + " |")
+            r = results.get(arm, {}).get(s, {}).get("worker_ir_by_region_per_request", {})
+            print(f"| {arm} | {s} | " + " | ".join(f"{r.get(k, 0) / 1e6:.3f}" for k in keys) + " |")
     return 0
 
 

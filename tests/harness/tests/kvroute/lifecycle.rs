@@ -306,13 +306,13 @@ fn filter_counters_reach_envoy_on_the_tick() {
 /// A non-streaming request whose prompt (31 blocks) shares its first 23
 /// blocks with earlier ones, answered as Envoy's HTTP/1 codec delivers a
 /// response (headers, the body, then an empty end-of-stream chunk):
-/// - 13 entries: context creation, request headers, request body, response
+/// - 12 entries: context creation, request headers, request body, response
 ///   headers, response body ×2, delete, and an allocation callback for each
-///   of the 6 reads below;
-/// - 11 host calls: header map, body, clock, load table get, 2 index shard
-///   gets (the prompt spans two 16-block groups), the charge (set), the
-///   index insert (set), the destination header, and one release (a get
-///   and a set) at the response's first byte.
+///   of the 5 reads below;
+/// - 10 host calls: header map, body, clock, load table get, 1 index shard
+///   get (the prompt is one 32-block group), the charge (set), the index
+///   insert (set), the destination header, and one release (a get and a
+///   set) at the response's first byte.
 #[test]
 fn a_routed_request_makes_few_vm_crossings() {
     let c = fleet(1, &config(serde_json::json!({})));
