@@ -356,9 +356,9 @@ impl<'a> Cursor<'a> {
         loop {
             out.at(pos);
             pos = if non_ascii {
-                copy_plain(out.vec(), src, pos, specials)
+                copy_plain::<Specials>(out.vec(), src, pos)
             } else {
-                copy_plain(out.vec(), src, pos, specials_or_non_ascii)
+                copy_plain::<SpecialsOrNonAscii>(out.vec(), src, pos)
             };
             let rest = src.get(pos..).unwrap_or_default();
             match rest {
@@ -481,18 +481,18 @@ impl<'a> Cursor<'a> {
 const BLOCK: usize = 32;
 
 /// Copies the text of a string from `src[pos..]` to `buf`, decoding the
-/// one-character escapes (`\n`, `\"`, …), up to the first byte that `flags`
-/// flags and that is not such an escape: the closing quote, a `\u` escape,
-/// an invalid byte, or (depending on `flags`) a non-ASCII byte. Returns its
+/// one-character escapes (`\n`, `\"`, …), up to the first stop (`S`) that
+/// is not such an escape: the closing quote, a `\u` escape, an invalid
+/// byte, or (with [`SpecialsOrNonAscii`]) a non-ASCII byte. Returns its
 /// position; or that of the first block it could not take, when fewer than
 /// BLOCK bytes are left in `src` or in `buf`'s capacity (the caller
 /// handles those).
 ///
 /// BLOCK bytes at a time: each block is appended as read (a fixed-size
-/// copy, no call), and what follows the first flagged byte is cut off
+/// copy, no call), and what follows the first stop is cut off
 /// again.
 #[inline(never)]
-fn copy_plain(buf: &mut Vec<u8>, src: &[u8], mut pos: usize, flags: impl Fn(u64) -> u64) -> usize {
+fn copy_plain<S: Stops>(buf: &mut Vec<u8>, src: &[u8], mut pos: usize) -> usize {
     // A local `Vec`, so that its length stays in a register.
     let mut out = std::mem::take(buf);
     loop {
@@ -502,7 +502,7 @@ fn copy_plain(buf: &mut Vec<u8>, src: &[u8], mut pos: usize, flags: impl Fn(u64)
             if out.capacity() - out.len() < BLOCK {
                 break;
             }
-            let flagged = first_flagged(block, &flags);
+            let flagged = first_flagged::<S>(block);
             out.extend_from_slice(block);
             if flagged.is_some() {
                 stop = flagged;
@@ -555,33 +555,106 @@ fn simple_escape(e: u8) -> Option<u8> {
 #[inline(always)]
 fn scan(s: &[u8], non_ascii: &mut bool) -> usize {
     if *non_ascii {
-        return find(s, specials);
+        return find::<Specials>(s);
     }
     // Until the first non-ASCII byte, stop at those too: the loop then
     // needs no accumulator, and what follows is known to need checking.
-    let i = find(s, specials_or_non_ascii);
+    let i = find::<SpecialsOrNonAscii>(s);
     match s.get(i) {
         Some(&b) if b >= 0x80 => {
             *non_ascii = true;
-            i + find(s.get(i..).unwrap_or_default(), specials)
+            i + find::<Specials>(s.get(i..).unwrap_or_default())
         }
         _ => i,
     }
 }
 
-/// The index of the first byte of `s` that `flags` flags, or `s.len()`.
-///
-/// The offset of the first flagged byte in a 32-byte block (four words of
-/// [`find`]'s SWAR test), or `None`.
+/// The bytes a scan stops at: [`Specials`], or [`SpecialsOrNonAscii`].
+trait Stops {
+    /// The top bit of every byte lane of `x` that is a stop, exact for the
+    /// lowest such lane (SWAR, eight bytes at a time).
+    fn word(x: u64) -> u64;
+
+    /// Bit i set if byte i of `v` is a stop (WebAssembly SIMD, sixteen
+    /// bytes at a time: V8 and wasmtime compile it to SSE compares and a
+    /// `pmovmskb`).
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    fn lanes(v: core::arch::wasm32::v128) -> u32;
+}
+
+/// `"`, `\` and the control characters (< 0x20).
+struct Specials;
+
+/// As [`Specials`], and every byte ≥ 0x80.
+struct SpecialsOrNonAscii;
+
+impl Stops for Specials {
+    #[inline(always)]
+    fn word(x: u64) -> u64 {
+        specials(x)
+    }
+
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[inline(always)]
+    fn lanes(v: core::arch::wasm32::v128) -> u32 {
+        use core::arch::wasm32::*;
+        let quote = i8x16_eq(v, u8x16_splat(b'"'));
+        let backslash = i8x16_eq(v, u8x16_splat(b'\\'));
+        let control = u8x16_lt(v, u8x16_splat(0x20));
+        u32::from(i8x16_bitmask(v128_or(v128_or(quote, backslash), control)))
+    }
+}
+
+impl Stops for SpecialsOrNonAscii {
+    #[inline(always)]
+    fn word(x: u64) -> u64 {
+        specials_or_non_ascii(x)
+    }
+
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[inline(always)]
+    fn lanes(v: core::arch::wasm32::v128) -> u32 {
+        use core::arch::wasm32::*;
+        let quote = i8x16_eq(v, u8x16_splat(b'"'));
+        let backslash = i8x16_eq(v, u8x16_splat(b'\\'));
+        // Below 0x20 or at least 0x80, as signed bytes: below 0x20.
+        let control_or_high = i8x16_lt(v, i8x16_splat(0x20));
+        u32::from(i8x16_bitmask(v128_or(v128_or(quote, backslash), control_or_high)))
+    }
+}
+
+/// The offset of the first stop in a 32-byte block, or `None` (also for
+/// a block of another length).
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
-fn first_flagged(block: &[u8], flags: &impl Fn(u64) -> u64) -> Option<usize> {
+fn first_flagged<S: Stops>(block: &[u8]) -> Option<usize> {
+    use core::arch::wasm32::u64x2;
     let Ok(block) = <&[u8; 32]>::try_from(block) else {
         return None;
     };
     let word = |i: usize| {
         let mut w = [0u8; 8];
         w.copy_from_slice(&block[i..i + 8]);
-        flags(u64::from_le_bytes(w))
+        u64::from_le_bytes(w)
+    };
+    let lo = S::lanes(u64x2(word(0), word(8)));
+    let hi = S::lanes(u64x2(word(16), word(24)));
+    let found = lo | (hi << 16);
+    (found != 0).then(|| found.trailing_zeros() as usize)
+}
+
+/// The offset of the first stop in a 32-byte block (four words of the
+/// SWAR test), or `None` (also for a block of another length).
+#[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+#[inline(always)]
+fn first_flagged<S: Stops>(block: &[u8]) -> Option<usize> {
+    let Ok(block) = <&[u8; 32]>::try_from(block) else {
+        return None;
+    };
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&block[i..i + 8]);
+        S::word(u64::from_le_bytes(w))
     };
     let (fa, fb, fc, fd) = (word(0), word(8), word(16), word(24));
     if (fa | fb) | (fc | fd) == 0 {
@@ -598,14 +671,14 @@ fn first_flagged(block: &[u8], flags: &impl Fn(u64) -> u64) -> Option<usize> {
     })
 }
 
-/// Eight bytes at a time (SWAR, as serde_json does): `flags` sets the top
-/// bit of each flagged byte lane of a word, exactly for the lowest one.
+/// The index of the first stop in `s`, or `s.len()`: 32 bytes at a time
+/// ([`first_flagged`]), then eight (SWAR, as serde_json does), then one.
 #[inline(always)]
-fn find(s: &[u8], flags: impl Fn(u64) -> u64) -> usize {
+fn find<S: Stops>(s: &[u8]) -> usize {
     let mut i = 0;
     let mut blocks = s.chunks_exact(32);
     for block in &mut blocks {
-        if let Some(k) = first_flagged(block, &flags) {
+        if let Some(k) = first_flagged::<S>(block) {
             return i + k;
         }
         i += 32;
@@ -614,7 +687,7 @@ fn find(s: &[u8], flags: impl Fn(u64) -> u64) -> usize {
         let Ok(word) = <[u8; 8]>::try_from(word) else {
             break;
         };
-        let f = flags(u64::from_le_bytes(word));
+        let f = S::word(u64::from_le_bytes(word));
         if f != 0 {
             return i + lane(f);
         }
@@ -622,7 +695,7 @@ fn find(s: &[u8], flags: impl Fn(u64) -> u64) -> usize {
     }
     for &b in s.get(i..).unwrap_or_default() {
         // The byte alone in the lowest lane (the only exact one).
-        if flags(u64::from(b)) & 0x80 != 0 {
+        if S::word(u64::from(b)) & 0x80 != 0 {
             return i;
         }
         i += 1;
