@@ -274,17 +274,17 @@ pub fn get_property(path: &[&str]) -> HostResult<Option<Vec<u8>>> {
 }
 
 /// A whole header map, in one host call (instead of one call, plus one
-/// allocation callback into the VM, per header read).
-pub fn get_headers(map: Map) -> HostResult<Vec<(String, String)>> {
+/// allocation callback into the VM, per header read). It stays in the
+/// host's serialised form: a lookup walks it and borrows, so reading a
+/// request's headers allocates once, not twice per header.
+pub fn get_headers(map: Map) -> HostResult<HeaderPairs> {
     let mut data = null_mut();
     let mut size = 0;
     // SAFETY: valid pointers.
     match unsafe { proxy_get_header_map_pairs(map as u32, &mut data, &mut size) } {
         // SAFETY: host-allocated per the ABI.
-        OK => Ok(unsafe { take(data, size) }
-            .map(|b| deserialize_pairs(&b))
-            .unwrap_or_default()),
-        NOT_FOUND => Ok(Vec::new()),
+        OK => Ok(HeaderPairs(unsafe { take(data, size) }.unwrap_or_default())),
+        NOT_FOUND => Ok(HeaderPairs(Vec::new())),
         status => Err(HostError {
             call: "proxy_get_header_map_pairs",
             status,
@@ -292,37 +292,53 @@ pub fn get_headers(map: Map) -> HostResult<Vec<(String, String)>> {
     }
 }
 
-/// Decodes [`serialize_pairs`]' format; a malformed map decodes as far as
-/// it is well formed (never panics).
-pub fn deserialize_pairs(b: &[u8]) -> Vec<(String, String)> {
-    let u32_at = |o: usize| {
-        b.get(o..o + 4)
+/// A header map in [`serialize_pairs`]' format, read in place.
+#[derive(Default)]
+pub struct HeaderPairs(pub Vec<u8>);
+
+impl HeaderPairs {
+    /// The value of the first header named `name` (ASCII case-insensitive),
+    /// if there is one; a value that is not UTF-8 reads as empty.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        pairs(&self.0)
+            .find(|(k, _)| k.eq_ignore_ascii_case(name.as_bytes()))
+            .map(|(_, v)| std::str::from_utf8(v).unwrap_or_default())
+    }
+}
+
+/// The pairs of [`serialize_pairs`]' format, borrowed; a malformed map
+/// yields the pairs before the first malformed one (never panics).
+pub fn pairs(b: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    let u32_at = move |o: usize| {
+        b.get(o..o.checked_add(4)?)
             .and_then(|s| s.try_into().ok())
             .map(|a: [u8; 4]| u32::from_le_bytes(a) as usize)
     };
-    let Some(n) = u32_at(0) else {
-        return Vec::new();
-    };
     // Each pair takes at least 10 bytes: two lengths and two NULs.
-    let n = n.min(b.len() / 10);
-    let mut out = Vec::with_capacity(n);
+    let n = u32_at(0).unwrap_or(0).min(b.len() / 10);
     let mut data = 4 + n * 8;
-    for i in 0..n {
-        let (Some(kl), Some(vl)) = (u32_at(4 + i * 8), u32_at(8 + i * 8)) else {
-            break;
-        };
+    (0..n).map_while(move |i| {
+        let (kl, vl) = (u32_at(4 + i * 8)?, u32_at(8 + i * 8)?);
         let k = data;
         let v = k.saturating_add(kl).saturating_add(1);
-        let (Some(key), Some(value)) = (b.get(k..k + kl), b.get(v..v.saturating_add(vl))) else {
-            break;
-        };
-        out.push((
-            String::from_utf8_lossy(key).into_owned(),
-            String::from_utf8_lossy(value).into_owned(),
-        ));
+        let key = b.get(k..k.saturating_add(kl))?;
+        let value = b.get(v..v.saturating_add(vl))?;
         data = v.saturating_add(vl).saturating_add(1);
-    }
-    out
+        Some((key, value))
+    })
+}
+
+/// Decodes [`serialize_pairs`]' format into owned strings (lossy UTF-8);
+/// a malformed map decodes as far as it is well formed (never panics).
+pub fn deserialize_pairs(b: &[u8]) -> Vec<(String, String)> {
+    pairs(b)
+        .map(|(k, v)| {
+            (
+                String::from_utf8_lossy(k).into_owned(),
+                String::from_utf8_lossy(v).into_owned(),
+            )
+        })
+        .collect()
 }
 
 /// Proxy-wasm header map serialisation: count, (key len, value len)*, then
@@ -474,5 +490,12 @@ mod tests {
             assert!(got.len() <= pairs.len());
         }
         assert!(deserialize_pairs(&[0xff; 64]).len() <= 6);
+        let map = HeaderPairs(b.clone());
+        assert_eq!(map.get(":PATH"), Some("/v1/chat/completions"));
+        assert_eq!(map.get("x"), Some(""));
+        assert_eq!(map.get("y"), None);
+        for cut in 0..b.len() {
+            let _ = HeaderPairs(b[..cut].to_vec()).get(":path");
+        }
     }
 }

@@ -131,15 +131,10 @@ impl RouteContext {
             Ok(h) => (h, false),
             Err(e) => {
                 self.host_error("reading request headers", e);
-                (Vec::new(), true)
+                (host::HeaderPairs::default(), true)
             }
         };
-        let header = |name: &str| {
-            headers
-                .iter()
-                .find(|(k, _)| k.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v.as_str())
-        };
+        let header = |name: &str| headers.get(name);
         // Never trust a client-supplied destination, routed or not.
         // (Headers that could not be read may hold one: remove it blind.)
         if unread || header(&routing.destination_header).is_some() {
