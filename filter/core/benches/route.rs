@@ -5,7 +5,7 @@
 //!
 //! Stages (each timed alone, over warm state; see `common/mod.rs`):
 //! - `parse`: `request::parse_request` of the chat body;
-//! - `hash`: `blocks::prompt_blocks` (token estimate + chained xxh3 blocks);
+//! - `hash`: `blocks::prompt_blocks` (token estimate + chained xxh64 blocks);
 //! - `state`: reading the endpoint table, load and metrics tables, and the
 //!   prefix-index lookup (`index::longest_prefixes`), building candidates
 //!   as `Engine::route_parsed` does;

@@ -6,22 +6,25 @@
 //! `blockSizeTokens` IDs); a trailing partial block is not hashed, as in
 //! vLLM, which caches full blocks only.
 //!
-//! Block hashes are chained: `h[i] = chain(h[i-1], bytes(block i))`, where
-//! `chain(p, b) = xxh3_64_with_seed(le_bytes(xxh3_64(b)), p)`, with
-//! `h[-1] = xxh3_64(model ‖ 0x00 ‖ cache_salt)`. So block i's hash stands
+//! Block hashes are chained: `h[i] = xxh64(bytes(block i), seed = h[i-1])`
+//! with `h[-1] = xxh3_64(model ‖ 0x00 ‖ cache_salt)`. So block i's hash stands
 //! for the whole prefix up to and including block i, two models or two salts
 //! never share a block, and a change in block k changes hashes ≥ k only.
 //!
-//! The block itself is hashed with xxh3's default secret; only its 8-byte
-//! digest meets the seed. Seeding the block's own hash would derive a
-//! 192-byte secret from the seed for every block, which cost about a third
-//! of the hashing (instructions counted by `benches/callgrind.sh hash`).
-//!
+//! xxh64 rather than xxh3 for the blocks: in the module (WebAssembly under
+//! V8) xxh3's 64×64→128-bit multiplies become calls to a software routine
+//! (`__multi3`), and a seeded xxh3 derives a 192-byte secret per block;
+//! xxh64 takes its seed as its initial state and multiplies 64 bits only.
+//! In Envoy that cut the module's instructions per 8 KiB request by 4 K and
+//! per 400 KiB request by 0.19 M (docs/benchmarks.md), though natively,
+//! where xxh3 runs on SSE2, xxh64 is about 15% slower.
+
 //! The emulator calls these same functions, so the filter's blocks and the
 //! emulated server's blocks cover the same bytes.
 
 use crate::request::{InferenceRequest, Prompt};
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh64::xxh64;
 
 /// How prompts are cut into blocks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,7 +88,7 @@ pub fn chain_seed(model: &str, cache_salt: Option<&str>) -> u64 {
 /// The hash of a block that follows the prefix whose hash is `prev`.
 #[inline]
 pub fn chain(prev: u64, block: &[u8]) -> u64 {
-    xxh3_64_with_seed(&xxh3_64(block).to_le_bytes(), prev)
+    xxh64(block, prev)
 }
 
 /// Estimates the prompt's tokens and hashes its full blocks.
@@ -183,9 +186,8 @@ mod tests {
         assert_eq!(b.block_hashes, golden());
         fn golden() -> Vec<u64> {
             let seed = xxh3_64(b"m\0");
-            let link = |p: u64, b: &[u8]| xxh3_64_with_seed(&xxh3_64(b).to_le_bytes(), p);
-            let h0 = link(seed, b"01234567");
-            vec![h0, link(h0, b"89abcdef")]
+            let h0 = xxh64(b"01234567", seed);
+            vec![h0, xxh64(b"89abcdef", h0)]
         }
     }
 

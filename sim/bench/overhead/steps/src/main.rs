@@ -9,7 +9,7 @@
 //! pass that fills the prefix index (so lookups are warm, as in Envoy):
 //!   copy     the body copied into a fresh Vec (what proxy_get_buffer_bytes does)
 //!   parse    request::parse_request (serde_json + prompt render)
-//!   hash     blocks::prompt_blocks (chained xxh3 over 256-byte blocks)
+//!   hash     blocks::prompt_blocks (chained xxh64 over 256-byte blocks)
 //!   lookup   index::longest_prefixes for 4 endpoints
 //!   insert   index::insert of every block for one endpoint
 //!   after_hash  Engine::route_parsed (endpoint/load/metrics tables, lookup,
