@@ -619,7 +619,10 @@ impl Stops for SpecialsOrNonAscii {
         let backslash = i8x16_eq(v, u8x16_splat(b'\\'));
         // Below 0x20 or at least 0x80, as signed bytes: below 0x20.
         let control_or_high = i8x16_lt(v, i8x16_splat(0x20));
-        u32::from(i8x16_bitmask(v128_or(v128_or(quote, backslash), control_or_high)))
+        u32::from(i8x16_bitmask(v128_or(
+            v128_or(quote, backslash),
+            control_or_high,
+        )))
     }
 }
 
