@@ -10,9 +10,11 @@
 #      wasm32-wasip1 (its glue only compiles there; it denies unwrap/expect/panic)
 #   3. cargo test --workspace                      (native unit/property tests, harness tests)
 #   4. kvroute-core's tests compiled to wasm32-wasip1, run by tests/harness's kvroute-wasi-run
-#   5. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
-#   6. pytest tests/e2e                             (real Envoy + emulated vLLM fleet on 127.0.0.1)
-#   7. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
+#   5. fuzz smoke: bash fuzz/smoke.sh (libFuzzer, 10 s per target over its seeds: the request
+#      parser, the plugin config, the engine; fails on a crash)
+#   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
+#   7. pytest tests/e2e                             (real Envoy + emulated vLLM fleet on 127.0.0.1)
+#   8. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk); they prove the
 #      benchmarks run and every arm serves, they do not judge figures
 # Exits non-zero on any failure. Uses the normal target/ directory.
@@ -89,6 +91,10 @@ if ! cargo build --bin kvroute-wasi-run; then
 fi
 [[ -x "$runner" ]] || die "the wasm32 test runner is missing at $runner (tests/harness must provide bin kvroute-wasi-run)"
 CARGO_TARGET_WASM32_WASIP1_RUNNER="$runner" cargo test --target wasm32-wasip1 -p kvroute-core
+done_step
+
+step "fuzz smoke (bash fuzz/smoke.sh: parse_request, config, engine; 10 s each)"
+bash fuzz/smoke.sh
 done_step
 
 step "release module: cargo build --release --target wasm32-wasip1 -p kvroute-wasm"
