@@ -597,11 +597,8 @@ impl Stops for Specials {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     #[inline(always)]
     fn lanes(v: core::arch::wasm32::v128) -> u32 {
-        use core::arch::wasm32::*;
-        let quote = i8x16_eq(v, u8x16_splat(b'"'));
-        let backslash = i8x16_eq(v, u8x16_splat(b'\\'));
-        let control = u8x16_lt(v, u8x16_splat(0x20));
-        u32::from(i8x16_bitmask(v128_or(v128_or(quote, backslash), control)))
+        use core::arch::wasm32::{u8x16_lt, u8x16_splat};
+        quote_backslash_or(v, u8x16_lt(v, u8x16_splat(0x20)))
     }
 }
 
@@ -614,16 +611,20 @@ impl Stops for SpecialsOrNonAscii {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     #[inline(always)]
     fn lanes(v: core::arch::wasm32::v128) -> u32 {
-        use core::arch::wasm32::*;
-        let quote = i8x16_eq(v, u8x16_splat(b'"'));
-        let backslash = i8x16_eq(v, u8x16_splat(b'\\'));
-        // Below 0x20 or at least 0x80, as signed bytes: below 0x20.
-        let control_or_high = i8x16_lt(v, i8x16_splat(0x20));
-        u32::from(i8x16_bitmask(v128_or(
-            v128_or(quote, backslash),
-            control_or_high,
-        )))
+        use core::arch::wasm32::{i8x16_lt, i8x16_splat};
+        // Below 0x20 or at least 0x80: as signed bytes, below 0x20.
+        quote_backslash_or(v, i8x16_lt(v, i8x16_splat(0x20)))
     }
+}
+
+/// Bit i set if byte i of `v` is `"` or `\`, or its lane in `also` is set.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn quote_backslash_or(v: core::arch::wasm32::v128, also: core::arch::wasm32::v128) -> u32 {
+    use core::arch::wasm32::*;
+    let quote = i8x16_eq(v, u8x16_splat(b'"'));
+    let backslash = i8x16_eq(v, u8x16_splat(b'\\'));
+    u32::from(i8x16_bitmask(v128_or(v128_or(quote, backslash), also)))
 }
 
 /// The offset of the first stop in a 32-byte block, or `None` (also for
