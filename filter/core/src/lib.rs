@@ -1,6 +1,7 @@
 //! kvroute's routing core.
 //!
-//! Host-independent: no proxy-wasm, no I/O, no clocks, no global randomness.
+//! Host-independent: no proxy-wasm, no I/O, no clocks, no global randomness
+//! (the host, clock included, comes in through `lifecycle::Host`).
 //! The wasm filter, the emulator and the simulator all call this code; none
 //! of them re-implements it. See `ARCHITECTURE.md` at the repository root.
 
@@ -8,5 +9,6 @@ pub mod blocks;
 pub mod collector;
 pub mod config;
 pub mod engine;
+pub mod lifecycle;
 pub mod request;
 pub mod scheduling;

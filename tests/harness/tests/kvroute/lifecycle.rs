@@ -306,9 +306,12 @@ fn filter_counters_reach_envoy_on_the_tick() {
 /// A non-streaming request whose prompt (31 blocks) shares its first 23
 /// blocks with earlier ones, answered as Envoy's HTTP/1 codec delivers a
 /// response (headers, the body, then an empty end-of-stream chunk):
-/// - 12 entries: context creation, request headers, request body, response
-///   headers, response body ×2, delete, and an allocation callback for each
-///   of the 5 reads below;
+/// - 14 entries: context creation, request headers, request body, response
+///   headers, response body ×2, `proxy_on_done`, `proxy_on_log`, delete,
+///   and an allocation callback for each of the 5 reads below. The module
+///   is built on the proxy-wasm SDK, whose dispatcher exports `on_done` and
+///   `on_log`, so Envoy calls both; the hand-written ABI layer it replaced
+///   did not export them and made 12 entries.
 /// - 10 host calls: header map, body, clock, load table get, 1 index shard
 ///   get (the prompt is one 32-block group), the charge (set), the index
 ///   insert (set), the destination header, and one release (a get and a
@@ -339,35 +342,22 @@ fn a_routed_request_makes_few_vm_crossings() {
     let host_calls = after.host_calls - before.host_calls;
     eprintln!("one routed request: {entries} VM entries, {host_calls} host calls");
     assert_eq!(total_inflight(&c), (0, 0));
-    assert!(entries <= 13, "{entries} VM entries per request (was 13)");
+    assert!(entries <= 14, "{entries} VM entries per request (was 14)");
     assert!(
-        host_calls <= 11,
-        "{host_calls} host calls per request (was 11)"
+        host_calls <= 10,
+        "{host_calls} host calls per request (was 10)"
     );
 }
 
-/// Envoy calls only the callbacks a module exports, and each call is a VM
-/// entry and exit: the module must not export per-request callbacks it
-/// does not use (as an SDK dispatcher would), and must export those it does.
+/// Envoy calls a callback only if the module exports it. The SDK's
+/// dispatcher exports every ABI 0.2.1 callback; these are the ones kvroute
+/// relies on, and each must be there.
 #[test]
-fn module_exports_only_the_callbacks_it_uses() {
+fn module_exports_the_callbacks_it_relies_on() {
     let wasm = kvroute_harness::artifacts::kvroute_wasm().unwrap();
     let engine = wasmtime::Engine::default();
     let module = wasmtime::Module::from_file(&engine, &wasm).unwrap();
     let names: Vec<&str> = module.exports().map(|e| e.name()).collect();
-    for unused in [
-        "proxy_on_log",
-        "proxy_on_done",
-        "proxy_on_request_trailers",
-        "proxy_on_response_trailers",
-        "proxy_on_request_metadata",
-        "proxy_on_response_metadata",
-        "proxy_on_new_connection",
-        "proxy_on_downstream_data",
-        "proxy_on_upstream_data",
-    ] {
-        assert!(!names.contains(&unused), "exports {unused}: {names:?}");
-    }
     for needed in [
         "_initialize",
         "proxy_abi_version_0_2_1",
@@ -381,6 +371,7 @@ fn module_exports_only_the_callbacks_it_uses() {
         "proxy_on_request_body",
         "proxy_on_response_headers",
         "proxy_on_response_body",
+        "proxy_on_done",
         "proxy_on_delete",
     ] {
         assert!(

@@ -1,0 +1,284 @@
+//! The collector singleton: keeps the shared endpoint table and metrics
+//! current, and reaps orphaned charges.
+//!
+//! Every tick: refresh membership from Envoy's admin API (`fromCluster`),
+//! poll each endpoint's `/metrics` through `collector.metricsCluster` with
+//! the destination header naming the endpoint (override_host sends it
+//! there), and reap charges older than `collector.reapAfterMs`. At most one
+//! call per target is in flight; a call that times out comes back with no
+//! headers and counts as a failed poll.
+
+use super::{Counter, Counts, Host, Level};
+use crate::config::EndpointSource;
+use crate::engine::Engine;
+use std::collections::HashMap;
+
+/// The collector's timers, in ms, all derived from the configuration here
+/// so the tick and the intervals it serves are decided in one place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timers {
+    /// The tick period: half the shortest interval below, within 25..=1000 ms.
+    pub tick_ms: u32,
+    /// `endpoints.fromCluster.refreshMs`, when discovery reads Envoy's admin.
+    pub admin_refresh_ms: Option<u64>,
+    /// Timeout of the admin `/clusters` call.
+    pub admin_timeout_ms: u32,
+    /// `collector.metricsPollIntervalMs`.
+    pub metrics_poll_ms: u64,
+    /// `collector.metricsTimeoutMs`, capped at `u32::MAX`.
+    pub metrics_timeout_ms: u32,
+    /// How often orphaned charges are looked for: a quarter of
+    /// `collector.reapAfterMs`, within 100..=1000 ms.
+    pub reap_every_ms: u64,
+}
+
+/// Timeout of the admin `/clusters` call, ms: the admin listener is local.
+const ADMIN_TIMEOUT_MS: u32 = 5_000;
+
+impl Timers {
+    pub fn from_engine(engine: &Engine) -> Timers {
+        let c = &engine.config.collector;
+        let admin_refresh_ms = match &engine.config.endpoints {
+            EndpointSource::FromCluster { refresh_ms, .. } => Some(*refresh_ms),
+            _ => None,
+        };
+        let shortest = admin_refresh_ms.map_or(c.metrics_poll_interval_ms, |r| {
+            r.min(c.metrics_poll_interval_ms)
+        });
+        Timers {
+            tick_ms: (shortest / 2).clamp(25, 1000) as u32,
+            admin_refresh_ms,
+            admin_timeout_ms: ADMIN_TIMEOUT_MS,
+            metrics_poll_ms: c.metrics_poll_interval_ms,
+            metrics_timeout_ms: c.metrics_timeout_ms.min(u64::from(u32::MAX)) as u32,
+            reap_every_ms: (c.reap_after_ms / 4).clamp(100, 1000),
+        }
+    }
+}
+
+enum Pending {
+    Admin,
+    Metrics { slot: u16, generation: u16 },
+}
+
+pub struct Collector {
+    engine: Engine,
+    counts: Counts,
+    timers: Timers,
+    pending: HashMap<u32, Pending>,
+    next_refresh_ms: u64,
+    next_poll_ms: u64,
+    next_reap_ms: u64,
+    /// The last time the clock answered (see [`Collector::now_ms`]).
+    last_now_ms: u64,
+}
+
+impl Collector {
+    pub fn start(host: &dyn Host, engine: Engine) -> Result<Collector, String> {
+        engine
+            .collector_init(host.store())
+            .map_err(|e| format!("cannot initialise shared state: {e}"))?;
+        let timers = Timers::from_engine(&engine);
+        host.set_tick_period_ms(timers.tick_ms)
+            .map_err(|e| e.to_string())?;
+        Ok(Collector {
+            engine,
+            counts: Counts::define(host, false),
+            timers,
+            pending: HashMap::new(),
+            next_refresh_ms: 0,
+            next_poll_ms: 0,
+            next_reap_ms: 0,
+            last_now_ms: 0,
+        })
+    }
+
+    pub fn timers(&self) -> Timers {
+        self.timers
+    }
+
+    fn host_error(&self, host: &dyn Host, what: &str, e: impl std::fmt::Display) {
+        host.log(Level::Warn, &format!("kvroute collector: {what}: {e}"));
+        self.counts.inc(host, Counter::HostErrors);
+    }
+
+    /// Now in ms; a clock error is counted and `None` (the caller skips the
+    /// work rather than stamp a wrong time).
+    fn now_ms(&mut self, host: &dyn Host) -> Option<u64> {
+        match host.now_ns() {
+            Ok(ns) => {
+                self.last_now_ms = ns / 1_000_000;
+                Some(self.last_now_ms)
+            }
+            Err(e) => {
+                self.host_error(host, "reading the clock", e);
+                None
+            }
+        }
+    }
+
+    pub fn on_tick(&mut self, host: &dyn Host) {
+        let Some(now) = self.now_ms(host) else {
+            return;
+        };
+        if let (EndpointSource::FromCluster { admin_cluster, .. }, Some(refresh_ms)) =
+            (&self.engine.config.endpoints, self.timers.admin_refresh_ms)
+        {
+            let in_flight = self.pending.values().any(|p| matches!(p, Pending::Admin));
+            if now >= self.next_refresh_ms && !in_flight {
+                self.next_refresh_ms = now + refresh_ms;
+                let headers = [
+                    (":method", "GET"),
+                    (":path", "/clusters?format=json"),
+                    (":authority", "envoy-admin"),
+                ];
+                match host.http_call(admin_cluster, &headers, self.timers.admin_timeout_ms) {
+                    Ok(token) => {
+                        self.pending.insert(token, Pending::Admin);
+                    }
+                    Err(e) => {
+                        self.host_error(host, &format!("admin call to cluster {admin_cluster}"), e)
+                    }
+                }
+            }
+        }
+        if now >= self.next_poll_ms {
+            self.next_poll_ms = now + self.timers.metrics_poll_ms;
+            self.poll_metrics(host, now);
+        }
+        if now >= self.next_reap_ms {
+            self.next_reap_ms = now + self.timers.reap_every_ms;
+            match self.engine.reap(host.store(), now) {
+                Ok(0) => {}
+                Ok(n) => {
+                    self.counts.add(host, Counter::ReapedRequests, n);
+                    host.log(Level::Warn, &format!("kvroute collector: reaped {n} orphaned in-flight charges (a request ended without releasing)"));
+                }
+                Err(e) => self.host_error(host, "reaping", e),
+            }
+        }
+    }
+
+    /// Stores one poll's result; a store error is logged and counted.
+    fn record(
+        &self,
+        host: &dyn Host,
+        slot: u16,
+        generation: u16,
+        result: Result<&[u8], ()>,
+        now: u64,
+    ) {
+        match self
+            .engine
+            .record_metrics(host.store(), slot, generation, result, now)
+        {
+            Ok(Some(problem)) => {
+                self.counts.inc(host, Counter::MetricsPollFailures);
+                host.log(
+                    Level::Debug,
+                    &format!("kvroute collector: slot {slot}: {problem}"),
+                );
+            }
+            Ok(None) => {}
+            Err(e) => self.host_error(host, "storing metrics", e),
+        }
+    }
+
+    fn poll_metrics(&mut self, host: &dyn Host, now: u64) {
+        let Some(cluster) = self.engine.config.collector.metrics_cluster.clone() else {
+            return;
+        };
+        let table = match self.engine.endpoint_table(host.store()) {
+            Ok(t) => t,
+            Err(e) => return self.host_error(host, "reading endpoints", e),
+        };
+        let path = self.engine.config.collector.metrics_path.clone();
+        let header = self.engine.config.routing.destination_header.clone();
+        for e in &table.endpoints {
+            let busy = self
+                .pending
+                .values()
+                .any(|p| matches!(p, Pending::Metrics { slot, .. } if *slot == e.slot));
+            if busy {
+                continue;
+            }
+            let headers = [
+                (":method", "GET"),
+                (":path", path.as_str()),
+                (":authority", e.address.as_str()),
+                (header.as_str(), e.address.as_str()),
+            ];
+            match host.http_call(&cluster, &headers, self.timers.metrics_timeout_ms) {
+                Ok(token) => {
+                    self.pending.insert(
+                        token,
+                        Pending::Metrics {
+                            slot: e.slot,
+                            generation: e.generation,
+                        },
+                    );
+                }
+                Err(err) => {
+                    self.counts.inc(host, Counter::MetricsPollFailures);
+                    host.log(
+                        Level::Warn,
+                        &format!("kvroute collector: /metrics call for {}: {err}", e.address),
+                    );
+                    self.record(host, e.slot, e.generation, Err(()), now);
+                }
+            }
+        }
+    }
+
+    pub fn on_http_call_response(
+        &mut self,
+        host: &dyn Host,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+    ) {
+        let Some(kind) = self.pending.remove(&token) else {
+            return;
+        };
+        let now = self.now_ms(host).unwrap_or(self.last_now_ms);
+        let status = if num_headers == 0 {
+            None
+        } else {
+            host.http_call_status().unwrap_or_else(|e| {
+                self.host_error(host, "reading a call's :status", e);
+                None
+            })
+        };
+        let body = if status.as_deref() == Some("200") {
+            host.http_call_body(body_size).unwrap_or_else(|e| {
+                self.host_error(host, "reading a call's body", e);
+                None
+            })
+        } else {
+            None
+        };
+        match kind {
+            Pending::Admin => match body {
+                Some(b) => {
+                    if let Err(e) = self.engine.apply_admin_clusters(host.store(), &b) {
+                        host.log(Level::Warn, &format!("kvroute collector: {e}"));
+                    }
+                }
+                None => host.log(
+                    Level::Warn,
+                    &format!(
+                        "kvroute collector: admin /clusters answered {}",
+                        status.as_deref().unwrap_or("nothing (timeout or reset)")
+                    ),
+                ),
+            },
+            Pending::Metrics { slot, generation } => {
+                let result = body.as_deref().ok_or(());
+                if result.is_err() {
+                    self.counts.inc(host, Counter::MetricsPollFailures);
+                }
+                self.record(host, slot, generation, result, now);
+            }
+        }
+    }
+}

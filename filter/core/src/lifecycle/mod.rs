@@ -1,0 +1,409 @@
+//! The module's lifecycle as plain Rust: what the proxy-wasm glue does on
+//! each callback, written against a small [`Host`] trait so it is unit-tested
+//! natively (`lifecycle/tests.rs`) and the glue only moves calls across.
+//!
+//! - [`configure`] reads the plugin JSON and picks the role by `root_id`:
+//!   a filter [`Worker`] (one per Envoy worker VM) or the [`Collector`]
+//!   singleton.
+//! - [`Stream`] is one request through the filter: the release flags that
+//!   make every exit path release its charge exactly once live there.
+//! - [`classify`] is the one place a request's method and path are matched
+//!   against `routing.paths` and `routing.statePath`.
+//! - [`Counter`] and [`Counts`] are the Envoy counters, tallied in the VM and
+//!   handed over on a tick.
+
+mod collector;
+mod stream;
+#[cfg(test)]
+mod tests;
+
+pub use collector::{Collector, Timers};
+pub use stream::{Stream, DECISION_HEADER};
+
+use crate::config::{Config, RoutingConfig};
+use crate::engine::Engine;
+use crate::request::ApiKind;
+use crate::scheduling::{Branch, Rng};
+use kvroute_shared_state::Store;
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::rc::Rc;
+
+/// `root_id` of the singleton collector. Any other root id is the filter.
+pub const COLLECTOR_ROOT_ID: &str = "kvroute-collector";
+
+/// How often a filter VM hands its counts to Envoy, in ms.
+pub const FLUSH_PERIOD_MS: u32 = 200;
+
+/// A host call that did not return `Ok`: the call's name and the
+/// proxy-wasm status code it returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostError {
+    pub call: &'static str,
+    pub status: u32,
+}
+
+impl fmt::Display for HostError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self.status {
+            1 => "NotFound",
+            2 => "BadArgument",
+            3 => "SerializationFailure",
+            4 => "ParseFailure",
+            7 => "Empty",
+            8 => "CasMismatch",
+            10 => "InternalFailure",
+            12 => "Unimplemented",
+            _ => "unknown status",
+        };
+        write!(f, "{} returned {} ({})", self.call, self.status, name)
+    }
+}
+
+pub type HostResult<T> = Result<T, HostError>;
+
+/// Log levels kvroute uses (proxy-wasm's numbering).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    Debug = 1,
+    Info = 2,
+    Warn = 3,
+    Error = 4,
+}
+
+/// What a stream callback tells Envoy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    Pause,
+}
+
+/// Everything the lifecycle asks of the proxy. The glue implements it with
+/// the proxy-wasm SDK's host calls; `lifecycle/tests.rs` with a recording
+/// fake over an in-memory store. Every call that can fail returns a
+/// `Result`, and the lifecycle counts or logs each error.
+pub trait Host {
+    /// Envoy shared data.
+    fn store(&self) -> &dyn Store;
+    /// Wall clock, ns since the epoch.
+    fn now_ns(&self) -> HostResult<u64>;
+    fn log(&self, level: Level, message: &str);
+    fn set_tick_period_ms(&self, ms: u32) -> HostResult<()>;
+    /// The plugin configuration (`None`: empty).
+    fn plugin_configuration(&self) -> HostResult<Option<Vec<u8>>>;
+    /// The plugin's `root_id` (`None`: not set).
+    fn root_id(&self) -> HostResult<Option<Vec<u8>>>;
+
+    /// The whole request header map in one call (names are lower case;
+    /// values are bytes, since a client may send any octet).
+    fn request_headers(&self) -> HostResult<Vec<(String, Vec<u8>)>>;
+    fn remove_request_header(&self, name: &str) -> HostResult<()>;
+    fn set_request_header(&self, name: &str, value: &str) -> HostResult<()>;
+    fn set_response_header(&self, name: &str, value: &str) -> HostResult<()>;
+    /// The buffered request body, `size` bytes from the start.
+    fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>>;
+    /// Answers the request locally with a JSON body.
+    fn send_json_response(&self, status: u32, body: &str) -> HostResult<()>;
+
+    /// Dispatches an HTTP call (no body) to `cluster`; returns its token.
+    fn http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout_ms: u32,
+    ) -> HostResult<u32>;
+    /// In `on_http_call_response`: the response's `:status`.
+    fn http_call_status(&self) -> HostResult<Option<String>>;
+    /// In `on_http_call_response`: the response body.
+    fn http_call_body(&self, size: usize) -> HostResult<Option<Vec<u8>>>;
+
+    fn define_counter(&self, name: &str) -> HostResult<u32>;
+    fn increment_counter(&self, id: u32, by: i64) -> HostResult<()>;
+}
+
+/// The module's Envoy counters (shown by Envoy as `wasmcustom.kvroute_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counter {
+    Routed,
+    FailOpen,
+    Rejected,
+    BranchSticky,
+    BranchSaturationRelease,
+    BranchNoAffinity,
+    BranchExploration,
+    BranchOther,
+    ClientHeaderStripped,
+    HostErrors,
+    MetricsPollFailures,
+    ReapedRequests,
+    CasRetries,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 13] = [
+        Counter::Routed,
+        Counter::FailOpen,
+        Counter::Rejected,
+        Counter::BranchSticky,
+        Counter::BranchSaturationRelease,
+        Counter::BranchNoAffinity,
+        Counter::BranchExploration,
+        Counter::BranchOther,
+        Counter::ClientHeaderStripped,
+        Counter::HostErrors,
+        Counter::MetricsPollFailures,
+        Counter::ReapedRequests,
+        Counter::CasRetries,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::Routed => "kvroute_routed",
+            Counter::FailOpen => "kvroute_fail_open",
+            Counter::Rejected => "kvroute_rejected",
+            Counter::BranchSticky => "kvroute_branch_sticky",
+            Counter::BranchSaturationRelease => "kvroute_branch_saturation_release",
+            Counter::BranchNoAffinity => "kvroute_branch_no_affinity",
+            Counter::BranchExploration => "kvroute_branch_exploration",
+            Counter::BranchOther => "kvroute_branch_other",
+            Counter::ClientHeaderStripped => "kvroute_client_header_stripped",
+            Counter::HostErrors => "kvroute_host_errors",
+            Counter::MetricsPollFailures => "kvroute_metrics_poll_failures",
+            Counter::ReapedRequests => "kvroute_reaped_requests",
+            Counter::CasRetries => "kvroute_cas_retries",
+        }
+    }
+
+    /// The counter a routing decision's branch adds to.
+    pub fn for_branch(branch: Branch) -> Counter {
+        match branch {
+            Branch::Sticky => Counter::BranchSticky,
+            Branch::SaturationRelease => Counter::BranchSaturationRelease,
+            Branch::NoAffinity => Counter::BranchNoAffinity,
+            Branch::Exploration => Counter::BranchExploration,
+            Branch::Single | Branch::Unfiltered => Counter::BranchOther,
+        }
+    }
+}
+
+/// Counter ids as Envoy defined them, and (when batched) the counts not yet
+/// handed over. Each `proxy_increment_metric` is a VM exit and entry, so a
+/// filter VM counts in its own memory and flushes on its tick: Envoy's
+/// counters lag by at most one [`FLUSH_PERIOD_MS`]. A counter that cannot be
+/// defined is skipped (and logged), never fatal.
+#[derive(Debug, Default)]
+pub struct Counts {
+    ids: Vec<Option<u32>>,
+    pending: Option<[Cell<u64>; Counter::ALL.len()]>,
+}
+
+impl Counts {
+    /// Counters that reach Envoy at once (`batched` false) or on [`Counts::flush`].
+    pub fn define(host: &dyn Host, batched: bool) -> Counts {
+        let ids = Counter::ALL
+            .iter()
+            .map(|c| match host.define_counter(c.name()) {
+                Ok(id) => Some(id),
+                Err(e) => {
+                    host.log(
+                        Level::Warn,
+                        &format!("kvroute: counter {} not defined: {e}", c.name()),
+                    );
+                    None
+                }
+            })
+            .collect();
+        Counts {
+            ids,
+            pending: batched.then(Default::default),
+        }
+    }
+
+    fn send(&self, host: &dyn Host, c: usize, by: u64) {
+        if let Some(Some(id)) = self.ids.get(c) {
+            if let Err(e) = host.increment_counter(*id, by.min(i64::MAX as u64) as i64) {
+                host.log(
+                    Level::Debug,
+                    &format!(
+                        "kvroute: counter {} not incremented: {e}",
+                        Counter::ALL[c].name()
+                    ),
+                );
+            }
+        }
+    }
+
+    pub fn add(&self, host: &dyn Host, c: Counter, by: u64) {
+        if by == 0 {
+            return;
+        }
+        match self.pending.as_ref().and_then(|p| p.get(c as usize)) {
+            Some(cell) => cell.set(cell.get().saturating_add(by)),
+            None => self.send(host, c as usize, by),
+        }
+    }
+
+    pub fn inc(&self, host: &dyn Host, c: Counter) {
+        self.add(host, c, 1);
+    }
+
+    /// Hands the pending counts to Envoy (one host call per counter that moved).
+    pub fn flush(&self, host: &dyn Host) {
+        if let Some(pending) = &self.pending {
+            for (i, cell) in pending.iter().enumerate() {
+                let n = cell.replace(0);
+                if n > 0 {
+                    self.send(host, i, n);
+                }
+            }
+        }
+    }
+}
+
+/// What a request's method and path ask of the filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PathClass {
+    /// `GET routing.statePath`: answer with the shared state.
+    State,
+    /// A POST to a configured inference path: buffer and route.
+    Routable(ApiKind),
+    /// Anything else: pass on untouched.
+    Pass,
+}
+
+/// The one place paths are matched. The query (`?…`) and fragment (`#…`)
+/// are stripped first; a trailing `/` is ignored on both sides; a
+/// configured path matches as a suffix (so `/v1/chat/completions` also
+/// matches `/openai/v1/chat/completions`).
+pub fn classify(method: &[u8], path: &[u8], routing: &RoutingConfig) -> PathClass {
+    let Ok(path) = std::str::from_utf8(path) else {
+        return PathClass::Pass;
+    };
+    let bare = path.split(['?', '#']).next().unwrap_or("");
+    if method == b"GET" && routing.state_path.as_deref() == Some(bare) {
+        return PathClass::State;
+    }
+    if method != b"POST" {
+        return PathClass::Pass;
+    }
+    let trimmed = bare.trim_end_matches('/');
+    let configured = routing
+        .paths
+        .iter()
+        .any(|p| trimmed.ends_with(p.trim_end_matches('/')));
+    match ApiKind::from_path(bare) {
+        Some(kind) if configured => PathClass::Routable(kind),
+        _ => PathClass::Pass,
+    }
+}
+
+/// What a filter VM shares between its requests.
+pub struct Worker {
+    pub engine: Engine,
+    rng: RefCell<Rng>,
+    pub counts: Counts,
+    /// The last time the host's clock answered, in ms. A clock error reuses
+    /// it (and is counted) rather than stamping time 0, which would make a
+    /// fresh charge look ancient to the reaper.
+    last_now_ms: Cell<u64>,
+}
+
+impl Worker {
+    pub fn new(engine: Engine, seed: u64, counts: Counts) -> Worker {
+        Worker {
+            engine,
+            rng: RefCell::new(Rng::new(seed)),
+            counts,
+            last_now_ms: Cell::new(0),
+        }
+    }
+
+    /// Logs a host error and counts it in `kvroute_host_errors`.
+    pub fn host_error(&self, host: &dyn Host, what: &str, e: impl fmt::Display) {
+        host.log(Level::Warn, &format!("kvroute: {what}: {e}"));
+        self.counts.inc(host, Counter::HostErrors);
+    }
+
+    /// Now in ms; on a clock error, the last time seen (the error counted).
+    pub fn now_ms(&self, host: &dyn Host) -> u64 {
+        match host.now_ns() {
+            Ok(ns) => {
+                let ms = ns / 1_000_000;
+                self.last_now_ms.set(ms);
+                ms
+            }
+            Err(e) => {
+                self.host_error(host, "reading the clock", e);
+                self.last_now_ms.get()
+            }
+        }
+    }
+
+    /// Hands pending counts to Envoy (the root's tick and end).
+    pub fn flush(&self, host: &dyn Host) {
+        self.counts.flush(host);
+    }
+}
+
+/// A configured root context.
+pub enum Role {
+    Filter(Rc<Worker>),
+    Collector(Box<Collector>),
+}
+
+/// Seed mixed into the clock when `routing.seed` is not set.
+const SEED_SALT: u64 = 0x6b76_726f_7574_6521;
+
+/// `proxy_on_configure`: reads and validates the plugin configuration and
+/// starts the role its `root_id` names. An error is the message to log;
+/// the glue then fails the configuration (Envoy rejects the plugin).
+pub fn configure(host: &dyn Host) -> Result<Role, String> {
+    let bytes = host
+        .plugin_configuration()
+        .map_err(|e| format!("kvroute: cannot read the plugin configuration: {e}"))?
+        .unwrap_or_default();
+    let config = Config::from_json(&bytes).map_err(|e| format!("kvroute: {e}"))?;
+    let root_id = host
+        .root_id()
+        .map_err(|e| format!("kvroute: cannot read plugin_root_id: {e}"))?
+        .unwrap_or_default();
+    let engine = Engine::new(config);
+    if root_id == COLLECTOR_ROOT_ID.as_bytes() {
+        let c = Collector::start(host, engine).map_err(|e| format!("kvroute collector: {e}"))?;
+        host.log(Level::Info, "kvroute collector configured");
+        return Ok(Role::Collector(Box::new(c)));
+    }
+    if let Err(e) = engine.ensure_tables(host.store()) {
+        host.log(
+            Level::Warn,
+            &format!("kvroute: cannot create the shared tables: {e}"),
+        );
+    }
+    let seed = match engine.config.routing.seed {
+        Some(s) => s,
+        None => match host.now_ns() {
+            Ok(ns) => ns ^ SEED_SALT,
+            Err(e) => {
+                host.log(
+                    Level::Warn,
+                    &format!("kvroute: no clock for the seed ({e}); using a fixed one"),
+                );
+                SEED_SALT
+            }
+        },
+    };
+    // Counts go to Envoy on the tick; without a tick, at once.
+    let batched = match host.set_tick_period_ms(FLUSH_PERIOD_MS) {
+        Ok(()) => true,
+        Err(e) => {
+            host.log(
+                Level::Warn,
+                &format!("kvroute: no tick ({e}); counters are sent per request"),
+            );
+            false
+        }
+    };
+    let counts = Counts::define(host, batched);
+    host.log(Level::Info, "kvroute filter configured");
+    Ok(Role::Filter(Rc::new(Worker::new(engine, seed, counts))))
+}

@@ -1,0 +1,295 @@
+//! One request through the filter.
+//!
+//! headers → (strip client destination header; Pause if routable) → body
+//! chunks buffered to end of stream → `Engine::route` → destination header,
+//! Continue → first response body byte: release the prompt charge → end of
+//! response, or [`Stream::on_end`] on any other exit: release the rest. The
+//! release flags make every exit path release exactly once.
+//!
+//! A non-streaming request (`"stream"` absent or false) releases everything
+//! at its first response body byte, in one write: the model server sends
+//! such a body only once the request has finished, so prefill and decode
+//! are both over by then, and a second read-modify-write of the load table
+//! a few microseconds later (at the end of the stream) would only cost
+//! three more VM crossings per request.
+
+use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
+use crate::engine::{openai_error, Outcome, Unrouted};
+use crate::request::{ApiKind, ParseError};
+use kvroute_shared_state::load::Ticket;
+use std::rc::Rc;
+
+/// Response header carrying the decision explanation (`routing.debugHeader`).
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+
+/// A request's state across its callbacks.
+pub struct Stream {
+    /// `None`: the root is not configured; every callback passes.
+    worker: Option<Rc<Worker>>,
+    /// Set once the request is known to be routable.
+    kind: Option<ApiKind>,
+    ticket: Option<Ticket>,
+    /// The routed request asked for a streamed response.
+    streaming: bool,
+    prompt_released: bool,
+    done: bool,
+    explanation: Option<String>,
+    /// Stop buffering (body too large in fail-open mode).
+    passthrough: bool,
+}
+
+impl Stream {
+    pub fn new(worker: Option<Rc<Worker>>) -> Stream {
+        Stream {
+            worker,
+            kind: None,
+            ticket: None,
+            streaming: false,
+            prompt_released: false,
+            done: false,
+            explanation: None,
+            passthrough: false,
+        }
+    }
+
+    /// The charge this request still holds (`None`: nothing to release).
+    pub fn holds_charge(&self) -> bool {
+        self.ticket.is_some() && !self.done
+    }
+
+    fn release_prompt(&mut self, host: &dyn Host) {
+        if self.prompt_released || self.done {
+            return;
+        }
+        self.prompt_released = true;
+        if let (Some(w), Some(t)) = (&self.worker, &self.ticket) {
+            match w.engine.release_prompt(host.store(), t) {
+                Ok(retries) => w.counts.add(host, Counter::CasRetries, u64::from(retries)),
+                Err(e) => w.host_error(host, "releasing the prompt charge", e),
+            }
+        }
+    }
+
+    fn release_rest(&mut self, host: &dyn Host) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        if let (Some(w), Some(t)) = (&self.worker, &self.ticket) {
+            match w.engine.release_rest(host.store(), t, self.prompt_released) {
+                Ok(retries) => w.counts.add(host, Counter::CasRetries, u64::from(retries)),
+                Err(e) => w.host_error(host, "releasing the request charge", e),
+            }
+        }
+    }
+
+    /// Answers locally; returns Pause (the local reply ends the request).
+    fn reply(w: &Worker, host: &dyn Host, status: u32, body: &str) -> Action {
+        if let Err(e) = host.send_json_response(status, body) {
+            w.host_error(host, "sending a local response", e);
+            return Action::Continue;
+        }
+        Action::Pause
+    }
+
+    fn unrouted(w: &Worker, host: &dyn Host, why: &Unrouted) -> Action {
+        w.counts.inc(host, Counter::FailOpen);
+        host.log(
+            Level::Debug,
+            &format!(
+                "kvroute: not routed ({}), Envoy's load balancer decides",
+                why.label()
+            ),
+        );
+        Action::Continue
+    }
+
+    /// The stream's end, on every exit path (success, reset, abort, local
+    /// reply, timeout): releases what the request still holds.
+    pub fn on_end(&mut self, host: &dyn Host) {
+        self.release_rest(host);
+    }
+
+    pub fn on_request_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        let Some(w) = self.worker.clone() else {
+            return Action::Continue;
+        };
+        let routing = &w.engine.config.routing;
+        // One host call for the whole map: every header read is a VM exit
+        // plus an allocation callback into the VM.
+        let (headers, unread) = match host.request_headers() {
+            Ok(h) => (h, false),
+            Err(e) => {
+                w.host_error(host, "reading request headers", e);
+                (Vec::new(), true)
+            }
+        };
+        let header = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_slice())
+        };
+        // Never trust a client-supplied destination, routed or not.
+        // (Headers that could not be read may hold one: remove it blind.)
+        if unread || header(&routing.destination_header).is_some() {
+            if !unread {
+                w.counts.inc(host, Counter::ClientHeaderStripped);
+            }
+            if let Err(e) = host.remove_request_header(&routing.destination_header) {
+                // Cannot strip it: refuse rather than let the client pick.
+                w.host_error(host, "removing the client's destination header", e);
+                return Self::reply(
+                    &w,
+                    host,
+                    500,
+                    &openai_error("internal error", "internal_error", 500),
+                );
+            }
+        }
+        let method = header(":method").unwrap_or_default();
+        let path = header(":path").unwrap_or_default();
+        let kind = match classify(method, path, routing) {
+            PathClass::Pass => return Action::Continue,
+            PathClass::State => {
+                let now = w.now_ms(host);
+                return match w.engine.state_json(host.store(), now) {
+                    Ok(body) => Self::reply(&w, host, 200, &body),
+                    Err(e) => Self::reply(
+                        &w,
+                        host,
+                        503,
+                        &openai_error(&e.to_string(), "service_unavailable", 503),
+                    ),
+                };
+            }
+            PathClass::Routable(kind) => kind,
+        };
+        if end_of_stream {
+            // A POST without a body cannot be routed.
+            let why = Unrouted::BadBody(ParseError::Empty);
+            return match w.engine.fail_for(why.clone()) {
+                Outcome::Reject { status, body, .. } => {
+                    w.counts.inc(host, Counter::Rejected);
+                    Self::reply(&w, host, status, &body)
+                }
+                _ => Self::unrouted(&w, host, &why),
+            };
+        }
+        self.kind = Some(kind);
+        Action::Pause
+    }
+
+    pub fn on_request_body(
+        &mut self,
+        host: &dyn Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let (Some(w), Some(kind)) = (self.worker.clone(), self.kind) else {
+            return Action::Continue;
+        };
+        if self.passthrough || self.ticket.is_some() {
+            return Action::Continue;
+        }
+        let limit = w.engine.config.routing.max_body_bytes;
+        if body_size > limit {
+            let why = Unrouted::BadBody(ParseError::TooLarge {
+                limit,
+                actual: body_size,
+            });
+            self.kind = None;
+            return match w.engine.fail_for(why.clone()) {
+                Outcome::Reject { body, .. } => {
+                    w.counts.inc(host, Counter::Rejected);
+                    Self::reply(&w, host, 413, &body)
+                }
+                _ => {
+                    self.passthrough = true;
+                    Self::unrouted(&w, host, &why)
+                }
+            };
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = match host.request_body(body_size) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(e) => {
+                w.host_error(host, "reading the request body", e);
+                Vec::new()
+            }
+        };
+        let now = w.now_ms(host);
+        let outcome = {
+            let mut rng = w.rng.borrow_mut();
+            w.engine.route(host.store(), kind, &body, now, &mut rng)
+        };
+        match outcome {
+            Outcome::Routed(r) => {
+                let header = &w.engine.config.routing.destination_header;
+                if let Err(e) = host.set_request_header(header, &r.destination) {
+                    // The request goes on unrouted; give the charge back.
+                    w.host_error(host, "setting the destination header", e);
+                    self.ticket = r.ticket;
+                    self.release_rest(host);
+                    return Action::Continue;
+                }
+                w.counts.inc(host, Counter::Routed);
+                w.counts
+                    .add(host, Counter::CasRetries, u64::from(r.cas_retries));
+                w.counts.inc(host, Counter::for_branch(r.decision.branch));
+                if r.ticket.is_none() {
+                    w.host_error(
+                        host,
+                        "charging the endpoint",
+                        "shared data refused the write",
+                    );
+                }
+                self.ticket = r.ticket;
+                self.streaming = r.stream;
+                if w.engine.config.routing.debug_header {
+                    self.explanation = Some(r.explanation());
+                }
+                Action::Continue
+            }
+            Outcome::FailOpen(why) => Self::unrouted(&w, host, &why),
+            Outcome::Reject { status, body, .. } => {
+                w.counts.inc(host, Counter::Rejected);
+                Self::reply(&w, host, status, &body)
+            }
+        }
+    }
+
+    pub fn on_response_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        if let Some(x) = self.explanation.take() {
+            if let Err(e) = host.set_response_header(DECISION_HEADER, &x) {
+                if let Some(w) = &self.worker {
+                    w.host_error(host, "setting the decision header", e);
+                }
+            }
+        }
+        if end_of_stream {
+            // One write releases both parts (see `release_rest`).
+            self.release_rest(host);
+        }
+        Action::Continue
+    }
+
+    pub fn on_response_body(
+        &mut self,
+        host: &dyn Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        if end_of_stream || (body_size > 0 && !self.streaming) {
+            // A response that ends with its first chunk, or the first chunk
+            // of a non-streaming response (the request is over on the model
+            // server): prompt and rest in one write.
+            self.release_rest(host);
+        } else if body_size > 0 {
+            self.release_prompt(host);
+        }
+        Action::Continue
+    }
+}

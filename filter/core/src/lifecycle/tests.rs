@@ -1,0 +1,622 @@
+//! The lifecycle against a recording fake host over an in-memory store.
+
+use super::*;
+use kvroute_shared_state::memory::MemoryStore;
+use std::collections::{HashMap, HashSet};
+
+/// An HTTP call as dispatched: cluster, headers, timeout (ms).
+type Call = (String, Vec<(String, String)>, u32);
+
+/// A host that records what the lifecycle does and fails the calls named
+/// in `failing`.
+#[derive(Default)]
+struct FakeHost {
+    store: MemoryStore,
+    now_ns: Cell<u64>,
+    config: RefCell<Vec<u8>>,
+    root_id: RefCell<Vec<u8>>,
+    request_headers: RefCell<Vec<(String, Vec<u8>)>>,
+    response_headers: RefCell<Vec<(String, String)>>,
+    body: RefCell<Vec<u8>>,
+    replies: RefCell<Vec<(u32, String)>>,
+    logs: RefCell<Vec<(Level, String)>>,
+    counters: RefCell<HashMap<u32, i64>>,
+    counter_calls: Cell<u32>,
+    calls: RefCell<Vec<Call>>,
+    call_status: RefCell<Option<String>>,
+    call_body: RefCell<Option<Vec<u8>>>,
+    tick_ms: Cell<Option<u32>>,
+    failing: RefCell<HashSet<&'static str>>,
+}
+
+impl FakeHost {
+    fn fail(&self, call: &'static str) -> HostResult<()> {
+        if self.failing.borrow().contains(call) {
+            Err(HostError { call, status: 10 })
+        } else {
+            Ok(())
+        }
+    }
+
+    fn counter(&self, c: Counter) -> i64 {
+        let id = Counter::ALL.iter().position(|x| *x == c).unwrap() as u32;
+        self.counters.borrow().get(&id).copied().unwrap_or(0)
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        self.request_headers
+            .borrow()
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    }
+
+    fn set_request(&self, method: &str, path: &str, extra: &[(&str, &[u8])]) {
+        let mut h = vec![
+            (":method".to_string(), method.as_bytes().to_vec()),
+            (":path".to_string(), path.as_bytes().to_vec()),
+        ];
+        h.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_vec())));
+        *self.request_headers.borrow_mut() = h;
+    }
+}
+
+impl Host for FakeHost {
+    fn store(&self) -> &dyn Store {
+        &self.store
+    }
+    fn now_ns(&self) -> HostResult<u64> {
+        self.fail("proxy_get_current_time_nanoseconds")?;
+        Ok(self.now_ns.get())
+    }
+    fn log(&self, level: Level, message: &str) {
+        self.logs.borrow_mut().push((level, message.to_string()));
+    }
+    fn set_tick_period_ms(&self, ms: u32) -> HostResult<()> {
+        self.fail("proxy_set_tick_period_milliseconds")?;
+        self.tick_ms.set(Some(ms));
+        Ok(())
+    }
+    fn plugin_configuration(&self) -> HostResult<Option<Vec<u8>>> {
+        self.fail("proxy_get_buffer_bytes")?;
+        Ok(Some(self.config.borrow().clone()))
+    }
+    fn root_id(&self) -> HostResult<Option<Vec<u8>>> {
+        self.fail("proxy_get_property")?;
+        Ok(Some(self.root_id.borrow().clone()))
+    }
+    fn request_headers(&self) -> HostResult<Vec<(String, Vec<u8>)>> {
+        self.fail("proxy_get_header_map_pairs")?;
+        Ok(self.request_headers.borrow().clone())
+    }
+    fn remove_request_header(&self, name: &str) -> HostResult<()> {
+        self.fail("proxy_remove_header_map_value")?;
+        self.request_headers.borrow_mut().retain(|(k, _)| k != name);
+        Ok(())
+    }
+    fn set_request_header(&self, name: &str, value: &str) -> HostResult<()> {
+        self.fail("proxy_replace_header_map_value")?;
+        let mut h = self.request_headers.borrow_mut();
+        h.retain(|(k, _)| k != name);
+        h.push((name.to_string(), value.as_bytes().to_vec()));
+        Ok(())
+    }
+    fn set_response_header(&self, name: &str, value: &str) -> HostResult<()> {
+        self.fail("proxy_replace_header_map_value")?;
+        self.response_headers
+            .borrow_mut()
+            .push((name.to_string(), value.to_string()));
+        Ok(())
+    }
+    fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>> {
+        self.fail("proxy_get_buffer_bytes")?;
+        let b = self.body.borrow();
+        Ok(Some(b[..size.min(b.len())].to_vec()))
+    }
+    fn send_json_response(&self, status: u32, body: &str) -> HostResult<()> {
+        self.fail("proxy_send_local_response")?;
+        self.replies.borrow_mut().push((status, body.to_string()));
+        Ok(())
+    }
+    fn http_call(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        timeout_ms: u32,
+    ) -> HostResult<u32> {
+        self.fail("proxy_http_call")?;
+        let mut calls = self.calls.borrow_mut();
+        calls.push((
+            cluster.to_string(),
+            headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            timeout_ms,
+        ));
+        Ok(calls.len() as u32)
+    }
+    fn http_call_status(&self) -> HostResult<Option<String>> {
+        self.fail("proxy_get_header_map_value")?;
+        Ok(self.call_status.borrow().clone())
+    }
+    fn http_call_body(&self, _size: usize) -> HostResult<Option<Vec<u8>>> {
+        self.fail("proxy_get_buffer_bytes")?;
+        Ok(self.call_body.borrow().clone())
+    }
+    fn define_counter(&self, name: &str) -> HostResult<u32> {
+        self.fail("proxy_define_metric")?;
+        Ok(Counter::ALL.iter().position(|c| c.name() == name).unwrap() as u32)
+    }
+    fn increment_counter(&self, id: u32, by: i64) -> HostResult<()> {
+        self.fail("proxy_increment_metric")?;
+        self.counter_calls.set(self.counter_calls.get() + 1);
+        *self.counters.borrow_mut().entry(id).or_default() += by;
+        Ok(())
+    }
+}
+
+const BASE: &str = r#""endpoints":{"static":["127.0.0.1:1","127.0.0.1:2"]},
+    "plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":16}},
+               {"type":"prefix-cache-affinity-filter"},{"type":"token-load-scorer"},{"type":"max-score-picker"}],
+    "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"token-load-scorer"},{"pluginRef":"max-score-picker"}]}]"#;
+
+/// A configured filter worker (and its host) for `routing` (a JSON object body).
+fn filter(routing: &str) -> (FakeHost, Rc<Worker>) {
+    let host = FakeHost::default();
+    host.now_ns.set(5_000_000_000);
+    *host.config.borrow_mut() =
+        format!(r#"{{{BASE},"routing":{{"seed":7{routing}}}}}"#).into_bytes();
+    *host.root_id.borrow_mut() = b"kvroute".to_vec();
+    match configure(&host) {
+        Ok(Role::Filter(w)) => (host, w),
+        Ok(Role::Collector(_)) => panic!("configured as the collector"),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn chat_body(user: &str) -> Vec<u8> {
+    serde_json::json!({"model":"m","messages":[{"role":"system","content":"shared system prompt ".repeat(30)},{"role":"user","content":user}]})
+        .to_string()
+        .into_bytes()
+}
+
+/// In-flight (tokens, requests) summed over endpoints.
+fn inflight(host: &FakeHost, w: &Worker) -> (u64, u64) {
+    let v: serde_json::Value =
+        serde_json::from_str(&w.engine.state_json(host.store(), 0).unwrap()).unwrap();
+    v["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .fold((0, 0), |a, e| {
+            (
+                a.0 + e["inflightTokens"].as_u64().unwrap(),
+                a.1 + e["inflightRequests"].as_u64().unwrap(),
+            )
+        })
+}
+
+/// Runs headers and the whole body; returns the stream and the body action.
+fn routed_stream(host: &FakeHost, w: &Rc<Worker>, body: Vec<u8>) -> Stream {
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(host, false), Action::Pause);
+    let n = body.len();
+    *host.body.borrow_mut() = body;
+    assert_eq!(s.on_request_body(host, n, true), Action::Continue);
+    s
+}
+
+#[test]
+fn classify_strips_query_and_matches_suffixes_once() {
+    let routing = |state: Option<&str>| {
+        let mut r = Config::from_json(format!("{{{BASE}}}").as_bytes())
+            .unwrap()
+            .routing;
+        r.state_path = state.map(str::to_string);
+        r
+    };
+    let r = routing(Some("/kvroute/state"));
+    use PathClass::*;
+    let cases: &[(&str, &str, PathClass)] = &[
+        (
+            "POST",
+            "/v1/chat/completions",
+            Routable(ApiKind::ChatCompletions),
+        ),
+        (
+            "POST",
+            "/v1/chat/completions?x=1",
+            Routable(ApiKind::ChatCompletions),
+        ),
+        (
+            "POST",
+            "/v1/chat/completions/",
+            Routable(ApiKind::ChatCompletions),
+        ),
+        (
+            "POST",
+            "/openai/v1/completions#f",
+            Routable(ApiKind::Completions),
+        ),
+        ("GET", "/v1/chat/completions", Pass),
+        ("POST", "/v1/models", Pass),
+        ("GET", "/kvroute/state", State),
+        ("GET", "/kvroute/state?pretty", State),
+        ("POST", "/kvroute/state", Pass),
+        ("GET", "/kvroute/state/more", Pass),
+    ];
+    for (m, p, want) in cases {
+        assert_eq!(classify(m.as_bytes(), p.as_bytes(), &r), *want, "{m} {p}");
+    }
+    assert_eq!(classify(b"POST", b"/v1/\xff/completions", &r), Pass);
+    assert_eq!(classify(b"GET", b"/kvroute/state", &routing(None)), Pass);
+    let mut only_chat = routing(None);
+    only_chat.paths = vec!["/v1/chat/completions".into()];
+    assert_eq!(classify(b"POST", b"/v1/completions", &only_chat), Pass);
+}
+
+#[test]
+fn role_follows_root_id_and_a_bad_config_is_an_error() {
+    let (host, _) = filter("");
+    assert_eq!(host.tick_ms.get(), Some(FLUSH_PERIOD_MS));
+    *host.root_id.borrow_mut() = COLLECTOR_ROOT_ID.as_bytes().to_vec();
+    assert!(matches!(configure(&host), Ok(Role::Collector(_))));
+    let good = host
+        .config
+        .replace(br#"{"routing":{"debugHeaderX":true}}"#.to_vec());
+    let e = configure(&host).err().unwrap();
+    assert!(e.contains("debugHeaderX"), "{e}");
+    *host.config.borrow_mut() = good;
+    host.failing.borrow_mut().insert("proxy_get_property");
+    assert!(configure(&host).err().unwrap().contains("plugin_root_id"));
+}
+
+#[test]
+fn a_non_streaming_request_releases_once_at_its_first_byte() {
+    let (host, w) = filter("");
+    let mut s = routed_stream(&host, &w, chat_body("q"));
+    assert!(host.header("x-gateway-destination-endpoint").is_some());
+    assert!(s.holds_charge());
+    assert_eq!(inflight(&host, &w).1, 1);
+    s.on_response_headers(&host, false);
+    s.on_response_body(&host, 10, false);
+    assert_eq!(inflight(&host, &w), (0, 0));
+    assert!(!s.holds_charge());
+    // Later callbacks and the end release nothing more.
+    s.on_response_body(&host, 0, true);
+    s.on_end(&host);
+    assert_eq!(inflight(&host, &w), (0, 0));
+    w.flush(&host);
+    assert_eq!(host.counter(Counter::Routed), 1);
+    assert_eq!(host.counter(Counter::HostErrors), 0);
+}
+
+#[test]
+fn a_streaming_request_releases_the_prompt_then_the_rest() {
+    let (host, w) = filter("");
+    let body = serde_json::json!({"model":"m","stream":true,"messages":[{"role":"user","content":"x ".repeat(500)}]});
+    let mut s = routed_stream(&host, &w, body.to_string().into_bytes());
+    let (tokens, requests) = inflight(&host, &w);
+    assert!(tokens > 0 && requests == 1, "{tokens} {requests}");
+    s.on_response_headers(&host, false);
+    s.on_response_body(&host, 5, false);
+    assert_eq!(
+        inflight(&host, &w),
+        (0, 1),
+        "prompt released at the first chunk"
+    );
+    s.on_response_body(&host, 5, false);
+    assert_eq!(inflight(&host, &w), (0, 1));
+    s.on_response_body(&host, 0, true);
+    assert_eq!(inflight(&host, &w), (0, 0));
+    s.on_end(&host);
+    assert_eq!(inflight(&host, &w), (0, 0));
+}
+
+#[test]
+fn every_other_exit_releases_at_the_end() {
+    let (host, w) = filter("");
+    // Reset before any response, and a reset after the first chunk.
+    let mut a = routed_stream(&host, &w, chat_body("a"));
+    let body =
+        serde_json::json!({"model":"m","stream":true,"messages":[{"role":"user","content":"b"}]});
+    let mut b = routed_stream(&host, &w, body.to_string().into_bytes());
+    b.on_response_body(&host, 3, false);
+    assert_eq!(inflight(&host, &w).1, 2);
+    a.on_end(&host);
+    b.on_end(&host);
+    b.on_end(&host);
+    assert_eq!(inflight(&host, &w), (0, 0));
+}
+
+#[test]
+fn the_client_destination_header_is_always_stripped() {
+    let (host, w) = filter("");
+    host.set_request(
+        "GET",
+        "/other",
+        &[("x-gateway-destination-endpoint", b"10.0.0.9:80")],
+    );
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Continue);
+    assert_eq!(host.header("x-gateway-destination-endpoint"), None);
+    // Headers that cannot be read are stripped blind; a strip that fails
+    // refuses the request rather than let the client pick.
+    host.failing
+        .borrow_mut()
+        .insert("proxy_get_header_map_pairs");
+    host.failing
+        .borrow_mut()
+        .insert("proxy_remove_header_map_value");
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+    assert_eq!(host.replies.borrow().last().unwrap().0, 500);
+    w.flush(&host);
+    assert_eq!(host.counter(Counter::ClientHeaderStripped), 1);
+    assert_eq!(host.counter(Counter::HostErrors), 2);
+}
+
+#[test]
+fn non_utf8_header_values_do_not_stop_routing() {
+    let (host, w) = filter("");
+    host.set_request("POST", "/v1/chat/completions", &[("x-odd", b"\xff\xfe")]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+}
+
+#[test]
+fn a_failed_destination_write_gives_the_charge_back() {
+    let (host, w) = filter("");
+    host.failing
+        .borrow_mut()
+        .insert("proxy_replace_header_map_value");
+    let mut s = routed_stream(&host, &w, chat_body("q"));
+    assert_eq!(inflight(&host, &w), (0, 0));
+    s.on_end(&host);
+    assert_eq!(inflight(&host, &w), (0, 0));
+    w.flush(&host);
+    assert_eq!(host.counter(Counter::Routed), 0);
+    assert_eq!(host.counter(Counter::HostErrors), 1);
+}
+
+#[test]
+fn a_clock_error_is_counted_and_keeps_the_last_time() {
+    let (host, w) = filter("");
+    assert_eq!(w.now_ms(&host), 5_000);
+    host.failing
+        .borrow_mut()
+        .insert("proxy_get_current_time_nanoseconds");
+    let mut s = routed_stream(&host, &w, chat_body("q"));
+    assert!(s.holds_charge());
+    // The charge is stamped with the last good time, not 0, so the reaper
+    // (which reaps charges older than reapAfterMs) leaves it alone.
+    assert_eq!(w.engine.reap(host.store(), 5_000 + 1).unwrap(), 0);
+    s.on_end(&host);
+    w.flush(&host);
+    assert_eq!(host.counter(Counter::HostErrors), 1);
+    assert!(host.logs.borrow().iter().any(|(_, m)| m.contains("clock")));
+}
+
+#[test]
+fn fail_closed_rejects_what_fail_open_passes() {
+    let (host, w) = filter(r#","failureMode":"closed""#);
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Pause);
+    assert_eq!(host.replies.borrow().last().unwrap().0, 400);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+    *host.body.borrow_mut() = b"{not json".to_vec();
+    assert_eq!(s.on_request_body(&host, 9, true), Action::Pause);
+    assert_eq!(host.replies.borrow().last().unwrap().0, 400);
+
+    let (host, w) = filter("");
+    let mut s = routed_stream_fail_open(&host, &w);
+    s.on_end(&host);
+    w.flush(&host);
+    assert_eq!(host.counter(Counter::FailOpen), 1);
+    assert!(host.replies.borrow().is_empty());
+}
+
+fn routed_stream_fail_open(host: &FakeHost, w: &Rc<Worker>) -> Stream {
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(host, false), Action::Pause);
+    *host.body.borrow_mut() = b"{not json".to_vec();
+    assert_eq!(s.on_request_body(host, 9, true), Action::Continue);
+    assert!(!s.holds_charge());
+    s
+}
+
+#[test]
+fn state_and_decision_header_only_when_configured() {
+    let (host, w) = filter("");
+    host.set_request("GET", "/kvroute/state", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Continue);
+    let mut s = routed_stream(&host, &w, chat_body("q"));
+    s.on_response_headers(&host, false);
+    assert!(host.response_headers.borrow().is_empty());
+    assert!(host.replies.borrow().is_empty());
+
+    let (host, w) = filter(r#","debugHeader":true,"statePath":"/kvroute/state""#);
+    host.set_request("GET", "/kvroute/state?x", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Pause);
+    let (status, body) = host.replies.borrow().last().unwrap().clone();
+    assert_eq!(status, 200);
+    assert!(body.contains("endpoints"), "{body}");
+    let mut s = routed_stream(&host, &w, chat_body("q"));
+    s.on_response_headers(&host, false);
+    assert_eq!(host.response_headers.borrow()[0].0, DECISION_HEADER);
+}
+
+#[test]
+fn an_oversized_body_passes_in_fail_open_and_gets_413_in_fail_closed() {
+    let (host, w) = filter(r#","maxBodyBytes":1024"#);
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    s.on_request_headers(&host, false);
+    assert_eq!(s.on_request_body(&host, 2048, false), Action::Continue);
+    assert_eq!(s.on_request_body(&host, 4096, true), Action::Continue);
+    assert!(!s.holds_charge());
+
+    let (host, w) = filter(r#","maxBodyBytes":1024,"failureMode":"closed""#);
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    s.on_request_headers(&host, false);
+    assert_eq!(s.on_request_body(&host, 2048, false), Action::Pause);
+    assert_eq!(host.replies.borrow().last().unwrap().0, 413);
+}
+
+#[test]
+fn an_unconfigured_stream_passes_everything() {
+    let host = FakeHost::default();
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(None);
+    assert_eq!(s.on_request_headers(&host, false), Action::Continue);
+    assert_eq!(s.on_request_body(&host, 10, true), Action::Continue);
+    s.on_end(&host);
+    assert!(host.calls.borrow().is_empty() && host.logs.borrow().is_empty());
+}
+
+#[test]
+fn batched_counts_reach_the_host_only_on_flush() {
+    let (host, w) = filter("");
+    let calls = host.counter_calls.get();
+    for i in 0..3 {
+        let mut s = routed_stream(&host, &w, chat_body(&format!("q{i}")));
+        s.on_end(&host);
+    }
+    assert_eq!(host.counter_calls.get(), calls, "counted before the tick");
+    w.flush(&host);
+    assert_eq!(host.counter(Counter::Routed), 3);
+    let branches: i64 = [
+        Counter::BranchSticky,
+        Counter::BranchNoAffinity,
+        Counter::BranchSaturationRelease,
+        Counter::BranchExploration,
+        Counter::BranchOther,
+    ]
+    .iter()
+    .map(|c| host.counter(*c))
+    .sum();
+    assert_eq!(branches, 3);
+    w.flush(&host);
+    assert_eq!(
+        host.counter(Counter::Routed),
+        3,
+        "a count handed over twice"
+    );
+    // Without a tick, counts go at once.
+    host.failing
+        .borrow_mut()
+        .insert("proxy_set_tick_period_milliseconds");
+    let Ok(Role::Filter(w)) = configure(&host) else {
+        panic!("not a filter")
+    };
+    let mut s = routed_stream(&host, &w, chat_body("q9"));
+    s.on_end(&host);
+    assert_eq!(host.counter(Counter::Routed), 4);
+}
+
+#[test]
+fn branch_counters_cover_every_branch() {
+    use crate::scheduling::Branch::*;
+    let all = [
+        Sticky,
+        SaturationRelease,
+        NoAffinity,
+        Exploration,
+        Single,
+        Unfiltered,
+    ];
+    let got: Vec<Counter> = all.iter().map(|b| Counter::for_branch(*b)).collect();
+    assert_eq!(
+        got,
+        [
+            Counter::BranchSticky,
+            Counter::BranchSaturationRelease,
+            Counter::BranchNoAffinity,
+            Counter::BranchExploration,
+            Counter::BranchOther,
+            Counter::BranchOther
+        ]
+    );
+    let names: HashSet<&str> = Counter::ALL.iter().map(|c| c.name()).collect();
+    assert_eq!(names.len(), Counter::ALL.len());
+}
+
+fn collector(extra: &str) -> (FakeHost, Collector) {
+    collector_polling(500, extra)
+}
+
+fn collector_polling(poll_ms: u64, extra: &str) -> (FakeHost, Collector) {
+    let host = FakeHost::default();
+    host.now_ns.set(1_000_000_000);
+    *host.config.borrow_mut() = format!(
+        r#"{{{BASE},"collector":{{"metricsCluster":"models","metricsPollIntervalMs":{poll_ms}{extra}}}}}"#
+    )
+    .into_bytes();
+    *host.root_id.borrow_mut() = COLLECTOR_ROOT_ID.as_bytes().to_vec();
+    match configure(&host) {
+        Ok(Role::Collector(c)) => (host, *c),
+        Ok(Role::Filter(_)) => panic!("not the collector"),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn collector_timers_come_from_the_config() {
+    let (host, c) = collector(r#","reapAfterMs":2000"#);
+    let t = c.timers();
+    assert_eq!(host.tick_ms.get(), Some(250));
+    assert_eq!(
+        t,
+        Timers {
+            tick_ms: 250,
+            admin_refresh_ms: None,
+            admin_timeout_ms: 5_000,
+            metrics_poll_ms: 500,
+            metrics_timeout_ms: t.metrics_timeout_ms,
+            reap_every_ms: 500,
+        }
+    );
+    let (_, c) = collector_polling(50, "");
+    assert_eq!(c.timers().tick_ms, 25, "clamped to 25 ms");
+}
+
+#[test]
+fn collector_polls_each_endpoint_once_at_a_time_and_counts_failures() {
+    let (host, mut c) = collector("");
+    c.on_tick(&host);
+    let calls = host.calls.borrow().clone();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(calls.iter().all(|(cl, h, _)| cl == "models"
+        && h.iter()
+            .any(|(k, v)| k == "x-gateway-destination-endpoint" && v.starts_with("127.0.0.1:"))));
+    // Still in flight: no second call on the next poll.
+    host.now_ns.set(2_000_000_000);
+    c.on_tick(&host);
+    assert_eq!(host.calls.borrow().len(), 2);
+    // One answers 200 with metrics, one times out (no headers).
+    *host.call_status.borrow_mut() = Some("200".into());
+    *host.call_body.borrow_mut() =
+        Some(b"vllm:num_requests_running{model_name=\"m\"} 3\n".to_vec());
+    c.on_http_call_response(&host, 1, 3, 40);
+    c.on_http_call_response(&host, 2, 0, 0);
+    assert_eq!(host.counter(Counter::MetricsPollFailures), 1);
+    // A call the host refuses counts as a failed poll.
+    host.failing.borrow_mut().insert("proxy_http_call");
+    host.now_ns.set(3_000_000_000);
+    c.on_tick(&host);
+    assert_eq!(host.counter(Counter::MetricsPollFailures), 3);
+    // A clock error skips the tick and is counted.
+    host.failing
+        .borrow_mut()
+        .insert("proxy_get_current_time_nanoseconds");
+    c.on_tick(&host);
+    assert_eq!(host.counter(Counter::HostErrors), 1);
+}
