@@ -5,6 +5,7 @@ use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
 use kvroute_core::scheduling::active_request::ActiveRequestScorer;
 use kvroute_core::scheduling::affinity_filter::AffinityFilter;
 use kvroute_core::scheduling::charge::InflightConfig;
+use kvroute_core::scheduling::prefix_cache::PrefixCacheScorer;
 use kvroute_core::scheduling::token_load::TokenLoadScorer;
 use kvroute_core::scheduling::{
     Candidate, EndpointMetrics, Picker, RequestView, Rng, Scheduler, Scorer,
@@ -53,6 +54,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                         max_ttft_penalty_ms: pen,
                         peak_prefill_throughput: tput,
                         exploration_probability: expl,
+                        max_tokens_in_flight_penalty: 0,
                     }]
                 } else {
                     vec![]
@@ -63,7 +65,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                         1 => Scorer::ActiveRequest(ActiveRequestScorer::default()),
                         2 => Scorer::Queue,
                         3 => Scorer::KvCacheUtilization,
-                        4 => Scorer::PrefixCache,
+                        4 => Scorer::PrefixCache(PrefixCacheScorer::default()),
                         _ => Scorer::NoHitLru,
                     },
                     1.5,

@@ -8,13 +8,18 @@
 //!   min_sticky ttft − min_nonsticky ttft > maxTTFTPenaltyMs (strictly):
 //!   every candidate passes (`saturation-release`). As a token gap this is
 //!   τ = peakPrefillThroughput × maxTTFTPenaltyMs / 1000.
+//! - The same release, stated in tokens: if `maxTokensInFlightPenalty` > 0,
+//!   some candidate is not sticky, and min_sticky inflight_tokens −
+//!   min_nonsticky inflight_tokens > maxTokensInFlightPenalty (strictly).
+//!   This is llm-d's earlier interface (τ given directly); either gate firing
+//!   releases.
 //! - Otherwise only the sticky candidates pass (`sticky`).
 //! - With probability `explorationProbability`, every candidate passes
 //!   (`exploration`) before any of the above.
 //! - With ≤ 1 candidate, or `affinityThreshold` ≤ 0, the filter does not
 //!   apply: every candidate passes.
 //!
-//! `maxTTFTPenaltyMs = 0` means "always stick" (the hot-spotting baseline).
+//! Both penalties 0 means "always stick" (the hot-spotting baseline).
 
 use super::{Candidate, RequestView, Rng};
 
@@ -25,6 +30,8 @@ pub struct AffinityFilter {
     /// tokens / second
     pub peak_prefill_throughput: f64,
     pub exploration_probability: f64,
+    /// tokens; the token-gap gate, τ given directly (0 = this gate is off)
+    pub max_tokens_in_flight_penalty: u64,
 }
 
 impl Default for AffinityFilter {
@@ -34,6 +41,7 @@ impl Default for AffinityFilter {
             max_ttft_penalty_ms: 18_000.0,
             peak_prefill_throughput: 15_928.0,
             exploration_probability: 0.0,
+            max_tokens_in_flight_penalty: 0,
         }
     }
 }
@@ -75,25 +83,34 @@ impl AffinityFilter {
         let is_sticky = |i: usize| cands[i].affinity(req) >= self.affinity_threshold;
         let mut best_sticky = f64::INFINITY;
         let mut best_other = f64::INFINITY;
+        // tokens
+        let mut fewest_sticky = u64::MAX;
+        let mut fewest_other = u64::MAX;
         let mut any_sticky = false;
         let mut any_other = false;
         for &i in passing.iter() {
             let t = self.ttft_ms(&cands[i]);
+            let n = cands[i].inflight_tokens;
             if is_sticky(i) {
                 any_sticky = true;
                 best_sticky = best_sticky.min(t);
+                fewest_sticky = fewest_sticky.min(n);
             } else {
                 any_other = true;
                 best_other = best_other.min(t);
+                fewest_other = fewest_other.min(n);
             }
         }
         if !any_sticky {
             return FilterBranch::NoAffinity;
         }
-        if self.max_ttft_penalty_ms > 0.0
+        let ttft_gate = self.max_ttft_penalty_ms > 0.0
             && any_other
-            && best_sticky - best_other > self.max_ttft_penalty_ms
-        {
+            && best_sticky - best_other > self.max_ttft_penalty_ms;
+        let token_gate = self.max_tokens_in_flight_penalty > 0
+            && any_other
+            && fewest_sticky.saturating_sub(fewest_other) > self.max_tokens_in_flight_penalty;
+        if ttft_gate || token_gate {
             return FilterBranch::SaturationRelease;
         }
         passing.retain(|&i| is_sticky(i));
@@ -176,6 +193,57 @@ mod tests {
         assert_eq!(
             run(&f, &req(10), &[cand(10, u64::MAX / 4), cand(0, 0)]),
             (FilterBranch::Sticky, vec![0])
+        );
+    }
+
+    #[test]
+    fn token_gate_fires_strictly_above_tau() {
+        // llm-d's earlier interface: τ in tokens, the TTFT gate off.
+        let f = AffinityFilter {
+            max_ttft_penalty_ms: 0.0,
+            max_tokens_in_flight_penalty: 2000,
+            ..Default::default()
+        };
+        let r = req(10);
+        assert_eq!(
+            run(&f, &r, &[cand(10, 2500), cand(0, 500)]).0,
+            FilterBranch::Sticky
+        );
+        assert_eq!(
+            run(&f, &r, &[cand(10, 2501), cand(0, 500)]),
+            (FilterBranch::SaturationRelease, vec![0, 1])
+        );
+        // A cold endpoint busier than the warm one never releases.
+        assert_eq!(
+            run(&f, &r, &[cand(10, 0), cand(0, 9000)]).0,
+            FilterBranch::Sticky
+        );
+    }
+
+    #[test]
+    fn either_gate_releases() {
+        // TTFT gate τ = 1000 tok/s × 1000 ms = 1000 tokens; token gate τ = 5000.
+        let f = AffinityFilter {
+            max_ttft_penalty_ms: 1000.0,
+            peak_prefill_throughput: 1000.0,
+            max_tokens_in_flight_penalty: 5000,
+            ..Default::default()
+        };
+        assert_eq!(
+            run(&f, &req(10), &[cand(10, 1001), cand(0, 0)]).0,
+            FilterBranch::SaturationRelease
+        );
+        let g = AffinityFilter {
+            max_ttft_penalty_ms: 10_000.0,
+            ..f
+        };
+        assert_eq!(
+            run(&g, &req(10), &[cand(10, 5001), cand(0, 0)]).0,
+            FilterBranch::SaturationRelease
+        );
+        assert_eq!(
+            run(&g, &req(10), &[cand(10, 5000), cand(0, 0)]).0,
+            FilterBranch::Sticky
         );
     }
 

@@ -21,7 +21,8 @@ impl Default for InflightConfig {
     fn default() -> Self {
         InflightConfig {
             add_estimated_output_tokens: false,
-            output_ratio: 1.0,
+            // llm-d's DefaultOutputRatio (inflightload/token_estimator.go)
+            output_ratio: 1.5,
             max_estimated_output_tokens: None,
         }
     }

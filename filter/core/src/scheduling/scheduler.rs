@@ -9,8 +9,9 @@
 use super::active_request::ActiveRequestScorer;
 use super::affinity_filter::{AffinityFilter, FilterBranch};
 use super::charge::InflightConfig;
+use super::prefix_cache::PrefixCacheScorer;
 use super::token_load::TokenLoadScorer;
-use super::{kv_cache_utilization, max_score, no_hit_lru, prefix_cache, queue, weighted_random};
+use super::{kv_cache_utilization, max_score, no_hit_lru, queue, weighted_random};
 use super::{Candidate, RequestView, Rng};
 
 /// A scorer of the profile.
@@ -20,7 +21,7 @@ pub enum Scorer {
     ActiveRequest(ActiveRequestScorer),
     Queue,
     KvCacheUtilization,
-    PrefixCache,
+    PrefixCache(PrefixCacheScorer),
     NoHitLru,
 }
 
@@ -32,7 +33,7 @@ impl Scorer {
             Scorer::ActiveRequest(_) => "active-request-scorer",
             Scorer::Queue => "queue-scorer",
             Scorer::KvCacheUtilization => "kv-cache-utilization-scorer",
-            Scorer::PrefixCache => "prefix-cache-scorer",
+            Scorer::PrefixCache(_) => "prefix-cache-scorer",
             Scorer::NoHitLru => "no-hit-lru-scorer",
         }
     }
@@ -173,7 +174,7 @@ impl Scheduler {
                 Scorer::KvCacheUtilization => {
                     kv_cache_utilization::score(cands, &passing, &mut buf)
                 }
-                Scorer::PrefixCache => prefix_cache::score(req, cands, &passing, &mut buf),
+                Scorer::PrefixCache(s) => s.score(req, cands, &passing, &mut buf),
                 Scorer::NoHitLru => no_hit_lru::score(req, cands, &passing, &mut buf),
             }
             for (t, s) in totals.iter_mut().zip(&buf) {
@@ -308,7 +309,7 @@ mod tests {
         let s = Scheduler {
             filters: vec![],
             scorers: vec![
-                (Scorer::PrefixCache, 3.0),
+                (Scorer::PrefixCache(PrefixCacheScorer::default()), 3.0),
                 (Scorer::Queue, 2.0),
                 (Scorer::KvCacheUtilization, 2.0),
                 (Scorer::NoHitLru, 2.0),

@@ -1,6 +1,7 @@
 //! The plugin configuration: llm-d's `EndpointPickerConfig` shape
-//! (`plugins`, `schedulingProfiles`) plus kvroute's own sections
-//! (`endpoints`, `routing`, `collector`, `sharedState`).
+//! (`plugins`, `schedulingProfiles`, and the other llm-d sections, see
+//! [`llm_d`]) plus kvroute's own sections (`endpoints`, `routing`,
+//! `collector`, `sharedState`).
 //!
 //! Strict: unknown fields and out-of-range values are errors that name the
 //! field path (`plugins[2].parameters.affinityThreshold`) and say what is
@@ -12,6 +13,7 @@ use crate::blocks::BlockConfig;
 use crate::scheduling::active_request::ActiveRequestScorer;
 use crate::scheduling::affinity_filter::AffinityFilter;
 use crate::scheduling::charge::InflightConfig;
+use crate::scheduling::prefix_cache::PrefixCacheScorer;
 use crate::scheduling::token_load::TokenLoadScorer;
 use crate::scheduling::{Picker, Scheduler, Scorer};
 use serde::de::DeserializeOwned;
@@ -19,6 +21,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::fmt;
 use std::net::SocketAddr;
+
+mod llm_d;
+use llm_d::Inert;
 
 /// A configuration error: where, and what is wrong.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -156,9 +161,21 @@ struct RawConfig {
     #[serde(default)]
     kind: Option<String>,
     #[serde(default)]
+    feature_gates: Vec<String>,
+    #[serde(default)]
     plugins: Vec<RawPlugin>,
     #[serde(default)]
     scheduling_profiles: Vec<RawProfile>,
+    #[serde(default)]
+    data_layer: Option<Value>,
+    #[serde(default)]
+    flow_control: Option<Value>,
+    #[serde(default)]
+    request_handler: Option<Value>,
+    #[serde(default)]
+    parser: Option<Value>,
+    #[serde(default)]
+    saturation_detector: Option<Value>,
     #[serde(default)]
     endpoints: Option<RawEndpoints>,
     #[serde(default)]
@@ -258,6 +275,9 @@ struct RawSharedState {
 struct ApproxPrefixParams {
     auto_tune: Option<bool>,
     block_size_tokens: Option<u64>,
+    /// Deprecated in llm-d for `blockSizeTokens` (same unit since the
+    /// producer split); used only when `blockSizeTokens` is absent.
+    block_size: Option<u64>,
     max_prefix_blocks_to_match: Option<u64>,
     max_prefix_tokens_to_match: Option<u64>,
     lru_capacity_per_server: Option<u64>,
@@ -272,6 +292,9 @@ struct InflightParams {
     output_ratio: Option<f64>,
     max_estimated_output_tokens: Option<i64>,
     prefix_match_info_producer_name: Option<String>,
+    /// Only acts with llm-d's cross-replica syncer, which kvroute does not
+    /// have; either value means "local to this gateway".
+    sync_cross_replica_state: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -281,10 +304,13 @@ struct AffinityParams {
     exploration_probability: Option<f64>,
     #[serde(rename = "maxTTFTPenaltyMs")]
     max_ttft_penalty_ms: Option<f64>,
+    /// llm-d's earlier interface: τ in tokens.
+    max_tokens_in_flight_penalty: Option<i64>,
     peak_prefill_throughput: Option<f64>,
     ttft_source: Option<String>,
     prefix_match_info_producer_name: Option<String>,
     in_flight_load_producer_name: Option<String>,
+    latency_prediction_info_producer_name: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -306,13 +332,19 @@ struct ActiveRequestParams {
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ProducerRefParams {
+struct PrefixScorerParams {
     prefix_match_info_producer_name: Option<String>,
+    match_length_weight: Option<f64>,
+    match_length_scale_tokens: Option<i64>,
 }
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct NoHitLruParams {
+    /// Deprecated in llm-d: "never used".
+    prefix_plugin_type: Option<String>,
+    /// Deprecated in llm-d: "never used".
+    prefix_plugin_name: Option<String>,
     lru_size: Option<i64>,
     prefix_match_info_producer_name: Option<String>,
 }
@@ -335,6 +367,14 @@ fn strict<T: DeserializeOwned>(bytes: &[u8], base: &str) -> Result<T, ConfigErro
         err(join_path(base, &inner), e.into_inner().to_string())
     })?;
     Ok(out)
+}
+
+/// Like [`strict_value`] for a section that is present.
+fn strict_value_req<T: DeserializeOwned>(v: &Value, base: &str) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let inner = e.path().to_string();
+        err(join_path(base, &inner), e.into_inner().to_string())
+    })
 }
 
 fn strict_value<T: DeserializeOwned + Default>(
@@ -364,7 +404,9 @@ fn join_path(base: &str, inner: &str) -> String {
 const SUPPORTED_TYPES: &str = "approx-prefix-cache-producer, inflight-load-producer, \
 prefix-cache-affinity-filter, token-load-scorer, active-request-scorer, queue-scorer, \
 kv-cache-utilization-scorer, prefix-cache-scorer, no-hit-lru-scorer, max-score-picker, \
-weighted-random-picker";
+weighted-random-picker (and, accepted with nothing to do: single-profile-handler, \
+decode-filter, utilization-detector, concurrency-detector, openai-parser, llm-d's data-layer \
+sources and extractors)";
 
 enum Compiled {
     Prefix(PrefixProducerConfig),
@@ -372,6 +414,8 @@ enum Compiled {
     Filter(AffinityFilter),
     Scorer(Scorer),
     Picker(Picker),
+    /// Accepted, nothing to run (see [`Inert`]).
+    Inert(Inert),
 }
 
 fn range_f64(
@@ -422,12 +466,27 @@ fn compile_plugin(
             _ => Ok(()),
         }
     };
-    Ok(match p.kind.as_str() {
+    let kind = llm_d::canonical_type(&p.kind);
+    if let Some(role) = Inert::of(kind) {
+        llm_d::inert_params(kind, role, &p.parameters, &ppath)?;
+        return Ok(Compiled::Inert(role));
+    }
+    if let Some(why) = llm_d::unsupported_reason(kind) {
+        return Err(err(
+            format!("{path}.type"),
+            format!("llm-d plugin type \"{}\" is not supported: {why}", p.kind),
+        ));
+    }
+    Ok(match kind {
         "approx-prefix-cache-producer" => {
             let q: ApproxPrefixParams = strict_value(&p.parameters, &ppath)?;
+            let (bs_field, bs_value) = match (q.block_size_tokens, q.block_size) {
+                (None, Some(b)) if b > 0 => ("blockSize", Some(b)),
+                (t, _) => ("blockSizeTokens", t),
+            };
             let bs = range_u64(
-                &format!("{ppath}.blockSizeTokens"),
-                q.block_size_tokens,
+                &format!("{ppath}.{bs_field}"),
+                bs_value,
                 64,
                 1,
                 65_536,
@@ -441,11 +500,14 @@ fn compile_plugin(
                 64,
                 "bytes per token",
             )?;
-            let max_tokens = match (q.max_prefix_tokens_to_match, q.max_prefix_blocks_to_match) {
-                (Some(t), _) if t > 0 => t,
-                (_, Some(b)) if b > 0 => b.saturating_mul(bs),
-                (Some(0), _) | (_, Some(0)) => 0,
-                _ => 131_072,
+            // llm-d: the token cap (default 131072) wins when > 0; else the
+            // block cap (default 2048) when > 0; both 0 = the whole prompt.
+            let cap_tokens = q.max_prefix_tokens_to_match.unwrap_or(131_072);
+            let cap_blocks = q.max_prefix_blocks_to_match.unwrap_or(2048);
+            let max_tokens = if cap_tokens > 0 {
+                cap_tokens
+            } else {
+                cap_blocks.saturating_mul(bs)
             };
             Compiled::Prefix(PrefixProducerConfig {
                 blocks: BlockConfig {
@@ -463,13 +525,14 @@ fn compile_plugin(
                 "prefixMatchInfoProducerName",
                 &q.prefix_match_info_producer_name,
             )?;
+            let _ = q.sync_cross_replica_state;
             let ratio = range_f64(
                 &format!("{ppath}.outputRatio"),
                 q.output_ratio,
-                1.0,
+                1.5,
                 0.0,
-                1000.0,
-                "must be a finite number in [0, 1000]",
+                f64::MAX,
+                "must be a finite number ≥ 0",
             )?;
             let cap = match q.max_estimated_output_tokens {
                 Some(n) if n < 0 => {
@@ -494,6 +557,26 @@ fn compile_plugin(
                 &q.prefix_match_info_producer_name,
             )?;
             check_producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
+            if q.latency_prediction_info_producer_name.is_some() {
+                return Err(err(
+                    format!("{ppath}.latencyPredictionInfoProducerName"),
+                    "names llm-d's latency-predictor producer, which kvroute does not have; remove it (the TTFT estimate is in-flight tokens / peakPrefillThroughput)",
+                ));
+            }
+            let token_penalty = match q.max_tokens_in_flight_penalty {
+                None => 0,
+                Some(n) if n >= 0 => n as u64,
+                Some(n) => {
+                    return Err(err(
+                        format!("{ppath}.maxTokensInFlightPenalty"),
+                        format!("{n} is out of range: must be ≥ 0 tokens (0 = this gate is off)"),
+                    ))
+                }
+            };
+            // Written with the token gate, a config is in llm-d's earlier
+            // interface, where maxTTFTPenaltyMs read the latency predictor
+            // and was inert without it: so its default there is "off".
+            let ttft_default = if token_penalty > 0 { 0.0 } else { 18_000.0 };
             if let Some(s) = &q.ttft_source {
                 if s != "prefillThroughput" {
                     return Err(err(
@@ -522,7 +605,7 @@ fn compile_plugin(
                 max_ttft_penalty_ms: range_f64(
                     &format!("{ppath}.maxTTFTPenaltyMs"),
                     q.max_ttft_penalty_ms,
-                    18_000.0,
+                    ttft_default,
                     0.0,
                     86_400_000.0,
                     "must be ≥ 0 ms (0 = always stick)",
@@ -535,6 +618,7 @@ fn compile_plugin(
                     1e12,
                     "must be ≥ 0 tokens/s",
                 )?,
+                max_tokens_in_flight_penalty: token_penalty,
             };
             if f.max_ttft_penalty_ms > 0.0 && f.peak_prefill_throughput <= 0.0 {
                 return Err(err(
@@ -596,15 +680,56 @@ fn compile_plugin(
             Compiled::Scorer(Scorer::KvCacheUtilization)
         }
         "prefix-cache-scorer" => {
-            let q: ProducerRefParams = strict_value(&p.parameters, &ppath)?;
+            if let Some(Value::Object(m)) = &p.parameters {
+                // Before llm-d split the index into its own producer, the
+                // scorer kept it and took its parameters.
+                for old in [
+                    "hashBlockSize",
+                    "blockSize",
+                    "blockSizeTokens",
+                    "maxPrefixBlocksToMatch",
+                    "maxPrefixTokensToMatch",
+                    "lruCapacityPerServer",
+                    "autoTune",
+                ] {
+                    if m.contains_key(old) {
+                        return Err(err(
+                            format!("{ppath}.{old}"),
+                            "is an index parameter from llm-d's older prefix-cache scorer; the index is now approx-prefix-cache-producer: move it there",
+                        ));
+                    }
+                }
+            }
+            let q: PrefixScorerParams = strict_value(&p.parameters, &ppath)?;
             check_producer(
                 "prefixMatchInfoProducerName",
                 &q.prefix_match_info_producer_name,
             )?;
-            Compiled::Scorer(Scorer::PrefixCache)
+            let w = range_f64(
+                &format!("{ppath}.matchLengthWeight"),
+                q.match_length_weight,
+                0.0,
+                0.0,
+                1.0,
+                "must be in [0, 1]",
+            )?;
+            let scale = q.match_length_scale_tokens.unwrap_or(8192);
+            if w > 0.0 && scale <= 0 {
+                return Err(err(
+                    format!("{ppath}.matchLengthScaleTokens"),
+                    format!(
+                        "{scale} is out of range: must be > 0 tokens when matchLengthWeight > 0"
+                    ),
+                ));
+            }
+            Compiled::Scorer(Scorer::PrefixCache(PrefixCacheScorer {
+                match_length_weight: w,
+                match_length_scale_tokens: scale.max(0) as u64,
+            }))
         }
         "no-hit-lru-scorer" => {
             let q: NoHitLruParams = strict_value(&p.parameters, &ppath)?;
+            let _ = (q.prefix_plugin_type, q.prefix_plugin_name);
             check_producer(
                 "prefixMatchInfoProducerName",
                 &q.prefix_match_info_producer_name,
@@ -629,7 +754,7 @@ fn compile_plugin(
                     ));
                 }
             }
-            Compiled::Picker(if p.kind == "max-score-picker" {
+            Compiled::Picker(if kind == "max-score-picker" {
                 Picker::MaxScore
             } else {
                 Picker::WeightedRandom
@@ -656,6 +781,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     }
     let _ = raw.api_version;
+    llm_d::feature_gates(&raw.feature_gates)?;
 
     // Names: `name` defaults to `type`; must be unique.
     let names: Vec<String> = raw
@@ -677,6 +803,13 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         .zip(&names)
         .filter(|(p, _)| p.kind.ends_with("-producer"))
         .map(|(_, n)| n.clone())
+        .collect();
+
+    let declared: Vec<(String, String)> = raw
+        .plugins
+        .iter()
+        .zip(&names)
+        .map(|(p, n)| (n.clone(), llm_d::canonical_type(&p.kind).to_string()))
         .collect();
 
     let mut compiled = Vec::with_capacity(raw.plugins.len());
@@ -704,6 +837,17 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         compiled.push(c);
     }
 
+    llm_d::sections(
+        &llm_d::Sections {
+            data_layer: raw.data_layer.clone(),
+            flow_control: raw.flow_control.clone(),
+            request_handler: raw.request_handler.clone(),
+            parser: raw.parser.clone(),
+            saturation_detector: raw.saturation_detector.clone(),
+        },
+        &declared,
+    )?;
+
     // Profile: exactly one (kvroute has no P/D disaggregation), or none →
     // llm-d's optimized baseline over the configured plugins.
     let mut filters = Vec::new();
@@ -711,7 +855,13 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut picker = None;
     match raw.scheduling_profiles.len() {
         0 => {
-            if raw.plugins.iter().any(|p| !p.kind.ends_with("-producer")) {
+            let runs_in_profile = |c: &Compiled| {
+                matches!(
+                    c,
+                    Compiled::Filter(_) | Compiled::Scorer(_) | Compiled::Picker(_)
+                )
+            };
+            if compiled.iter().any(runs_in_profile) {
                 return Err(err("schedulingProfiles", "plugins other than producers are configured but no scheduling profile uses them; add a profile"));
             }
             let d = Scheduler::default();
@@ -760,6 +910,14 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                     }
                     Compiled::Prefix(_) | Compiled::Inflight(_) => {
                         return Err(err(format!("{path}.pluginRef"), format!("\"{}\" is a data producer; producers run for every request and are not listed in a profile", r.plugin_ref)))
+                    }
+                    Compiled::Inert(role) => {
+                        if let Some(why) = role.profile_error() {
+                            return Err(err(format!("{path}.pluginRef"), format!("\"{}\" {why}", r.plugin_ref)));
+                        }
+                        if r.weight.is_some() {
+                            return Err(err(format!("{path}.weight"), "only scorers take a weight"));
+                        }
                     }
                 }
             }
@@ -968,156 +1126,4 @@ fn compile_routing(r: RawRouting) -> Result<RoutingConfig, ConfigError> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const BASELINE: &str = r#"{"plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":64,"maxPrefixTokensToMatch":131072}},
-            {"type":"inflight-load-producer"},
-            {"type":"prefix-cache-affinity-filter","parameters":{"affinityThreshold":0.8,"maxTTFTPenaltyMs":18000,"peakPrefillThroughput":15928}},
-            {"type":"token-load-scorer"},{"type":"max-score-picker"}],
- "schedulingProfiles":[{"name":"default","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"token-load-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
-
-    fn with_endpoints(doc: &str) -> String {
-        let mut v: Value = serde_json::from_str(doc).unwrap();
-        v["endpoints"] = serde_json::json!({"static": ["127.0.0.1:8001", "127.0.0.1:8002"]});
-        v.to_string()
-    }
-
-    fn reject(doc: &str) -> ConfigError {
-        Config::from_json(doc.as_bytes()).expect_err("config should be rejected")
-    }
-
-    #[test]
-    fn llm_d_baseline_is_accepted_as_is_and_means_the_baseline() {
-        let c = Config::from_json(with_endpoints(BASELINE).as_bytes()).unwrap();
-        assert_eq!(c.scheduler, Scheduler::default());
-        assert_eq!(c.prefix.blocks, BlockConfig::default());
-        assert_eq!(c.routing.failure_mode, FailureMode::Open);
-        assert_eq!(
-            c.routing.destination_header,
-            "x-gateway-destination-endpoint"
-        );
-    }
-
-    #[test]
-    fn baseline_without_endpoints_names_the_missing_section() {
-        assert_eq!(reject(BASELINE).path, "endpoints");
-    }
-
-    #[test]
-    fn unknown_and_out_of_range_fields_are_named() {
-        let doc = with_endpoints(
-            &BASELINE.replace("\"affinityThreshold\":0.8", "\"affinityThreshold\":1.5"),
-        );
-        let e = reject(&doc);
-        assert_eq!(e.path, "plugins[2].parameters.affinityThreshold");
-        assert!(e.message.contains("[0, 1]"), "{e}");
-
-        let doc =
-            with_endpoints(&BASELINE.replace("\"blockSizeTokens\":64", "\"blockSizeTokenz\":64"));
-        let e = reject(&doc);
-        assert_eq!(e.path, "plugins[0].parameters.blockSizeTokenz");
-        assert!(e.message.contains("unknown field"), "{e}");
-
-        let e = reject(&with_endpoints(
-            r#"{"routing":{"failureMode":"sometimes"}}"#,
-        ));
-        assert_eq!(e.path, "routing.failureMode");
-
-        let e = reject(&with_endpoints(r#"{"routing":{"maxFallback":1}}"#));
-        assert_eq!(e.path, "routing.maxFallback");
-
-        let e = reject(r#"{"endpoints":{"static":["localhost:80"]}}"#);
-        assert_eq!(e.path, "endpoints.static[0]");
-
-        let e = reject(&with_endpoints(
-            r#"{"plugins":[{"type":"magic-scorer"}],"schedulingProfiles":[{"name":"x","plugins":[]}]}"#,
-        ));
-        assert_eq!(e.path, "plugins[0].type");
-        assert!(e.message.contains("token-load-scorer"));
-
-        let e = reject(&with_endpoints(&BASELINE.replace(
-            "\"pluginRef\":\"token-load-scorer\"",
-            "\"pluginRef\":\"tokenload\"",
-        )));
-        assert_eq!(e.path, "schedulingProfiles[0].plugins[1].pluginRef");
-
-        let e = reject(&with_endpoints(
-            r#"{"plugins":[{"type":"token-load-scorer","parameters":{"queueThresholdTokens":"big"}}],"schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"token-load-scorer"}]}]}"#,
-        ));
-        assert_eq!(e.path, "plugins[0].parameters.queueThresholdTokens");
-
-        let e = reject(&with_endpoints(
-            r#"{"plugins":[{"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":-1}}],"schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"prefix-cache-affinity-filter"}]}]}"#,
-        ));
-        assert_eq!(e.path, "plugins[0].parameters.maxTTFTPenaltyMs");
-
-        assert!(reject("not json").message.contains("expected"));
-        assert_eq!(
-            reject(&with_endpoints(r#"{"sharedState":{"indexBudgetBytes":1}}"#)).path,
-            "sharedState.indexBudgetBytes"
-        );
-    }
-
-    #[test]
-    fn legacy_blend_and_named_instances() {
-        let doc = with_endpoints(
-            r#"{"plugins":[{"type":"approx-prefix-cache-producer"},
-            {"type":"prefix-cache-scorer"},{"type":"queue-scorer"},{"type":"kv-cache-utilization-scorer"},
-            {"type":"no-hit-lru-scorer"},{"name":"pick","type":"weighted-random-picker"}],
-            "schedulingProfiles":[{"name":"legacy","plugins":[{"pluginRef":"prefix-cache-scorer","weight":3},
-              {"pluginRef":"queue-scorer","weight":2},{"pluginRef":"kv-cache-utilization-scorer","weight":2},
-              {"pluginRef":"no-hit-lru-scorer","weight":2},{"pluginRef":"pick"}]}]}"#,
-        );
-        let c = Config::from_json(doc.as_bytes()).unwrap();
-        assert!(c.scheduler.filters.is_empty());
-        assert_eq!(c.scheduler.picker, Picker::WeightedRandom);
-        let weights: Vec<(&str, f64)> = c
-            .scheduler
-            .scorers
-            .iter()
-            .map(|(s, w)| (s.type_name(), *w))
-            .collect();
-        assert_eq!(
-            weights,
-            vec![
-                ("prefix-cache-scorer", 3.0),
-                ("queue-scorer", 2.0),
-                ("kv-cache-utilization-scorer", 2.0),
-                ("no-hit-lru-scorer", 2.0)
-            ]
-        );
-    }
-
-    #[test]
-    fn always_stick_and_active_request() {
-        let doc = with_endpoints(
-            r#"{"plugins":[{"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":0}},
-            {"type":"active-request-scorer","parameters":{"idleThreshold":2,"maxBusyScore":0.5}},{"type":"max-score-picker"}],
-            "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"active-request-scorer"},{"pluginRef":"max-score-picker"}]}]}"#,
-        );
-        let c = Config::from_json(doc.as_bytes()).unwrap();
-        assert_eq!(c.scheduler.filters[0].max_ttft_penalty_ms, 0.0);
-        assert_eq!(
-            c.scheduler.scorers[0].0,
-            Scorer::ActiveRequest(ActiveRequestScorer {
-                idle_threshold: 2,
-                max_busy_score: 0.5
-            })
-        );
-    }
-
-    #[test]
-    fn empty_plugins_mean_the_baseline() {
-        let c = Config::from_json(br#"{"endpoints":{"fromCluster":{"cluster":"vllm"}}}"#).unwrap();
-        assert_eq!(c.scheduler, Scheduler::default());
-        assert_eq!(
-            c.endpoints,
-            EndpointSource::FromCluster {
-                cluster: "vllm".into(),
-                admin_cluster: "envoy_admin".into(),
-                refresh_ms: 1000
-            }
-        );
-    }
-}
+mod tests;

@@ -1,0 +1,435 @@
+//! The parts of llm-d's `EndpointPickerConfig` that are not scheduling
+//! plugins kvroute runs: old type names, plugin types kvroute accepts but
+//! has no work for, plugin types it refuses (and why), and the top-level
+//! sections `featureGates`, `dataLayer`, `flowControl`, `requestHandler`,
+//! `parser` and `saturationDetector`.
+//!
+//! The rule for each: accept what kvroute honours with llm-d's meaning;
+//! ignore only what cannot change a routing decision (each such key is listed
+//! in `docs/configuration.md`); refuse the rest with a message that names it
+//! and says why.
+
+use super::{err, ConfigError};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Older llm-d / gateway-api-inference-extension type names for plugins
+/// kvroute implements, and the current name each maps to.
+///
+/// Checked against the history of
+/// `kubernetes-sigs/gateway-api-inference-extension`: `kv-cache`,
+/// `queue`, `prefix-cache`, `max-score` and `single-profile` were renamed
+/// with the `-scorer`/`-picker`/`-handler` suffixes in 0b141c6a
+/// (2025-07-14); `kv-cache-scorer` became `kv-cache-utilization-scorer` in
+/// 216d5bf0 (2025-07-28).
+const ALIASES: &[(&str, &str)] = &[
+    ("kv-cache", "kv-cache-utilization-scorer"),
+    ("kv-cache-scorer", "kv-cache-utilization-scorer"),
+    ("queue", "queue-scorer"),
+    ("prefix-cache", "prefix-cache-scorer"),
+    ("max-score", "max-score-picker"),
+    ("single-profile", "single-profile-handler"),
+];
+
+/// The current type name for `kind`.
+pub(super) fn canonical_type(kind: &str) -> &str {
+    ALIASES
+        .iter()
+        .find(|(old, _)| *old == kind)
+        .map_or(kind, |(_, new)| new)
+}
+
+/// Plugins kvroute accepts in `plugins` but that have nothing to compute in
+/// kvroute. Each says why accepting it cannot change a routing decision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Inert {
+    /// `single-profile-handler`: kvroute always runs its one profile.
+    ProfileHandler,
+    /// `decode-filter`: keeps endpoints whose `llm-d.ai/role` label is a
+    /// decode role *or absent*. kvroute's endpoints carry no labels, so it
+    /// keeps every endpoint.
+    DecodeFilter,
+    /// `utilization-detector`, `concurrency-detector`: saturation detectors
+    /// for llm-d's admission and flow control, which kvroute does not have.
+    Detector,
+    /// `openai-parser`: kvroute parses the OpenAI API itself.
+    Parser,
+    /// llm-d's data-layer sources and extractors: kvroute's collector polls
+    /// `/metrics` and finds endpoints from the `endpoints` section.
+    DataLayer,
+}
+
+impl Inert {
+    pub(super) fn of(kind: &str) -> Option<Inert> {
+        Some(match kind {
+            "single-profile-handler" => Inert::ProfileHandler,
+            "decode-filter" => Inert::DecodeFilter,
+            "utilization-detector" | "concurrency-detector" => Inert::Detector,
+            "openai-parser" => Inert::Parser,
+            "metrics-data-source"
+            | "core-metrics-extractor"
+            | "models-data-source"
+            | "models-data-extractor"
+            | "endpoint-notification-source"
+            | "k8s-notification-source" => Inert::DataLayer,
+            _ => return None,
+        })
+    }
+
+    /// Why the plugin may not be listed in a scheduling profile, or `None`
+    /// when it may (and is then skipped).
+    pub(super) fn profile_error(self) -> Option<&'static str> {
+        match self {
+            Inert::DecodeFilter => None,
+            Inert::ProfileHandler => Some("is a profile handler; llm-d names it in `plugins` only, not in a profile"),
+            Inert::Detector => Some("is a saturation detector; kvroute accepts it for `saturationDetector` but does not run its filter role (dropping endpoints over queue/KV limits) in a profile"),
+            Inert::Parser => Some("is a request parser; reference it from `requestHandler.parsers`, not from a profile"),
+            Inert::DataLayer => Some("is a data-layer plugin; reference it from `dataLayer`, not from a profile"),
+        }
+    }
+}
+
+/// Why kvroute refuses an llm-d plugin type it knows of, or `None` for a
+/// type it has never heard of.
+pub(super) fn unsupported_reason(kind: &str) -> Option<&'static str> {
+    const PD: &str = "prefill/decode (or encode) disaggregation is not supported: kvroute runs one scheduling profile over one pool of servers that each do prefill and decode";
+    Some(match kind {
+        "pd-profile-handler" | "disagg-profile-handler" | "disagg-headers-handler"
+        | "prefill-header-handler" | "always-disagg-pd-decider" | "prefix-based-pd-decider"
+        | "always-disagg-multimodal-decider" | "prefill-filter" | "encode-filter"
+        | "data-parallel-profile-handler" | "disaggregatedset-rollout-screener" => PD,
+        "header-profile-handler" => "it picks among several profiles per request; kvroute runs one profile",
+        "precise-prefix-cache-scorer" | "precise-prefix-cache-producer" => "precise prefix matching needs vLLM's KV events (ZMQ) and a tokenizer inside the router, which kvroute does not have yet; use approx-prefix-cache-producer with prefix-cache-scorer or prefix-cache-affinity-filter",
+        "tokenizer" | "token-producer" => "kvroute has no tokenizer: it estimates tokens from prompt bytes (see approx-prefix-cache-producer's charsPerToken); remove it",
+        "latency-scorer" | "predicted-latency-producer" | "slo-headroom-tier-filter"
+        | "latency-slo-admitter" => "it needs llm-d's latency-predictor sidecars; use prefix-cache-affinity-filter with token-load-scorer or active-request-scorer",
+        "random-picker" => "kvroute has max-score-picker and weighted-random-picker",
+        "global-strict-fairness-policy" | "round-robin-fairness-policy" | "program-aware-fairness"
+        | "fcfs-ordering-policy" | "edf-ordering-policy" | "slo-deadline-ordering-policy"
+        | "static-usage-limit-policy" | "priority-holdback-policy"
+        | "soft-reflective-ceiling-policy" | "sheddable-eviction-filter"
+        | "priority-then-time-eviction-order-policy" | "probabilistic-admitter" => "it is part of llm-d's flow control and admission (queueing and shedding at the gateway), which kvroute does not have: every request is routed at once",
+        "session-affinity-filter" | "session-affinity-scorer" | "lora-affinity-scorer"
+        | "load-aware-scorer" | "running-requests-size-scorer" | "context-length-aware"
+        | "label-selector-filter" | "by-label" | "by-label-selector"
+        | "endpoint-attribute-filter" | "endpoint-attribute-scorer" | "topology-affinity-filter"
+        | "topology-affinity-scorer" | "utilization-filter" | "header-label-affinity-scorer"
+        | "mm-embeddings-cache-scorer" | "mm-embeddings-cache-producer"
+        | "burst-prefix-cache-producer" | "p2p-source-producer" | "session-id-producer"
+        | "no-hit-lru-filter" | "agent-identity" | "request-attribute-reporter"
+        | "file-discovery" | "dcgm-data-source" | "dcgm-extractor" | "topology-extractor" => "kvroute does not implement it",
+        "anthropic-parser" | "vertexai-parser" | "vllmgrpc-parser" | "vllmhttp-parser"
+        | "sglanghttp-parser" | "passthrough-parser" => "kvroute parses OpenAI-compatible request bodies only (openai-parser); see `routing.paths`",
+        k if k.starts_with("multicluster-") => "multi-cluster routing is not supported: kvroute routes within one Envoy cluster",
+        _ => return None,
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Top-level sections.
+
+/// Feature gates llm-d has registered, and whether each is on when not
+/// listed. `flowControl` and `haPopulateNonLeaderDatastore` are current
+/// (llm-d-router `cmd/epp/runner/runner.go`); `dataLayer`,
+/// `prepareDataPlugins` and `enableLegacyMetrics` were removed in 2026 when
+/// their behaviour became the only one.
+const FEATURE_GATES: &[(&str, bool)] = &[
+    ("flowControl", false),
+    ("haPopulateNonLeaderDatastore", true),
+    ("dataLayer", false),
+    ("prepareDataPlugins", false),
+    ("enableLegacyMetrics", false),
+];
+
+/// Validates `featureGates`; refuses the one gate that would change what a
+/// request meets (`flowControl`).
+pub(super) fn feature_gates(gates: &[String]) -> Result<(), ConfigError> {
+    let mut flow_control = false;
+    for (i, g) in gates.iter().enumerate() {
+        let path = format!("featureGates[{i}]");
+        let (name, on) = match g.split_once('=') {
+            None => (g.as_str(), true),
+            Some((n, "true")) => (n, true),
+            Some((n, "false")) => (n, false),
+            Some((_, v)) => {
+                return Err(err(
+                    path,
+                    format!("\"{v}\" is not allowed after '='; use \"=true\", \"=false\" or the bare gate name"),
+                ))
+            }
+        };
+        if !FEATURE_GATES.iter().any(|(n, _)| *n == name) {
+            let known: Vec<&str> = FEATURE_GATES.iter().map(|(n, _)| *n).collect();
+            return Err(err(
+                path,
+                format!(
+                    "unknown feature gate \"{name}\"; llm-d's gates are: {}",
+                    known.join(", ")
+                ),
+            ));
+        }
+        if name == "flowControl" {
+            flow_control = on;
+        }
+    }
+    if flow_control {
+        return Err(err(
+            "featureGates",
+            "the flowControl gate is on, but kvroute has no flow control (queueing, priority bands and shedding at the gateway): every request is routed at once; remove the gate or set \"flowControl=false\"",
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PluginRef {
+    plugin_ref: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct DataLayer {
+    #[serde(default)]
+    inject_defaults: Option<bool>,
+    #[serde(default)]
+    sources: Option<Value>,
+    #[serde(default)]
+    discovery: Option<Value>,
+    #[serde(default)]
+    peer_discovery: Option<Value>,
+    #[serde(default)]
+    cross_replica_syncer_plugin_ref: Option<String>,
+    #[serde(default)]
+    cross_replica_sync_interval: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct FlowControl {
+    #[serde(default)]
+    max_bytes: Option<Value>,
+    #[serde(default)]
+    max_requests: Option<Value>,
+    #[serde(default, rename = "defaultRequestTTL")]
+    default_request_ttl: Option<Value>,
+    #[serde(default, rename = "noEndpointRequestTTL")]
+    no_endpoint_request_ttl: Option<Value>,
+    #[serde(default)]
+    default_priority_band: Option<Value>,
+    #[serde(default)]
+    default_negative_priority_band: Option<Value>,
+    #[serde(default)]
+    priority_bands: Option<Value>,
+    #[serde(default)]
+    usage_limit_policy_plugin_ref: Option<String>,
+    #[serde(default)]
+    saturation_detector: Option<PluginRef>,
+    #[serde(default)]
+    enable_eviction: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestHandler {
+    #[serde(default)]
+    parsers: Vec<PluginRef>,
+}
+
+/// The top-level llm-d sections, as written.
+#[derive(Default)]
+pub(super) struct Sections {
+    pub data_layer: Option<Value>,
+    pub flow_control: Option<Value>,
+    pub request_handler: Option<Value>,
+    pub parser: Option<Value>,
+    pub saturation_detector: Option<Value>,
+}
+
+/// Validates the top-level sections against the declared plugins
+/// (`(name, canonical type)`). Nothing in them changes a decision; a part
+/// that would is refused.
+pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(), ConfigError> {
+    let type_of = |name: &str| {
+        plugins
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.as_str())
+    };
+    let refers_to = |path: &str, name: &str, want: &[&str], what: &str| match type_of(name) {
+        None => Err(err(
+            path,
+            format!("no plugin named \"{name}\" in `plugins` (names default to the type)"),
+        )),
+        Some(t) if want.contains(&t) => Ok(()),
+        Some(t) => Err(err(path, format!("\"{name}\" is a {t}; {what}"))),
+    };
+    const DETECTORS: &[&str] = &["utilization-detector", "concurrency-detector"];
+
+    if let Some(v) = &s.saturation_detector {
+        let r: PluginRef = super::strict_value_req(v, "saturationDetector")?;
+        refers_to(
+            "saturationDetector.pluginRef",
+            &r.plugin_ref,
+            DETECTORS,
+            "it must name a utilization-detector or concurrency-detector",
+        )?;
+    }
+    if let Some(v) = &s.flow_control {
+        // llm-d reads this section only with the flowControl gate on, which
+        // kvroute refuses; so it is checked for shape and otherwise unread.
+        let fc: FlowControl = super::strict_value_req(v, "flowControl")?;
+        if let Some(r) = &fc.saturation_detector {
+            refers_to(
+                "flowControl.saturationDetector.pluginRef",
+                &r.plugin_ref,
+                DETECTORS,
+                "it must name a utilization-detector or concurrency-detector",
+            )?;
+        }
+        let _ = (
+            fc.max_bytes,
+            fc.max_requests,
+            fc.default_request_ttl,
+            fc.no_endpoint_request_ttl,
+            fc.default_priority_band,
+            fc.default_negative_priority_band,
+            fc.priority_bands,
+            fc.usage_limit_policy_plugin_ref,
+            fc.enable_eviction,
+        );
+    }
+    if let Some(v) = &s.data_layer {
+        let dl: DataLayer = super::strict_value_req(v, "dataLayer")?;
+        if dl.cross_replica_syncer_plugin_ref.is_some() {
+            return Err(err("dataLayer.crossReplicaSyncerPluginRef", "kvroute cannot share in-flight load between gateway replicas: each Envoy counts its own requests (shared by its workers); remove it"));
+        }
+        if dl.cross_replica_sync_interval.is_some() {
+            return Err(err(
+                "dataLayer.crossReplicaSyncInterval",
+                "kvroute has no cross-replica syncer; remove it",
+            ));
+        }
+        if dl.peer_discovery.is_some() {
+            return Err(err(
+                "dataLayer.peerDiscovery",
+                "kvroute has no peer discovery between gateway replicas; remove it",
+            ));
+        }
+        let _ = (dl.inject_defaults, dl.sources, dl.discovery);
+    }
+    let parser_ref = |path: &str, name: &str| {
+        refers_to(
+            path,
+            name,
+            &["openai-parser"],
+            "kvroute parses OpenAI-compatible bodies only (openai-parser)",
+        )
+    };
+    if let Some(v) = &s.request_handler {
+        let rh: RequestHandler = super::strict_value_req(v, "requestHandler")?;
+        for (i, p) in rh.parsers.iter().enumerate() {
+            parser_ref(
+                &format!("requestHandler.parsers[{i}].pluginRef"),
+                &p.plugin_ref,
+            )?;
+        }
+    }
+    if let Some(v) = &s.parser {
+        let p: PluginRef = super::strict_value_req(v, "parser")?;
+        parser_ref("parser.pluginRef", &p.plugin_ref)?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Parameters of the inert plugins: checked for llm-d's names and ranges so a
+// typo is still an error, then not used.
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct UtilizationDetectorParams {
+    queue_depth_threshold: Option<i64>,
+    kv_cache_util_threshold: Option<f64>,
+    metrics_staleness_threshold: Option<String>,
+    headroom: Option<f64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ConcurrencyDetectorParams {
+    max_concurrency: Option<i64>,
+    headroom: Option<f64>,
+    concurrency_mode: Option<String>,
+    max_token_concurrency: Option<i64>,
+    in_flight_load_producer_name: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct NoParams {}
+
+/// Checks an inert plugin's parameters.
+pub(super) fn inert_params(
+    kind: &str,
+    role: Inert,
+    params: &Option<Value>,
+    ppath: &str,
+) -> Result<(), ConfigError> {
+    let positive = |field: &str, v: Option<i64>| match v {
+        Some(n) if n <= 0 => Err(err(
+            format!("{ppath}.{field}"),
+            format!("{n} is out of range: must be > 0"),
+        )),
+        _ => Ok(()),
+    };
+    let headroom = |v: Option<f64>| match v {
+        Some(h) if !h.is_finite() || h < 0.0 => Err(err(
+            format!("{ppath}.headroom"),
+            format!("{h} is out of range: must be ≥ 0"),
+        )),
+        _ => Ok(()),
+    };
+    match (role, kind) {
+        (Inert::Detector, "utilization-detector") => {
+            let q: UtilizationDetectorParams = super::strict_value(params, ppath)?;
+            positive("queueDepthThreshold", q.queue_depth_threshold)?;
+            if let Some(k) = q.kv_cache_util_threshold {
+                if !k.is_finite() || k <= 0.0 || k > 1.0 {
+                    return Err(err(
+                        format!("{ppath}.kvCacheUtilThreshold"),
+                        format!("{k} is out of range: must be in (0, 1]"),
+                    ));
+                }
+            }
+            headroom(q.headroom)?;
+            let _ = q.metrics_staleness_threshold;
+        }
+        (Inert::Detector, _) => {
+            let q: ConcurrencyDetectorParams = super::strict_value(params, ppath)?;
+            positive("maxConcurrency", q.max_concurrency)?;
+            positive("maxTokenConcurrency", q.max_token_concurrency)?;
+            headroom(q.headroom)?;
+            if let Some(m) = &q.concurrency_mode {
+                if m != "requests" && m != "tokens" {
+                    return Err(err(
+                        format!("{ppath}.concurrencyMode"),
+                        format!("\"{m}\" is not allowed; use \"requests\" or \"tokens\""),
+                    ));
+                }
+            }
+            let _ = q.in_flight_load_producer_name;
+        }
+        // Data-layer plugins configure llm-d's metric scraping; kvroute's
+        // `collector` section does that job, so their parameters are not read.
+        (Inert::DataLayer, _) => {}
+        _ => {
+            strict_value_no_params(params, ppath)?;
+        }
+    }
+    Ok(())
+}
+
+fn strict_value_no_params(params: &Option<Value>, ppath: &str) -> Result<(), ConfigError> {
+    super::strict_value::<NoParams>(params, ppath).map(|_| ())
+}

@@ -1,0 +1,607 @@
+use super::*;
+use crate::scheduling::prefix_cache::PrefixCacheScorer;
+
+const BASELINE: &str = r#"{"plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":64,"maxPrefixTokensToMatch":131072}},
+        {"type":"inflight-load-producer"},
+        {"type":"prefix-cache-affinity-filter","parameters":{"affinityThreshold":0.8,"maxTTFTPenaltyMs":18000,"peakPrefillThroughput":15928}},
+        {"type":"token-load-scorer"},{"type":"max-score-picker"}],
+ "schedulingProfiles":[{"name":"default","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"token-load-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
+
+fn with_endpoints(doc: &str) -> String {
+    let mut v: Value = serde_json::from_str(doc).unwrap();
+    v["endpoints"] = serde_json::json!({"static": ["127.0.0.1:8001", "127.0.0.1:8002"]});
+    v.to_string()
+}
+
+fn reject(doc: &str) -> ConfigError {
+    Config::from_json(doc.as_bytes()).expect_err("config should be rejected")
+}
+
+#[test]
+fn llm_d_baseline_is_accepted_as_is_and_means_the_baseline() {
+    let c = Config::from_json(with_endpoints(BASELINE).as_bytes()).unwrap();
+    assert_eq!(c.scheduler, Scheduler::default());
+    assert_eq!(c.prefix.blocks, BlockConfig::default());
+    assert_eq!(c.routing.failure_mode, FailureMode::Open);
+    assert_eq!(
+        c.routing.destination_header,
+        "x-gateway-destination-endpoint"
+    );
+}
+
+#[test]
+fn baseline_without_endpoints_names_the_missing_section() {
+    assert_eq!(reject(BASELINE).path, "endpoints");
+}
+
+#[test]
+fn unknown_and_out_of_range_fields_are_named() {
+    let doc =
+        with_endpoints(&BASELINE.replace("\"affinityThreshold\":0.8", "\"affinityThreshold\":1.5"));
+    let e = reject(&doc);
+    assert_eq!(e.path, "plugins[2].parameters.affinityThreshold");
+    assert!(e.message.contains("[0, 1]"), "{e}");
+
+    let doc = with_endpoints(&BASELINE.replace("\"blockSizeTokens\":64", "\"blockSizeTokenz\":64"));
+    let e = reject(&doc);
+    assert_eq!(e.path, "plugins[0].parameters.blockSizeTokenz");
+    assert!(e.message.contains("unknown field"), "{e}");
+
+    let e = reject(&with_endpoints(
+        r#"{"routing":{"failureMode":"sometimes"}}"#,
+    ));
+    assert_eq!(e.path, "routing.failureMode");
+
+    let e = reject(&with_endpoints(r#"{"routing":{"maxFallback":1}}"#));
+    assert_eq!(e.path, "routing.maxFallback");
+
+    let e = reject(r#"{"endpoints":{"static":["localhost:80"]}}"#);
+    assert_eq!(e.path, "endpoints.static[0]");
+
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"magic-scorer"}],"schedulingProfiles":[{"name":"x","plugins":[]}]}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].type");
+    assert!(e.message.contains("token-load-scorer"));
+
+    let e = reject(&with_endpoints(&BASELINE.replace(
+        "\"pluginRef\":\"token-load-scorer\"",
+        "\"pluginRef\":\"tokenload\"",
+    )));
+    assert_eq!(e.path, "schedulingProfiles[0].plugins[1].pluginRef");
+
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"token-load-scorer","parameters":{"queueThresholdTokens":"big"}}],"schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"token-load-scorer"}]}]}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.queueThresholdTokens");
+
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":-1}}],"schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"prefix-cache-affinity-filter"}]}]}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.maxTTFTPenaltyMs");
+
+    assert!(reject("not json").message.contains("expected"));
+    assert_eq!(
+        reject(&with_endpoints(r#"{"sharedState":{"indexBudgetBytes":1}}"#)).path,
+        "sharedState.indexBudgetBytes"
+    );
+}
+
+#[test]
+fn legacy_blend_and_named_instances() {
+    let doc = with_endpoints(
+        r#"{"plugins":[{"type":"approx-prefix-cache-producer"},
+        {"type":"prefix-cache-scorer"},{"type":"queue-scorer"},{"type":"kv-cache-utilization-scorer"},
+        {"type":"no-hit-lru-scorer"},{"name":"pick","type":"weighted-random-picker"}],
+        "schedulingProfiles":[{"name":"legacy","plugins":[{"pluginRef":"prefix-cache-scorer","weight":3},
+          {"pluginRef":"queue-scorer","weight":2},{"pluginRef":"kv-cache-utilization-scorer","weight":2},
+          {"pluginRef":"no-hit-lru-scorer","weight":2},{"pluginRef":"pick"}]}]}"#,
+    );
+    let c = Config::from_json(doc.as_bytes()).unwrap();
+    assert!(c.scheduler.filters.is_empty());
+    assert_eq!(c.scheduler.picker, Picker::WeightedRandom);
+    let weights: Vec<(&str, f64)> = c
+        .scheduler
+        .scorers
+        .iter()
+        .map(|(s, w)| (s.type_name(), *w))
+        .collect();
+    assert_eq!(
+        weights,
+        vec![
+            ("prefix-cache-scorer", 3.0),
+            ("queue-scorer", 2.0),
+            ("kv-cache-utilization-scorer", 2.0),
+            ("no-hit-lru-scorer", 2.0)
+        ]
+    );
+}
+
+#[test]
+fn always_stick_and_active_request() {
+    let doc = with_endpoints(
+        r#"{"plugins":[{"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":0}},
+        {"type":"active-request-scorer","parameters":{"idleThreshold":2,"maxBusyScore":0.5}},{"type":"max-score-picker"}],
+        "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"active-request-scorer"},{"pluginRef":"max-score-picker"}]}]}"#,
+    );
+    let c = Config::from_json(doc.as_bytes()).unwrap();
+    assert_eq!(c.scheduler.filters[0].max_ttft_penalty_ms, 0.0);
+    assert_eq!(
+        c.scheduler.scorers[0].0,
+        Scorer::ActiveRequest(ActiveRequestScorer {
+            idle_threshold: 2,
+            max_busy_score: 0.5
+        })
+    );
+}
+
+#[test]
+fn empty_plugins_mean_the_baseline() {
+    let c = Config::from_json(br#"{"endpoints":{"fromCluster":{"cluster":"vllm"}}}"#).unwrap();
+    assert_eq!(c.scheduler, Scheduler::default());
+    assert_eq!(
+        c.endpoints,
+        EndpointSource::FromCluster {
+            cluster: "vllm".into(),
+            admin_cluster: "envoy_admin".into(),
+            refresh_ms: 1000
+        }
+    );
+}
+
+// ---------------------------------------------------------------------------
+// llm-d documents as they are: the guide fixtures, top-level keys, plugin
+// types, parameters and defaults.
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = format!("{}/../../testdata/llm-d/{name}", env!("CARGO_MANIFEST_DIR"));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+fn accept(doc: &str) -> Config {
+    Config::from_json(doc.as_bytes()).unwrap_or_else(|e| panic!("{e}\n{doc}"))
+}
+
+/// The baseline profile with `extra` merged into the top level.
+fn baseline_with(extra: serde_json::Value) -> String {
+    let mut v: Value = serde_json::from_str(&with_endpoints(BASELINE)).unwrap();
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v.to_string()
+}
+
+#[test]
+fn guide_optimized_baseline_loads_with_the_token_gap_gate() {
+    let c = Config::from_json(&fixture("optimized-baseline.json")).unwrap();
+    let f = &c.scheduler.filters[0];
+    assert_eq!(f.max_tokens_in_flight_penalty, 286_720);
+    assert_eq!(f.max_ttft_penalty_ms, 0.0);
+    assert_eq!(f.affinity_threshold, 0.8);
+    assert_eq!(c.scheduler.picker, Picker::MaxScore);
+    assert_eq!(c.prefix.blocks.max_prefix_tokens, 40_960);
+    assert_eq!(c.scheduler.inflight.output_ratio, 1.5);
+}
+
+#[test]
+fn guide_optimized_baseline_current_interface_loads() {
+    let c = Config::from_json(&fixture("optimized-baseline-current.json")).unwrap();
+    assert_eq!(c.scheduler.filters, vec![AffinityFilter::default()]);
+    assert_eq!(
+        c.scheduler.scorers,
+        vec![(Scorer::TokenLoad(TokenLoadScorer::default()), 1.0)]
+    );
+}
+
+#[test]
+fn guide_precise_prefix_cache_is_refused_by_name() {
+    let e = Config::from_json(&fixture("precise-prefix-cache-aware.json")).unwrap_err();
+    assert_eq!(e.path, "plugins[0].type");
+    assert!(
+        e.message.contains("\"tokenizer\"") && e.message.contains("no tokenizer"),
+        "{e}"
+    );
+    // Without the tokenizer, the scorer is the next thing refused, and says
+    // what to use instead.
+    let mut v: Value = serde_json::from_slice(&fixture("precise-prefix-cache-aware.json")).unwrap();
+    v["plugins"].as_array_mut().unwrap().remove(0);
+    let e = Config::from_json(v.to_string().as_bytes()).unwrap_err();
+    assert_eq!(e.path, "plugins[2].type");
+    assert!(
+        e.message.contains("KV events") && e.message.contains("approx-prefix-cache-producer"),
+        "{e}"
+    );
+}
+
+#[test]
+fn guide_precise_prefix_cache_nearest_kvroute_form_loads() {
+    let c = Config::from_json(&fixture("precise-prefix-cache-aware-approx.json")).unwrap();
+    // decode-filter keeps every (unlabelled) endpoint, so no filter runs.
+    assert!(c.scheduler.filters.is_empty());
+    let weights: Vec<(&str, f64)> = c
+        .scheduler
+        .scorers
+        .iter()
+        .map(|(s, w)| (s.type_name(), *w))
+        .collect();
+    assert_eq!(
+        weights,
+        vec![
+            ("prefix-cache-scorer", 2.0),
+            ("kv-cache-utilization-scorer", 1.0),
+            ("queue-scorer", 1.0)
+        ]
+    );
+}
+
+#[test]
+fn guide_pd_disaggregation_is_refused_with_the_reason() {
+    let e = Config::from_json(&fixture("pd-disaggregation.json")).unwrap_err();
+    assert_eq!(e.path, "plugins[0].type");
+    assert!(e.message.contains("always-disagg-pd-decider"), "{e}");
+    assert!(e.message.contains("disaggregation is not supported"), "{e}");
+}
+
+#[test]
+fn two_profiles_are_refused_even_with_supported_plugins() {
+    let doc = with_endpoints(
+        r#"{"plugins":[{"type":"token-load-scorer"},{"type":"active-request-scorer"}],
+        "schedulingProfiles":[{"name":"prefill","plugins":[{"pluginRef":"token-load-scorer"}]},
+                              {"name":"decode","plugins":[{"pluginRef":"active-request-scorer"}]}]}"#,
+    );
+    let e = reject(&doc);
+    assert_eq!(e.path, "schedulingProfiles");
+    assert!(e.message.contains("found 2"), "{e}");
+}
+
+#[test]
+fn feature_gates() {
+    for ok in [
+        r#"["haPopulateNonLeaderDatastore"]"#,
+        r#"["flowControl=false", "dataLayer", "prepareDataPlugins=true", "enableLegacyMetrics"]"#,
+        "[]",
+    ] {
+        accept(&baseline_with(serde_json::json!({
+            "featureGates": serde_json::from_str::<Value>(ok).unwrap()
+        })));
+    }
+    let e = reject(&baseline_with(
+        serde_json::json!({"featureGates": ["flowControl"]}),
+    ));
+    assert_eq!(e.path, "featureGates");
+    assert!(e.message.contains("no flow control"), "{e}");
+    let e = reject(&baseline_with(
+        serde_json::json!({"featureGates": ["dataLayer", "fastMode"]}),
+    ));
+    assert_eq!(e.path, "featureGates[1]");
+    assert!(
+        e.message.contains("\"fastMode\"") && e.message.contains("flowControl"),
+        "{e}"
+    );
+    let e = reject(&baseline_with(
+        serde_json::json!({"featureGates": ["flowControl=maybe"]}),
+    ));
+    assert_eq!(e.path, "featureGates[0]");
+}
+
+#[test]
+fn top_level_llm_d_sections() {
+    let with_plugins = |extra_plugins: Value, extra: Value| {
+        let mut v: Value = serde_json::from_str(&baseline_with(extra)).unwrap();
+        let ps = v["plugins"].as_array_mut().unwrap();
+        ps.extend(extra_plugins.as_array().unwrap().iter().cloned());
+        v.to_string()
+    };
+    // Accepted and unread: detectors for admission / flow control, the data
+    // layer's sources and discovery, the OpenAI parser.
+    accept(&with_plugins(
+        serde_json::json!([{"name": "sat", "type": "concurrency-detector", "parameters": {"maxConcurrency": 64, "concurrencyMode": "tokens"}},
+                           {"type": "openai-parser"}, {"type": "metrics-data-source", "parameters": {"path": "/metrics"}}]),
+        serde_json::json!({
+            "saturationDetector": {"pluginRef": "sat"},
+            "flowControl": {"maxRequests": "1k", "saturationDetector": {"pluginRef": "sat"}, "priorityBands": []},
+            "dataLayer": {"injectDefaults": true, "sources": [{"pluginRef": "metrics-data-source", "extractors": []}]},
+            "requestHandler": {"parsers": [{"pluginRef": "openai-parser"}]},
+            "parser": {"pluginRef": "openai-parser"}
+        }),
+    ));
+    let cases = [
+        (
+            serde_json::json!({"saturationDetector": {"pluginRef": "nope"}}),
+            "saturationDetector.pluginRef",
+            "no plugin named",
+        ),
+        (
+            serde_json::json!({"saturationDetector": {"pluginRef": "token-load-scorer"}}),
+            "saturationDetector.pluginRef",
+            "utilization-detector",
+        ),
+        (
+            serde_json::json!({"saturationDetector": {"plugin": "x"}}),
+            "saturationDetector.plugin",
+            "unknown field",
+        ),
+        (
+            serde_json::json!({"flowControl": {"maxRequest": 5}}),
+            "flowControl.maxRequest",
+            "unknown field",
+        ),
+        (
+            serde_json::json!({"dataLayer": {"crossReplicaSyncerPluginRef": "s"}}),
+            "dataLayer.crossReplicaSyncerPluginRef",
+            "between gateway replicas",
+        ),
+        (
+            serde_json::json!({"dataLayer": {"peerDiscovery": {"pluginRef": "p"}}}),
+            "dataLayer.peerDiscovery",
+            "peer discovery",
+        ),
+        (
+            serde_json::json!({"dataLayer": {"source": []}}),
+            "dataLayer.source",
+            "unknown field",
+        ),
+        (
+            serde_json::json!({"requestHandler": {"parsers": [{"pluginRef": "max-score-picker"}]}}),
+            "requestHandler.parsers[0].pluginRef",
+            "OpenAI",
+        ),
+        (
+            serde_json::json!({"somethingElse": 1}),
+            "somethingElse",
+            "unknown field",
+        ),
+    ];
+    for (extra, path, msg) in cases {
+        let e = reject(&baseline_with(extra.clone()));
+        assert_eq!(e.path, path, "{extra}: {e}");
+        assert!(e.message.contains(msg), "{extra}: {e}");
+    }
+    let e = reject(&with_plugins(
+        serde_json::json!([{"type": "anthropic-parser"}]),
+        serde_json::json!({}),
+    ));
+    assert_eq!(e.path, "plugins[5].type");
+    assert!(e.message.contains("OpenAI-compatible"), "{e}");
+}
+
+#[test]
+fn old_plugin_type_names_are_aliases() {
+    let doc = with_endpoints(
+        r#"{"plugins":[{"type":"approx-prefix-cache-producer"},{"type":"single-profile"},
+        {"type":"prefix-cache"},{"type":"queue"},{"type":"kv-cache-scorer"},{"type":"kv-cache"},{"type":"max-score"}],
+        "schedulingProfiles":[{"name":"legacy","plugins":[{"pluginRef":"prefix-cache","weight":3},
+          {"pluginRef":"queue","weight":2},{"pluginRef":"kv-cache-scorer","weight":2},{"pluginRef":"kv-cache","weight":1},
+          {"pluginRef":"max-score"}]}]}"#,
+    );
+    let c = accept(&doc);
+    let types: Vec<&str> = c
+        .scheduler
+        .scorers
+        .iter()
+        .map(|(s, _)| s.type_name())
+        .collect();
+    assert_eq!(
+        types,
+        vec![
+            "prefix-cache-scorer",
+            "queue-scorer",
+            "kv-cache-utilization-scorer",
+            "kv-cache-utilization-scorer"
+        ]
+    );
+    assert_eq!(c.scheduler.picker, Picker::MaxScore);
+}
+
+#[test]
+fn inert_plugins_in_profiles() {
+    let doc = |plugin: &str, profile_entry: &str| {
+        with_endpoints(&format!(
+            r#"{{"plugins":[{{"type":"token-load-scorer"}},{plugin}],
+            "schedulingProfiles":[{{"name":"d","plugins":[{profile_entry},{{"pluginRef":"token-load-scorer"}}]}}]}}"#
+        ))
+    };
+    // decode-filter keeps every kvroute endpoint: accepted, nothing runs.
+    let c = accept(&doc(
+        r#"{"type":"decode-filter"}"#,
+        r#"{"pluginRef":"decode-filter"}"#,
+    ));
+    assert!(c.scheduler.filters.is_empty());
+    let e = reject(&doc(
+        r#"{"type":"decode-filter"}"#,
+        r#"{"pluginRef":"decode-filter","weight":2}"#,
+    ));
+    assert_eq!(e.path, "schedulingProfiles[0].plugins[0].weight");
+    for (plugin, name, msg) in [
+        (
+            r#"{"type":"single-profile-handler"}"#,
+            "single-profile-handler",
+            "profile handler",
+        ),
+        (
+            r#"{"type":"utilization-detector"}"#,
+            "utilization-detector",
+            "filter role",
+        ),
+        (
+            r#"{"type":"openai-parser"}"#,
+            "openai-parser",
+            "requestHandler",
+        ),
+    ] {
+        let e = reject(&doc(plugin, &format!(r#"{{"pluginRef":"{name}"}}"#)));
+        assert_eq!(e.path, "schedulingProfiles[0].plugins[0].pluginRef", "{e}");
+        assert!(e.message.contains(msg), "{e}");
+    }
+    // Their parameters are still checked.
+    let e = reject(&doc(
+        r#"{"type":"single-profile-handler","parameters":{"x":1}}"#,
+        r#"{"pluginRef":"token-load-scorer","weight":1}"#,
+    ));
+    assert_eq!(e.path, "plugins[1].parameters.x");
+    let e = reject(&doc(
+        r#"{"type":"utilization-detector","parameters":{"kvCacheUtilThreshold":1.5}}"#,
+        r#"{"pluginRef":"token-load-scorer","weight":1}"#,
+    ));
+    assert_eq!(e.path, "plugins[1].parameters.kvCacheUtilThreshold");
+}
+
+#[test]
+fn known_llm_d_types_are_refused_with_a_reason() {
+    for (kind, msg) in [
+        ("pd-profile-handler", "disaggregation"),
+        ("prefill-filter", "disaggregation"),
+        ("precise-prefix-cache-producer", "KV events"),
+        ("latency-scorer", "latency-predictor"),
+        ("random-picker", "weighted-random-picker"),
+        ("fcfs-ordering-policy", "flow control"),
+        ("multicluster-queue-scorer", "multi-cluster"),
+        ("session-affinity-scorer", "does not implement"),
+    ] {
+        let e = reject(&with_endpoints(&format!(
+            r#"{{"plugins":[{{"type":"{kind}"}}],"schedulingProfiles":[{{"name":"x","plugins":[]}}]}}"#
+        )));
+        assert_eq!(e.path, "plugins[0].type", "{kind}");
+        assert!(e.message.contains(kind) && e.message.contains(msg), "{e}");
+    }
+}
+
+/// One plugin of `kind` with `params`, listed alone in the profile unless it
+/// is a producer.
+fn one_plugin(kind: &str, params: &str) -> String {
+    let profile = if kind.ends_with("-producer") {
+        String::new()
+    } else {
+        format!(r#"{{"pluginRef":"{kind}"}}"#)
+    };
+    with_endpoints(&format!(
+        r#"{{"plugins":[{{"type":"{kind}","parameters":{params}}}],"schedulingProfiles":[{{"name":"x","plugins":[{profile}]}}]}}"#
+    ))
+}
+
+#[test]
+fn affinity_filter_token_gap_parameters() {
+    let f = |params: &str| {
+        accept(&one_plugin("prefix-cache-affinity-filter", params))
+            .scheduler
+            .filters[0]
+            .clone()
+    };
+    // The token gate alone: llm-d's earlier interface; the TTFT gate's
+    // default there read the latency predictor, so it is off.
+    let g = f(r#"{"maxTokensInFlightPenalty":286720}"#);
+    assert_eq!(
+        (g.max_tokens_in_flight_penalty, g.max_ttft_penalty_ms),
+        (286_720, 0.0)
+    );
+    // Both given: both gates, either releases.
+    let g = f(r#"{"maxTokensInFlightPenalty":1000,"maxTTFTPenaltyMs":5000}"#);
+    assert_eq!(
+        (g.max_tokens_in_flight_penalty, g.max_ttft_penalty_ms),
+        (1000, 5000.0)
+    );
+    // Neither: the current default, 18 s × 15928 tok/s.
+    let g = f("{}");
+    assert_eq!(
+        (g.max_tokens_in_flight_penalty, g.max_ttft_penalty_ms),
+        (0, 18_000.0)
+    );
+    let e = reject(&one_plugin(
+        "prefix-cache-affinity-filter",
+        r#"{"maxTokensInFlightPenalty":-1}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.maxTokensInFlightPenalty");
+    let e = reject(&one_plugin(
+        "prefix-cache-affinity-filter",
+        r#"{"latencyPredictionInfoProducerName":"p"}"#,
+    ));
+    assert_eq!(
+        e.path,
+        "plugins[0].parameters.latencyPredictionInfoProducerName"
+    );
+}
+
+#[test]
+fn prefix_cache_scorer_match_length() {
+    let c = accept(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"matchLengthWeight":0.3,"matchLengthScaleTokens":4096}"#,
+    ));
+    assert_eq!(
+        c.scheduler.scorers[0].0,
+        Scorer::PrefixCache(PrefixCacheScorer {
+            match_length_weight: 0.3,
+            match_length_scale_tokens: 4096
+        })
+    );
+    let c = accept(&one_plugin("prefix-cache-scorer", "{}"));
+    assert_eq!(
+        c.scheduler.scorers[0].0,
+        Scorer::PrefixCache(PrefixCacheScorer::default())
+    );
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"matchLengthWeight":1.5}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.matchLengthWeight");
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"matchLengthWeight":0.5,"matchLengthScaleTokens":0}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.matchLengthScaleTokens");
+    let e = reject(&one_plugin("prefix-cache-scorer", r#"{"hashBlockSize":5}"#));
+    assert_eq!(e.path, "plugins[0].parameters.hashBlockSize");
+    assert!(e.message.contains("approx-prefix-cache-producer"), "{e}");
+}
+
+#[test]
+fn producer_parameters_and_llm_d_defaults() {
+    let inflight = |params: &str| {
+        accept(&one_plugin("inflight-load-producer", params))
+            .scheduler
+            .inflight
+    };
+    assert_eq!(inflight("{}").output_ratio, 1.5);
+    assert_eq!(inflight(r#"{"outputRatio":2500}"#).output_ratio, 2500.0);
+    assert!(!inflight(r#"{"syncCrossReplicaState":false}"#).add_estimated_output_tokens);
+    let e = reject(&one_plugin(
+        "inflight-load-producer",
+        r#"{"outputRatio":-0.5}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.outputRatio");
+
+    let prefix = |params: &str| accept(&one_plugin("approx-prefix-cache-producer", params)).prefix;
+    // The token cap wins; with it at 0, the block cap (default 2048 blocks).
+    assert_eq!(prefix("{}").blocks.max_prefix_tokens, 131_072);
+    assert_eq!(
+        prefix(r#"{"maxPrefixTokensToMatch":0}"#)
+            .blocks
+            .max_prefix_tokens,
+        2048 * 64
+    );
+    assert_eq!(
+        prefix(r#"{"maxPrefixTokensToMatch":0,"maxPrefixBlocksToMatch":0}"#)
+            .blocks
+            .max_prefix_tokens,
+        0
+    );
+    // Deprecated `blockSize` stands in for an absent `blockSizeTokens`.
+    assert_eq!(prefix(r#"{"blockSize":16}"#).blocks.block_size_tokens, 16);
+    assert_eq!(
+        prefix(r#"{"blockSize":16,"blockSizeTokens":32}"#)
+            .blocks
+            .block_size_tokens,
+        32
+    );
+    let e = reject(&one_plugin(
+        "approx-prefix-cache-producer",
+        r#"{"blockSize":100000}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.blockSize");
+
+    let c = accept(&one_plugin(
+        "no-hit-lru-scorer",
+        r#"{"prefixPluginType":"prefix-cache-scorer","prefixPluginName":"p","lruSize":8}"#,
+    ));
+    assert_eq!(c.scheduler.scorers[0].0, Scorer::NoHitLru);
+}
