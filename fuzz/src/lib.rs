@@ -67,7 +67,7 @@ fn block_configs() -> [BlockConfig; 4] {
 
 /// Heap bytes one parse may hold at once: `factor × body bytes + 64 KiB`.
 /// `KVROUTE_FUZZ_ALLOC_FACTOR` overrides the factor (default 64; see
-/// docs/benchmarks.md for what the parser actually needs).
+/// docs/lab/2026-11-29-fuzz-findings.md for what the parser actually needs).
 pub fn alloc_bound(input_len: usize) -> usize {
     static FACTOR: OnceLock<usize> = OnceLock::new();
     let factor = *FACTOR.get_or_init(|| {

