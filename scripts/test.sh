@@ -14,7 +14,9 @@
 #      parser, the plugin config, the engine; fails on a crash)
 #   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
 #   7. pytest tests/e2e                             (real Envoy + emulated vLLM fleet on 127.0.0.1)
-#   8. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
+#   8. the demo with short settings (bash scripts/demo-check.sh): checks that it prints its
+#      routing tables and stops every process it started
+#   9. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk); they prove the
 #      benchmarks run and every arm serves, they do not judge figures
 # Exits non-zero on any failure. Uses the normal target/ directory.
@@ -95,6 +97,12 @@ done_step
 step "pytest tests/e2e (real Envoy ${ENVOY_VERSION} + kvroute-emulator)"
 cargo build --bin kvroute-emulator
 KVROUTE_E2E_NO_BUILD=1 python3 -m pytest tests/e2e -p no:cacheprovider -q -rfE
+done_step
+
+step "the demo, short (bash scripts/demo-check.sh: scripts/demo.sh with DEMO_SECONDS=3)"
+# Fails if the demo does not print both routing tables with their per-endpoint
+# lines and its "everything stopped" line, or leaves a process it started alive.
+bash scripts/demo-check.sh
 done_step
 
 # ---------------------------------------------------------------- benchmark smokes
