@@ -400,7 +400,7 @@ def main(argv=None):
                    help="same listener and cluster WITHOUT kvroute (round robin), for comparisons")
     p.add_argument("--state-listener", metavar="IP:PORT",
                    help="add an internal listener serving the shared state (GET --state-path) there, "
-                        "for example 127.0.0.1:9902; the client listener serves none with the shipped config")
+                        "for example 127.0.0.1:9903; the client listener serves none with the shipped config")
     p.add_argument("--state-path", default=DEFAULT_STATE_PATH,
                    help=f"path of the state on --state-listener (default {DEFAULT_STATE_PATH})")
     p.add_argument("-o", "--output", help="write here instead of stdout")
