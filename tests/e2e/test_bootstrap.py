@@ -32,6 +32,17 @@ def test_eds_bootstrap_validates(artifacts, tmp_path):
     _validate(tmp_path, text)
 
 
+def test_state_listener_bootstrap_validates(artifacts, tmp_path):
+    text = render.render(endpoints=["127.0.0.1:18001"], wasm=artifacts["wasm"], state_listener="127.0.0.1:9902")
+    # The client listener's filter keeps the shipped config (no state path); the
+    # internal one gets routing.statePath, and no route to the model servers.
+    assert text.count('"statePath": "/kvroute/state"') == 1
+    assert '"debugHeader"' not in text
+    listener = text[text.index("- name: kvroute_state"):text.index("  clusters:")]
+    assert "cluster: vllm" not in listener and "port_value: 9902" in listener
+    _validate(tmp_path, text)
+
+
 def test_default_plugin_config_is_valid_json_with_llm_d_sections():
     with open(os.path.join(REPO, "envoy", "kvroute-config.json")) as f:
         cfg = json.load(f)
