@@ -289,6 +289,11 @@ bootstrap_extensions:
       name: kvroute-collector
       root_id: kvroute-collector
 {_vm_config_yaml(wasm, 6)}{_plugin_configuration_yaml(config, 6)}"""
+    if config.get("collector", {}).get("mode") == "lease":
+        # collector.mode lease: a filter-only install. The HTTP filter's
+        # worker VMs elect the collector among themselves (a lease key in
+        # shared data), so there is no singleton to add.
+        collector = "\n# collector.mode lease: no singleton; the worker VMs elect the collector.\n"
     routing_filter = "          # Role 1 of the module: the HTTP filter, one VM per worker thread.\n" + _wasm_filter_yaml(
         "kvroute", wasm, config
     )

@@ -32,15 +32,15 @@ impl Context for Root {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        if let Some(Role::Collector(c)) = &mut self.role {
-            c.on_http_call_response(&SdkHost, token_id, num_headers, body_size);
+        if let Some(role) = &mut self.role {
+            role.on_http_call_response(&SdkHost, token_id, num_headers, body_size);
         }
     }
 
     /// The VM is going away: hand over what was counted since the last tick.
     fn on_done(&mut self) -> bool {
-        if let Some(Role::Filter(w)) = &self.role {
-            w.flush(&SdkHost);
+        if let Some(role) = &self.role {
+            role.on_done(&SdkHost);
         }
         true
     }
@@ -61,20 +61,15 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        match &mut self.role {
-            Some(Role::Collector(c)) => c.on_tick(&SdkHost),
-            Some(Role::Filter(w)) => w.flush(&SdkHost),
-            None => {}
+        if let Some(role) = &mut self.role {
+            role.on_tick(&SdkHost);
         }
     }
 
     /// A stream of an unconfigured root (or of the collector) passes every
     /// request on untouched.
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let worker = match &self.role {
-            Some(Role::Filter(w)) => Some(w.clone()),
-            _ => None,
-        };
+        let worker = self.role.as_ref().and_then(Role::worker);
         Some(Box::new(Request(Stream::new(worker))))
     }
 

@@ -129,6 +129,8 @@ pub struct Endpoint {
     kv_tx: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
     /// Responses replaced by an injected fault.
     pub fault_responses: AtomicU64,
+    /// `GET /metrics` requests answered, whatever the metrics mode.
+    pub metrics_scrapes: AtomicU64,
     /// Model microseconds skipped because the host fell behind the time
     /// scale; non-zero means latencies are inflated (lower --time-scale).
     pub host_lag_model_us: AtomicU64,
@@ -167,6 +169,7 @@ impl Endpoint {
             metrics_mode: Mutex::new(MetricsMode::Ok),
             kv_tx,
             fault_responses: AtomicU64::new(0),
+            metrics_scrapes: AtomicU64::new(0),
             host_lag_model_us: AtomicU64::new(0),
         })
     }
@@ -220,6 +223,7 @@ impl Endpoint {
             engine.drain_kv_events()
         };
         self.fault_responses.store(0, Ordering::Relaxed);
+        self.metrics_scrapes.store(0, Ordering::Relaxed);
         self.publish(events);
     }
 

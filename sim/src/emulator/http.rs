@@ -209,6 +209,7 @@ async fn handle(
 }
 
 async fn metrics(ep: &Arc<Endpoint>) -> Result<Response<Body>, DropConnection> {
+    ep.metrics_scrapes.fetch_add(1, Ordering::Relaxed);
     Ok(match ep.metrics_mode() {
         MetricsMode::Ok => {
             let text = metrics_text::render(ep, &ep.snapshot());
@@ -265,6 +266,7 @@ fn stats(ep: &Endpoint) -> serde_json::Value {
         "block_size": ep.cfg.engine.block_size,
         "time_scale": ep.cfg.time_scale,
         "fault_responses": s.fault_responses,
+        "metrics_scrapes": ep.metrics_scrapes.load(Ordering::Relaxed),
         "host_lag_model_s": s.host_lag_model_s,
         "metrics_mode": ep.metrics_mode().name(),
         "kv_events": ep.kv_events_enabled(),

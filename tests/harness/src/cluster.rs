@@ -423,6 +423,13 @@ impl Cluster {
         Ok(self.vm(vm)?.borrow().store.data().crossings)
     }
 
+    /// Takes VM `vm` away, as Envoy does when it drains a worker or a VM
+    /// dies: it gets no more callbacks (ticks, call answers, requests).
+    pub fn stop_vm(&self, vm: usize) -> Result<()> {
+        self.vm(vm)?.borrow_mut().failed = Some("stopped by the test".into());
+        Ok(())
+    }
+
     /// Why the VM failed (a trap), if it did.
     pub fn vm_failure(&self, vm: usize) -> Option<String> {
         self.vm(vm).ok()?.borrow().failed.clone()
@@ -715,6 +722,9 @@ impl Cluster {
         {
             let v = self.vm(call.vm)?;
             let mut v = v.borrow_mut();
+            if v.failed.is_some() {
+                return Ok(()); // the VM is gone: so are its calls
+            }
             let s = v.store.data_mut();
             s.status = status;
             if !s.contexts.contains(&call.context) {

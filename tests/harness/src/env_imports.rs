@@ -602,6 +602,7 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
                     body,
                     trailers,
                     timeout_ms: timeout_ms as u32,
+                    vm: c.data().index,
                 };
                 // Envoy: unknown cluster, or no :method/:path/:authority → BadArgument.
                 let has = |k: &str| request.headers.iter().any(|(h, _)| h == k);

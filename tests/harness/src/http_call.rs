@@ -18,6 +18,8 @@ pub struct HttpCallRequest {
     pub trailers: Headers,
     /// 0 = no timeout (Envoy leaves it unset).
     pub timeout_ms: u32,
+    /// Index of the VM that dispatched the call.
+    pub vm: usize,
 }
 
 impl HttpCallRequest {

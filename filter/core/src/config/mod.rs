@@ -111,6 +111,22 @@ pub struct CollectorConfig {
     pub metrics_stale_after_ms: u64,
     /// ms; in-flight charges older than this are reaped (safety net)
     pub reap_after_ms: u64,
+    /// Who runs the collector (`collector.mode`).
+    pub mode: CollectorMode,
+    /// ms; how long a lease holder stays the collector without renewing it
+    /// (`collector.leaseMs`, `lease` mode only).
+    pub lease_ms: u64,
+}
+
+/// Who runs the collector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CollectorMode {
+    /// The bootstrap singleton (`root_id: kvroute-collector`) runs it.
+    Singleton,
+    /// The filter's worker VMs elect one of themselves through a lease key
+    /// in shared data; no singleton is needed (a singleton, if present,
+    /// takes part in the election too).
+    Lease,
 }
 
 /// kvroute's `sharedState` section.
@@ -260,6 +276,8 @@ struct RawCollector {
     metrics_timeout_ms: Option<u64>,
     metrics_stale_after_ms: Option<u64>,
     reap_after_ms: Option<u64>,
+    mode: Option<String>,
+    lease_ms: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1027,6 +1045,24 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             1_000,
             86_400_000,
             "ms",
+        )?,
+        mode: match c.mode.as_deref() {
+            None | Some("singleton") => CollectorMode::Singleton,
+            Some("lease") => CollectorMode::Lease,
+            Some(o) => {
+                return Err(err(
+                    "collector.mode",
+                    format!("\"{o}\" is not allowed; use \"singleton\" (the bootstrap singleton runs the collector) or \"lease\" (the worker VMs elect one)"),
+                ))
+            }
+        },
+        lease_ms: range_u64(
+            "collector.leaseMs",
+            c.lease_ms,
+            3 * poll.max(1000),
+            poll.max(300),
+            600_000,
+            "ms (at least metricsPollIntervalMs and 300)",
         )?,
     };
 

@@ -605,3 +605,31 @@ fn producer_parameters_and_llm_d_defaults() {
     ));
     assert_eq!(c.scheduler.scorers[0].0, Scorer::NoHitLru);
 }
+
+#[test]
+fn collector_mode_and_lease_are_checked() {
+    let base = with_endpoints(BASELINE);
+    let with = |collector: Value| {
+        let mut v: Value = serde_json::from_str(&base).unwrap();
+        v["collector"] = collector;
+        v.to_string()
+    };
+    let c = Config::from_json(base.as_bytes()).unwrap();
+    assert_eq!(c.collector.mode, CollectorMode::Singleton);
+    assert_eq!(c.collector.lease_ms, 3000);
+    let c =
+        Config::from_json(with(serde_json::json!({"mode": "lease", "leaseMs": 5000})).as_bytes())
+            .unwrap();
+    assert_eq!(
+        (c.collector.mode, c.collector.lease_ms),
+        (CollectorMode::Lease, 5000)
+    );
+    let e = reject(&with(serde_json::json!({"mode": "leader"}))).to_string();
+    assert!(e.contains("collector.mode") && e.contains("lease"), "{e}");
+    // The lease outlives a poll interval.
+    let e = reject(&with(
+        serde_json::json!({"mode": "lease", "metricsPollIntervalMs": 2000, "leaseMs": 1000}),
+    ))
+    .to_string();
+    assert!(e.contains("collector.leaseMs"), "{e}");
+}

@@ -7,9 +7,13 @@
 //! there), and reap charges older than `collector.reapAfterMs`. At most one
 //! call per target is in flight; a call that times out comes back with no
 //! headers and counts as a failed poll.
+//!
+//! With `collector.mode: lease` every worker VM has a collector and only
+//! the one holding the lease ([`super::lease`]) does this work each tick.
 
+use super::lease::{Lease, Schedule, Standing};
 use super::{Counter, Counts, Host, Level};
-use crate::config::EndpointSource;
+use crate::config::{CollectorMode, EndpointSource};
 use crate::engine::Engine;
 use std::collections::HashMap;
 
@@ -71,16 +75,28 @@ pub struct Collector {
     next_reap_ms: u64,
     /// The last time the clock answered (see [`Collector::now_ms`]).
     last_now_ms: u64,
+    /// `lease` mode: this VM's part in the election.
+    lease: Option<Lease>,
 }
 
 impl Collector {
+    /// Initialises the shared state (missing keys only) and, in `lease`
+    /// mode, joins the election. The caller sets the tick period (at most
+    /// [`Timers::tick_ms`]).
     pub fn start(host: &dyn Host, engine: Engine) -> Result<Collector, String> {
         engine
             .collector_init(host.store())
             .map_err(|e| format!("cannot initialise shared state: {e}"))?;
         let timers = Timers::from_engine(&engine);
-        host.set_tick_period_ms(timers.tick_ms)
-            .map_err(|e| e.to_string())?;
+        let lease = match engine.config.collector.mode {
+            CollectorMode::Singleton => None,
+            CollectorMode::Lease => {
+                let now_ns = host.now_ns().map_err(|e| e.to_string())?;
+                let lease = Lease::join(host.store(), engine.config.collector.lease_ms, now_ns)
+                    .map_err(|e| format!("cannot join the collector lease: {e}"))?;
+                Some(lease)
+            }
+        };
         Ok(Collector {
             engine,
             counts: Counts::define(host, false),
@@ -90,11 +106,71 @@ impl Collector {
             next_poll_ms: 0,
             next_reap_ms: 0,
             last_now_ms: 0,
+            lease,
         })
     }
 
     pub fn timers(&self) -> Timers {
         self.timers
+    }
+
+    /// Whether this VM runs the collector: always for the singleton; in
+    /// `lease` mode, while it holds the lease.
+    pub fn is_leader(&self) -> bool {
+        self.lease.as_ref().is_none_or(Lease::held)
+    }
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            next_refresh_ms: self.next_refresh_ms,
+            next_poll_ms: self.next_poll_ms,
+            next_reap_ms: self.next_reap_ms,
+        }
+    }
+
+    /// `lease` mode, before the tick's work: whether this VM leads.
+    fn contend(&mut self, host: &dyn Host, now: u64) -> bool {
+        let mine = self.schedule();
+        let Some(lease) = self.lease.as_mut() else {
+            return true;
+        };
+        match lease.contend(host.store(), now, mine) {
+            Ok((Standing::Follower, _)) => false,
+            Ok((Standing::Leader, None)) => true,
+            Ok((Standing::Leader, Some(s))) => {
+                host.log(
+                    Level::Info,
+                    &format!(
+                        "kvroute collector: this VM took the collector lease (id {:016x})",
+                        lease.id()
+                    ),
+                );
+                self.next_refresh_ms = s.next_refresh_ms;
+                self.next_poll_ms = s.next_poll_ms;
+                self.next_reap_ms = s.next_reap_ms;
+                true
+            }
+            Err(e) => {
+                self.host_error(host, "reading the collector lease", e);
+                false
+            }
+        }
+    }
+
+    /// `lease` mode, after the tick's work: renews the lease.
+    fn renew(&mut self, host: &dyn Host, now: u64) {
+        let schedule = self.schedule();
+        let Some(lease) = self.lease.as_mut() else {
+            return;
+        };
+        match lease.renew(host.store(), now, schedule) {
+            Ok(true) => {}
+            Ok(false) => host.log(
+                Level::Info,
+                "kvroute collector: another VM holds the collector lease now",
+            ),
+            Err(e) => self.host_error(host, "renewing the collector lease", e),
+        }
     }
 
     fn host_error(&self, host: &dyn Host, what: &str, e: impl std::fmt::Display) {
@@ -121,6 +197,14 @@ impl Collector {
         let Some(now) = self.now_ms(host) else {
             return;
         };
+        if !self.contend(host, now) {
+            return;
+        }
+        self.work(host, now);
+        self.renew(host, now);
+    }
+
+    fn work(&mut self, host: &dyn Host, now: u64) {
         if let (EndpointSource::FromCluster { admin_cluster, .. }, Some(refresh_ms)) =
             (&self.engine.config.endpoints, self.timers.admin_refresh_ms)
         {

@@ -13,6 +13,7 @@
 //!   handed over on a tick.
 
 mod collector;
+pub mod lease;
 mod stream;
 #[cfg(test)]
 mod tests;
@@ -20,7 +21,7 @@ mod tests;
 pub use collector::{Collector, Timers};
 pub use stream::{Stream, DECISION_HEADER};
 
-use crate::config::{Config, RoutingConfig};
+use crate::config::{CollectorMode, Config, RoutingConfig};
 use crate::engine::Engine;
 use crate::request::ApiKind;
 use crate::scheduling::{Branch, Rng};
@@ -347,8 +348,61 @@ impl Worker {
 
 /// A configured root context.
 pub enum Role {
-    Filter(Rc<Worker>),
+    /// The HTTP filter of one worker VM; in `collector.mode: lease` it also
+    /// has a collector, which works while this VM holds the lease.
+    Filter {
+        worker: Rc<Worker>,
+        collector: Option<Box<Collector>>,
+    },
+    /// The bootstrap singleton.
     Collector(Box<Collector>),
+}
+
+impl Role {
+    /// The filter's worker (what its requests share), if this is the filter.
+    pub fn worker(&self) -> Option<Rc<Worker>> {
+        match self {
+            Role::Filter { worker, .. } => Some(worker.clone()),
+            Role::Collector(_) => None,
+        }
+    }
+
+    fn collector(&mut self) -> Option<&mut Collector> {
+        match self {
+            Role::Filter { collector, .. } => collector.as_deref_mut(),
+            Role::Collector(c) => Some(c),
+        }
+    }
+
+    /// `proxy_on_tick`: the collector's round, then the filter's counts.
+    pub fn on_tick(&mut self, host: &dyn Host) {
+        if let Some(c) = self.collector() {
+            c.on_tick(host);
+        }
+        if let Role::Filter { worker, .. } = self {
+            worker.flush(host);
+        }
+    }
+
+    /// `proxy_on_http_call_response`: calls are the collector's.
+    pub fn on_http_call_response(
+        &mut self,
+        host: &dyn Host,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+    ) {
+        if let Some(c) = self.collector() {
+            c.on_http_call_response(host, token, num_headers, body_size);
+        }
+    }
+
+    /// The root's end: hands over what was counted since the last tick.
+    pub fn on_done(&self, host: &dyn Host) {
+        if let Role::Filter { worker, .. } = self {
+            worker.flush(host);
+        }
+    }
 }
 
 /// Seed mixed into the clock when `routing.seed` is not set.
@@ -370,9 +424,19 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
     let engine = Engine::new(config);
     if root_id == COLLECTOR_ROOT_ID.as_bytes() {
         let c = Collector::start(host, engine).map_err(|e| format!("kvroute collector: {e}"))?;
+        host.set_tick_period_ms(c.timers().tick_ms)
+            .map_err(|e| format!("kvroute collector: no tick: {e}"))?;
         host.log(Level::Info, "kvroute collector configured");
         return Ok(Role::Collector(Box::new(c)));
     }
+    // `lease` mode: this worker takes part in electing the collector.
+    let collector = match engine.config.collector.mode {
+        CollectorMode::Singleton => None,
+        CollectorMode::Lease => Some(Box::new(
+            Collector::start(host, engine.clone())
+                .map_err(|e| format!("kvroute collector (lease): {e}"))?,
+        )),
+    };
     if let Err(e) = engine.ensure_tables(host.store()) {
         host.log(
             Level::Warn,
@@ -392,9 +456,18 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
             }
         },
     };
-    // Counts go to Envoy on the tick; without a tick, at once.
-    let batched = match host.set_tick_period_ms(FLUSH_PERIOD_MS) {
+    // Counts go to Envoy on the tick; without a tick, at once. A lease
+    // collector ticks at its own period when that is shorter.
+    let tick_ms = collector
+        .as_ref()
+        .map_or(FLUSH_PERIOD_MS, |c| c.timers().tick_ms.min(FLUSH_PERIOD_MS));
+    let batched = match host.set_tick_period_ms(tick_ms) {
         Ok(()) => true,
+        Err(e) if collector.is_some() => {
+            return Err(format!(
+                "kvroute: collector.mode lease needs a tick, and the host refused it: {e}"
+            ))
+        }
         Err(e) => {
             host.log(
                 Level::Warn,
@@ -405,5 +478,8 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
     };
     let counts = Counts::define(host, batched);
     host.log(Level::Info, "kvroute filter configured");
-    Ok(Role::Filter(Rc::new(Worker::new(engine, seed, counts))))
+    Ok(Role::Filter {
+        worker: Rc::new(Worker::new(engine, seed, counts)),
+        collector,
+    })
 }

@@ -169,7 +169,7 @@ fn filter(routing: &str) -> (FakeHost, Rc<Worker>) {
         format!(r#"{{{BASE},"routing":{{"seed":7{routing}}}}}"#).into_bytes();
     *host.root_id.borrow_mut() = b"kvroute".to_vec();
     match configure(&host) {
-        Ok(Role::Filter(w)) => (host, w),
+        Ok(Role::Filter { worker, .. }) => (host, worker),
         Ok(Role::Collector(_)) => panic!("configured as the collector"),
         Err(e) => panic!("{e}"),
     }
@@ -514,7 +514,7 @@ fn batched_counts_reach_the_host_only_on_flush() {
     host.failing
         .borrow_mut()
         .insert("proxy_set_tick_period_milliseconds");
-    let Ok(Role::Filter(w)) = configure(&host) else {
+    let Ok(Role::Filter { worker: w, .. }) = configure(&host) else {
         panic!("not a filter")
     };
     let mut s = routed_stream(&host, &w, chat_body("q9"));
@@ -563,7 +563,7 @@ fn collector_polling(poll_ms: u64, extra: &str) -> (FakeHost, Collector) {
     *host.root_id.borrow_mut() = COLLECTOR_ROOT_ID.as_bytes().to_vec();
     match configure(&host) {
         Ok(Role::Collector(c)) => (host, *c),
-        Ok(Role::Filter(_)) => panic!("not the collector"),
+        Ok(Role::Filter { .. }) => panic!("not the collector"),
         Err(e) => panic!("{e}"),
     }
 }
@@ -619,4 +619,51 @@ fn collector_polls_each_endpoint_once_at_a_time_and_counts_failures() {
         .insert("proxy_get_current_time_nanoseconds");
     c.on_tick(&host);
     assert_eq!(host.counter(Counter::HostErrors), 1);
+}
+
+#[test]
+fn a_lease_mode_filter_collects_once_it_holds_the_lease() {
+    let host = FakeHost::default();
+    host.now_ns.set(1_000_000_000);
+    *host.config.borrow_mut() = format!(
+        r#"{{{BASE},"collector":{{"mode":"lease","metricsCluster":"models","metricsPollIntervalMs":500}}}}"#
+    )
+    .into_bytes();
+    *host.root_id.borrow_mut() = b"kvroute".to_vec();
+    let Ok(mut role) = configure(&host) else {
+        panic!("not configured")
+    };
+    assert!(matches!(
+        &role,
+        Role::Filter {
+            collector: Some(_),
+            ..
+        }
+    ));
+    // The tick serves both the counts' flush and the collector.
+    assert_eq!(host.tick_ms.get(), Some(200));
+    // The first tick creates the lease free; the second takes it and polls.
+    role.on_tick(&host);
+    assert!(host.calls.borrow().is_empty());
+    host.now_ns.set(1_250_000_000);
+    role.on_tick(&host);
+    assert_eq!(host.calls.borrow().len(), 2);
+    // Another VM's lease that has not expired: this one stays a follower.
+    let other = lease::LeaseRecord {
+        holder: 1,
+        expires_at_ms: 10_000,
+        ..Default::default()
+    };
+    host.store
+        .set(lease::LEASE_KEY, &other.encode(), 0)
+        .unwrap();
+    host.now_ns.set(3_000_000_000);
+    role.on_tick(&host);
+    assert_eq!(host.calls.borrow().len(), 2, "a follower polled");
+    // The singleton mode filter has no collector.
+    let (_, w) = filter("");
+    assert_eq!(
+        w.engine.config.collector.mode,
+        crate::config::CollectorMode::Singleton
+    );
 }

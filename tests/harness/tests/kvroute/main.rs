@@ -7,6 +7,7 @@ mod bounds;
 mod collector;
 mod concurrency;
 mod config;
+mod lease;
 mod lifecycle;
 mod malformed;
 #[cfg(feature = "perfmap")]
