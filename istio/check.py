@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""Validate istio/: every manifest against Istio's CRD schemas, the names the
+manifests share with each other and with envoy/render.py, the OCI builder,
+and (when Envoy and the module are there) the equivalent bootstraps in Envoy.
+
+    python3 istio/check.py [--schemas DIR] [--no-envoy]
+
+Schemas: $KVROUTE_ISTIO_SCHEMAS, else <repo>/../shared/istio. Needs PyYAML and
+jsonschema (scripts/istio-check.sh installs them). Exit status 1 on any problem.
+"""
+
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import jsonschema
+import yaml
+
+ISTIO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(ISTIO)
+sys.path.insert(0, ISTIO)
+sys.path.insert(0, os.path.join(ISTIO, "oci"))
+sys.path.insert(0, os.path.join(REPO, "envoy"))
+import equivalent  # noqa: E402
+import render  # noqa: E402
+
+build_oci = __import__("build-oci")
+
+problems = []
+
+
+def problem(msg):
+    problems.append(msg)
+    print(f"  FAIL {msg}")
+
+
+def ok(msg):
+    print(f"  ok   {msg}")
+
+
+def expect(cond, msg):
+    (ok if cond else problem)(msg)
+
+
+# ---------------------------------------------------------------- schemas
+
+
+def strict(schema):
+    """Kubernetes rejects unknown fields (kubectl's default strict field
+    validation) except under x-kubernetes-preserve-unknown-fields."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if "properties" in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+            out.setdefault("additionalProperties", False)
+        return out
+    if isinstance(schema, list):
+        return [strict(v) for v in schema]
+    return schema
+
+
+def load_crds(path):
+    crds = {}
+    with open(path) as f:
+        for doc in yaml.safe_load_all(f):
+            if not doc or doc.get("kind") != "CustomResourceDefinition":
+                continue
+            group, kind = doc["spec"]["group"], doc["spec"]["names"]["kind"]
+            for v in doc["spec"]["versions"]:
+                if v.get("served"):
+                    schema = strict(v["schema"]["openAPIV3Schema"])
+                    # Every object also has the Kubernetes envelope.
+                    schema["properties"].update(
+                        apiVersion={"type": "string"}, kind={"type": "string"},
+                        metadata={"type": "object", "required": ["name"]})
+                    crds[(f"{group}/{v['name']}", kind)] = schema
+    return crds
+
+
+def cel_checks(doc, where):
+    """The CEL rules (x-kubernetes-validations) that matter for these kinds."""
+    spec = doc.get("spec", {})
+    if doc["kind"] == "EnvoyFilter":
+        expect(not ("workloadSelector" in spec and "targetRefs" in spec), f"{where}: not both workloadSelector and targetRefs")
+        for i, p in enumerate(spec.get("configPatches", [])):
+            m = p.get("match", {})
+            expect(("waypoint" in m) == (m.get("context") == "WAYPOINT") or "waypoint" not in m,
+                   f"{where}: patch {i}: waypoint match only with context WAYPOINT")
+
+
+def validate_schemas(crds, manifests):
+    print("schemas:")
+    for path, docs in manifests.items():
+        rel = os.path.relpath(path, REPO)
+        for i, doc in enumerate(docs):
+            where = f"{rel}#{i} {doc.get('kind', '?')}"
+            api = doc.get("apiVersion", "")
+            if "istio.io" in api:
+                schema = crds.get((api, doc.get("kind")))
+                if schema is None:
+                    problem(f"{where}: {api} {doc.get('kind')} is not a served version in the CRDs")
+                    continue
+                errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.path))
+                for e in errors:
+                    problem(f"{where}: {'/'.join(map(str, e.path))}: {e.message[:300]}")
+                if not errors:
+                    ok(f"{where} validates against the {doc['kind']} CRD schema")
+                cel_checks(doc, where)
+            elif api == "v1" and doc.get("kind") == "ConfigMap":
+                try:
+                    json.loads(doc["data"]["custom_bootstrap.json"])
+                    ok(f"{where}: custom_bootstrap.json is JSON")
+                except (KeyError, ValueError) as e:
+                    problem(f"{where}: custom_bootstrap.json: {e}")
+            elif "kind" not in doc and "spec" in doc:  # a pod-template patch
+                ann = doc["spec"]["template"]["metadata"].get("annotations", {})
+                for k in ("sidecar.istio.io/userVolume", "sidecar.istio.io/userVolumeMount"):
+                    if k in ann:
+                        try:
+                            json.loads(ann[k])
+                        except ValueError as e:
+                            problem(f"{where}: {k} is not JSON: {e}")
+                expect(ann.get("sidecar.istio.io/bootstrapOverride") == "kvroute-bootstrap",
+                       f"{where}: bootstrapOverride names the ConfigMap kvroute-bootstrap")
+            else:
+                problem(f"{where}: unknown document")
+
+
+# ---------------------------------------------------------------- names
+
+
+def rendered():
+    """render.py's bootstrap (the plain-Envoy reference)."""
+    return yaml.safe_load(render.render(endpoints=["127.0.0.1:1"], wasm="/x.wasm"))
+
+
+def patches(ef, apply_to):
+    return [p for p in ef["spec"]["configPatches"] if p["applyTo"] == apply_to]
+
+
+def cross_references(shape, docs, ref):
+    print(f"names ({shape}):")
+    context, port, vs_file = equivalent.SHAPES[shape]
+    ef = equivalent.one(docs["envoyfilter.yaml"], "EnvoyFilter")
+    vs = equivalent.one(docs[vs_file], "VirtualService")
+    cm = equivalent.one(docs["kvroute-bootstrap.yaml"], "ConfigMap")
+    pod = docs["deployment-patch.yaml"][0]["spec"]["template"]
+    with open(os.path.join(ISTIO, "kvroute-plugin.json")) as f:
+        plugin = json.load(f)
+
+    ref_filter = next(f for f in ref["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+                      ["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.wasm")["typed_config"]["config"]
+    ref_service = ref["bootstrap_extensions"][0]["typed_config"]
+    ref_cluster = next(c for c in ref["static_resources"]["clusters"] if c["name"] == render.VLLM_CLUSTER)
+    ref_route = ref["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+
+    (ec,) = patches(ef, "EXTENSION_CONFIG")
+    (hf,) = patches(ef, "HTTP_FILTER")
+    (hr,) = patches(ef, "HTTP_ROUTE")
+    (ls,) = patches(ef, "LISTENER")
+    (cl,) = patches(ef, "CLUSTER")
+    ext = ec["patch"]["value"]
+    wasm = ext["typed_config"]
+    cfg = wasm["config"]
+    boot = json.loads(cm["data"]["custom_bootstrap.json"])
+    (svc,) = [b for b in boot["bootstrap_extensions"] if b["name"] == "envoy.bootstrap.wasm"]
+    svc = svc["typed_config"]
+
+    expect(wasm["@type"] == equivalent.WASM_TYPE, "EXTENSION_CONFIG is an HTTP Wasm filter config")
+    expect(hf["patch"]["value"]["name"] == ext["name"], f"HTTP_FILTER name = EXTENSION_CONFIG name ({ext['name']})")
+    expect(hf["patch"]["value"]["config_discovery"]["type_urls"] == [equivalent.WASM_TYPE], "HTTP_FILTER asks ECDS for the Wasm type")
+    expect(list(hr["patch"]["value"]["typed_per_filter_config"]) == [ext["name"]],
+           "HTTP_ROUTE enables the filter by the same name")
+    expect(hf["patch"]["value"].get("disabled") is True, "the filter is off by default on the listener")
+    expect({p.get("match", {}).get("context") for p in ef["spec"]["configPatches"] if p["applyTo"] != "EXTENSION_CONFIG"} == {context},
+           f"every listener/route/cluster patch has context {context}")
+    expect(hf["match"]["listener"]["portNumber"] == ls["match"]["listener"]["portNumber"] == port
+           and hr["match"]["routeConfiguration"]["portNumber"] == port, f"filter, route and buffer patches on port {port}")
+
+    expect(cfg["root_id"] == ref_filter["root_id"] == "kvroute", "filter root_id kvroute (= render.py)")
+    expect(svc["config"]["root_id"] == ref_service["config"]["root_id"] == "kvroute-collector", "collector root_id kvroute-collector (= render.py)")
+    expect(cfg["vm_config"]["vm_id"] == svc["config"]["vm_config"]["vm_id"] == ref_filter["vm_config"]["vm_id"] == "kvroute",
+           "vm_id kvroute in filter, collector and render.py")
+    expect(cfg.get("allow_on_headers_stop_iteration") is True, "allow_on_headers_stop_iteration: true")
+    expect(cfg.get("failure_policy") == ref_filter.get("failure_policy"), f"failure_policy = render.py ({ref_filter.get('failure_policy')})")
+    expect(svc.get("singleton") is True, "the collector is a singleton")
+    expect(cfg["vm_config"]["runtime"] == svc["config"]["vm_config"]["runtime"] == "envoy.wasm.runtime.v8", "V8 runtime")
+
+    filter_json = json.loads(cfg["configuration"]["value"])
+    collector_json = json.loads(svc["config"]["configuration"]["value"])
+    expect(filter_json == collector_json == plugin, "filter and collector get the same plugin JSON (= istio/kvroute-plugin.json)")
+
+    cmatch = cl["match"]["cluster"]
+    cluster_name = f"outbound|{cmatch['portNumber']}||{cmatch['service']}"
+    dest = vs["spec"]["http"][0]["route"][0]["destination"]
+    expect(f"outbound|{dest['port']['number']}||{dest['host']}" == cluster_name, f"VirtualService routes to {cluster_name}")
+    expect(plugin["endpoints"]["fromCluster"]["cluster"] == plugin["collector"]["metricsCluster"] == cluster_name,
+           "endpoints.fromCluster.cluster and collector.metricsCluster name the patched cluster")
+    admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
+    admin = [c for c in boot["static_resources"]["clusters"] if c["name"] == admin_name]
+    expect(len(admin) == 1 and admin[0]["type"] == "STATIC", f"adminCluster {admin_name} is a STATIC cluster of the bootstrap override")
+    if admin:
+        sa = admin[0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+        expect((sa["address"], sa["port_value"]) == ("127.0.0.1", 15000), "envoy_admin points at the proxy's admin listener 127.0.0.1:15000")
+
+    lbp = cl["patch"]["value"]["load_balancing_policy"]
+    expect(lbp == ref_cluster["load_balancing_policy"], "override_host policy = render.py's (header source, fallback round robin)")
+    header = lbp["policies"][0]["typed_extension_config"]["typed_config"]["override_host_sources"][0]["header"]
+    expect(header == plugin["routing"]["destinationHeader"] == render.DESTINATION_HEADER, f"destination header {header} agrees")
+    expect(cl["patch"]["value"].get("lb_policy") == "CLUSTER_PROVIDED", "lb_policy CLUSTER_PROVIDED, as Istio's InferencePool clusters")
+
+    for name, value in (("listener", ls["patch"]["value"]), ("cluster", cl["patch"]["value"])):
+        limit = value["per_connection_buffer_limit_bytes"]
+        expect(limit == render.DEFAULT_BUFFER_LIMIT_BYTES and limit >= plugin["routing"]["maxBodyBytes"],
+               f"{name} buffer limit {limit} = render.py's, >= routing.maxBodyBytes")
+
+    http = vs["spec"]["http"][0]
+    expect(hr["match"]["routeConfiguration"]["vhost"]["route"]["name"] == http["name"], f"HTTP_ROUTE matches route {http['name']}")
+    rp = ref_route["retry_policy"]
+    expect(http["retries"]["retryOn"] == rp["retry_on"] and http["retries"]["attempts"] == rp["num_retries"]
+           and http["timeout"] == ref_route["timeout"], "VirtualService timeout and retries = render.py's route")
+
+    remote = cfg["vm_config"]["code"]["remote"]
+    uri = remote["http_uri"]["uri"]
+    expect(uri.startswith(("oci://", "https://")), f"module URL {uri} is oci:// or https://")
+    expect(re.fullmatch(r"[0-9a-f]{64}", remote.get("sha256", "")) is not None, "sha256 is 64 hex digits")
+    expect(svc["config"]["vm_config"]["code"]["local"]["filename"] == "/var/lib/kvroute/plugin.wasm", "collector reads /var/lib/kvroute/plugin.wasm")
+    vols = pod.get("spec", {}).get("volumes") or json.loads(pod["metadata"]["annotations"].get("sidecar.istio.io/userVolume", "[]"))
+    images = [v["image"]["reference"] for v in vols if "image" in v]
+    if uri.startswith("oci://"):
+        expect(images == [uri[len("oci://"):]], "the image volume mounts the same image the agent pulls")
+    labels = ef["spec"]["workloadSelector"]["labels"]
+    expect(all(pod["metadata"]["labels"].get(k) == v for k, v in labels.items()), f"workloadSelector {labels} matches the pod template")
+    gws = [d for d in docs.get(vs_file, []) if d.get("kind") == "Gateway"]
+    for gw in gws:
+        expect(all(gw["spec"]["selector"].get(k) == v for k, v in labels.items()), "Gateway selector = EnvoyFilter workloadSelector")
+
+
+# ---------------------------------------------------------------- OCI
+
+
+def check_oci():
+    print("oci:")
+    with tempfile.TemporaryDirectory() as d:
+        wasm = os.path.join(d, "m.wasm")
+        with open(wasm, "wb") as f:
+            f.write(b"\0asm\x01\0\0\0" + os.urandom(64))
+        a = build_oci.build(wasm, os.path.join(d, "a"), "t")
+        b = build_oci.build(wasm, os.path.join(d, "b"), "t")
+        expect(a["manifest_digest"] == b["manifest_digest"], "the build is reproducible (same digest twice)")
+        data, digest = build_oci.read_plugin(os.path.join(d, "a"), "t")
+        with open(wasm, "rb") as f:
+            expect(data == f.read() and digest == a["manifest_digest"], "plugin.wasm reads back as Istio's agent reads it")
+
+
+# ---------------------------------------------------------------- Envoy
+
+
+def envoy_checks(wasm):
+    print("envoy:")
+    envoy = shutil.which("envoy")
+    if not envoy or not os.path.exists(wasm):
+        problem(f"envoy ({envoy}) or the module ({wasm}) is missing; build the module, or pass --no-envoy")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        for shape in sorted(equivalent.SHAPES):
+            cfg = equivalent.build(shape, os.path.join(d, shape), wasm, ["127.0.0.1:1", "127.0.0.1:2"], 1, 2)
+            p = subprocess.run([envoy, "--mode", "validate", "-c", cfg["config"], "--use-dynamic-base-id"],
+                               capture_output=True, text=True, timeout=120)
+            expect(p.returncode == 0, f"{shape}: envoy --mode validate on the equivalent bootstrap")
+        # A real start: ECDS accepted, both plugin configs loaded (validate
+        # mode does not run the module's configure).
+        import socket
+
+        ports = []
+        for _ in range(2):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            ports.append(s)
+        port, admin = (s.getsockname()[1] for s in ports)
+        for s in ports:
+            s.close()
+        cfg = equivalent.build("sidecar", os.path.join(d, "run"), wasm, ["127.0.0.1:1"], port, admin)
+        log = open(os.path.join(d, "envoy.log"), "w+")
+        proc = subprocess.Popen([envoy, "-c", cfg["config"], "--use-dynamic-base-id", "--concurrency", "1"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            stats = ""
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    stats = urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=extension_config_discovery", timeout=2).read().decode()
+                    if "kvroute.config_reload: 1" in stats:
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.2)
+            time.sleep(1)
+            log.seek(0)
+            text = log.read()
+            expect("kvroute.config_reload: 1" in stats and "config_fail: 0" in stats, "a real Envoy accepted the filter over ECDS")
+            expect("invalid kvroute config" not in text and proc.poll() is None, "the plugin JSON loads in the filter and the collector")
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=10)
+            log.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = os.environ.get("KVROUTE_ISTIO_SCHEMAS") or os.path.join(os.path.dirname(REPO), "shared", "istio")
+    ap.add_argument("--schemas", default=default, help=f"directory of customresourcedefinitions.gen.yaml (default {default})")
+    ap.add_argument("--wasm", default=os.environ.get("KVROUTE_WASM") or render.DEFAULT_WASM)
+    ap.add_argument("--no-envoy", action="store_true", help="skip the Envoy checks")
+    a = ap.parse_args()
+    crd_file = os.path.join(a.schemas, "customresourcedefinitions.gen.yaml")
+    if not os.path.exists(crd_file):
+        print(f"istio/check.py: {crd_file} not found; set KVROUTE_ISTIO_SCHEMAS or --schemas", file=sys.stderr)
+        return 2
+    crds = load_crds(crd_file)
+    manifests = {}
+    for shape in sorted(equivalent.SHAPES):
+        for name, docs in equivalent.shape_docs(shape).items():
+            manifests[os.path.join(ISTIO, shape, name)] = docs
+    validate_schemas(crds, manifests)
+    ref = rendered()
+    for shape in sorted(equivalent.SHAPES):
+        cross_references(shape, equivalent.shape_docs(shape), ref)
+    check_oci()
+    if not a.no_envoy:
+        envoy_checks(a.wasm)
+    print(f"istio/check.py: {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""Render the Envoy configuration that istio/<shape>/ patches in, as one
+equivalent Envoy 1.40 bootstrap plus an ECDS file.
+
+What Istio would do, step by step, and what stands in for it here:
+
+- istiod generates an outbound listener for port 8000 (sidecar) or 8080
+  (gateway) with an HTTP connection manager whose last filter is the router,
+  the VirtualService route `kvroute-models` (timeout, retries, Istio's default
+  previous_hosts retry predicate), and an EDS cluster
+  `outbound|8000||vllm.models.svc.cluster.local` with Istio's default
+  LEAST_REQUEST policy. Here: the same objects, built in Python, with the
+  cluster's members read from an EDS file and the listener bound to a free
+  127.0.0.1 port.
+- istiod applies the EnvoyFilter patches (INSERT_BEFORE, MERGE with protobuf
+  merge semantics: messages merge, lists append, scalars replace). Here: the
+  same operations on the same objects, read from the shipped envoyfilter.yaml.
+- istiod serves the EXTENSION_CONFIG over ECDS and the agent rewrites its
+  remote module (oci:// or https://) to a local file, stripping ISTIO_META_*
+  VM variables. Here: the extension config is written, rewritten the same way,
+  as a TypedExtensionConfig discovery response into a file, and the HTTP
+  filter's config source (ADS in the mesh) points at that file
+  (path_config_source). Only the config source differs.
+- Envoy merges the bootstrap override (kvroute-bootstrap.yaml) into Istio's
+  bootstrap. Here: the same merge; the module path and the admin port are
+  replaced by the local ones.
+
+Used by scripts/istio-check.sh (envoy --mode validate) and by
+tests/e2e/test_istio_ecds.py (a routed request end to end). Needs PyYAML.
+"""
+
+import copy
+import json
+import os
+import sys
+
+import yaml
+
+ISTIO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(ISTIO)
+sys.path.insert(0, os.path.join(REPO, "envoy"))
+import render  # noqa: E402
+
+WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+HCM = "envoy.filters.network.http_connection_manager"
+ROUTER = "envoy.filters.http.router"
+SHAPES = {
+    # shape: (Istio patch context, logical listener port, VirtualService file)
+    "sidecar": ("SIDECAR_OUTBOUND", 8000, "virtualservice.yaml"),
+    "gateway": ("GATEWAY", 8080, "gateway.yaml"),
+}
+MODEL_SERVICE = "vllm.models.svc.cluster.local"
+MODEL_PORT = 8000
+MODEL_CLUSTER = f"outbound|{MODEL_PORT}||{MODEL_SERVICE}"
+# A second service on the same listener, which the filter must leave alone.
+OTHER_SERVICE = "other.models.svc.cluster.local"
+OTHER_CLUSTER = f"outbound|{MODEL_PORT}||{OTHER_SERVICE}"
+OTHER_HOST = "other.models.svc.cluster.local"
+
+
+def load_docs(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def shape_docs(shape):
+    """Every YAML document of istio/<shape>/, by file name."""
+    d = os.path.join(ISTIO, shape)
+    return {name: load_docs(os.path.join(d, name)) for name in sorted(os.listdir(d)) if name.endswith(".yaml")}
+
+
+def one(docs, kind):
+    found = [d for d in docs if d.get("kind") == kind]
+    if len(found) != 1:
+        raise ValueError(f"expected one {kind}, found {len(found)}")
+    return found[0]
+
+
+def proto_merge(dst, src):
+    """Protobuf MergeFrom on JSON objects: messages merge, lists append,
+    scalars replace. (An Any whose @type changes is replaced whole.)"""
+    if isinstance(dst, dict) and isinstance(src, dict):
+        if "@type" in src and dst.get("@type") not in (None, src["@type"]):
+            return copy.deepcopy(src)
+        out = dict(dst)
+        for k, v in src.items():
+            out[k] = proto_merge(dst[k], v) if k in dst else copy.deepcopy(v)
+        return out
+    if isinstance(dst, list) and isinstance(src, list):
+        return dst + copy.deepcopy(src)
+    return copy.deepcopy(src)
+
+
+def agent_rewrite(ext_config, wasm_path):
+    """What Istio's agent does to a Wasm ECDS resource with remote code
+    (pkg/wasm/convert.go): the module becomes a local file (here: wasm_path,
+    standing for the agent's cache file) and ISTIO_META_* VM variables go."""
+    ec = copy.deepcopy(ext_config)
+    vm = ec["typed_config"]["config"]["vm_config"]
+    if "remote" not in vm.get("code", {}):
+        raise ValueError("the extension config's module is not remote; the agent would not fetch it")
+    vm["code"] = {"local": {"filename": wasm_path}}
+    env = vm.get("environment_variables", {}).get("key_values", {})
+    for k in [k for k in env if k.startswith("ISTIO_META")]:
+        del env[k]
+    return ec
+
+
+def vs_routes(vs):
+    """The Envoy routes istiod builds for the VirtualService's http routes
+    (pilot/pkg/networking/core/route: name, timeout, retry policy with the
+    previous_hosts predicate and 5 host selection attempts)."""
+    routes = []
+    for http in vs["spec"]["http"]:
+        dest = http["route"][0]["destination"]
+        r = {
+            "name": http["name"],
+            "match": {"prefix": "/"},
+            "route": {
+                "cluster": f"outbound|{dest['port']['number']}||{dest['host']}",
+                "timeout": http.get("timeout", "0s"),
+            },
+        }
+        retries = http.get("retries")
+        if retries and retries.get("attempts", 0) > 0:
+            r["route"]["retry_policy"] = {
+                "retry_on": retries["retryOn"],
+                "num_retries": retries["attempts"],
+                "retry_host_predicate": [{
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+                }],
+                "host_selection_retry_max_attempts": 5,
+            }
+        routes.append(r)
+    return routes
+
+
+def istio_cluster(name, eds_file):
+    """An outbound EDS cluster as istiod generates it by default (the parts
+    that matter here): LEAST_REQUEST, common_lb_config, 10 s connect timeout,
+    Istio's default circuit breakers."""
+    eds_dir = os.path.dirname(os.path.abspath(eds_file))
+    return {
+        "name": name,
+        "type": "EDS",
+        "eds_cluster_config": {
+            "service_name": name,
+            "eds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {"path": os.path.abspath(eds_file), "watched_directory": {"path": eds_dir}},
+            },
+        },
+        "connect_timeout": "10s",
+        "lb_policy": "LEAST_REQUEST",
+        "common_lb_config": {},
+        "circuit_breakers": {"thresholds": [{
+            "max_connections": 4294967295, "max_pending_requests": 4294967295,
+            "max_requests": 4294967295, "max_retries": 4294967295,
+        }]},
+    }
+
+
+def write_eds(path, cluster, endpoints, version):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc = render.eds_document(endpoints, version, cluster=cluster)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.rename(tmp, path)
+
+
+def build(shape, workdir, wasm, endpoints, listen_port, admin_port):
+    """Write <workdir>/envoy.json (bootstrap), ecds.json and the EDS files.
+    Returns a dict of the paths and names used."""
+    context, logical_port, vs_file = SHAPES[shape]
+    docs = shape_docs(shape)
+    ef = one(docs["envoyfilter.yaml"], "EnvoyFilter")
+    vs = one(docs[vs_file], "VirtualService")
+    cm = one(docs["kvroute-bootstrap.yaml"], "ConfigMap")
+    os.makedirs(workdir, exist_ok=True)
+
+    # The agent's module cache: a copy under another name, so the filter and the
+    # collector load the module from different files, as in the mesh.
+    agent_wasm = os.path.join(workdir, "agent-cache", "kvroute.wasm")
+    os.makedirs(os.path.dirname(agent_wasm), exist_ok=True)
+    with open(wasm, "rb") as src, open(agent_wasm, "wb") as dst:
+        dst.write(src.read())
+
+    eds = {}
+    for c in (MODEL_CLUSTER, OTHER_CLUSTER):
+        eds[c] = os.path.join(workdir, "eds", c.replace("|", "_") + ".json")
+        write_eds(eds[c], c, endpoints, 1)
+
+    vhosts = [
+        {"name": f"{MODEL_SERVICE}:{MODEL_PORT}", "domains": ["*"], "routes": vs_routes(vs)},
+        {"name": f"{OTHER_SERVICE}:{MODEL_PORT}", "domains": [OTHER_HOST],
+         "routes": [{"name": "default", "match": {"prefix": "/"}, "route": {"cluster": OTHER_CLUSTER, "timeout": "0s"}}]},
+    ]
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": f"outbound_0.0.0.0_{logical_port}",
+        "route_config": {"name": str(logical_port), "virtual_hosts": vhosts},
+        "http_filters": [{"name": ROUTER, "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+    }
+    listener = {
+        "name": f"0.0.0.0_{logical_port}",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+        "filter_chains": [{"filters": [{"name": HCM, "typed_config": hcm}]}],
+    }
+    clusters = {c: istio_cluster(c, eds[c]) for c in (MODEL_CLUSTER, OTHER_CLUSTER)}
+
+    ecds_file = os.path.join(workdir, "ecds", "kvroute.json")
+    ext_configs = []
+    applied = []
+    for p in ef["spec"]["configPatches"]:
+        to, op, value = p["applyTo"], p["patch"]["operation"], p["patch"]["value"]
+        match = p.get("match", {})
+        if to != "EXTENSION_CONFIG" and match.get("context") != context:
+            raise ValueError(f"{shape}: patch {to} has context {match.get('context')}, expected {context}")
+        if to == "EXTENSION_CONFIG":
+            assert op == "ADD", "Istio applies only ADD to EXTENSION_CONFIG"
+            ext_configs.append(agent_rewrite(value, agent_wasm))
+        elif to == "HTTP_FILTER":
+            lm = match["listener"]
+            assert lm["portNumber"] == logical_port
+            assert lm["filterChain"]["filter"]["name"] == HCM
+            assert lm["filterChain"]["filter"]["subFilter"]["name"] == ROUTER and op == "INSERT_BEFORE"
+            f = copy.deepcopy(value)
+            cs = f["config_discovery"]["config_source"]
+            assert "ads" in cs, "Istio serves ECDS over ADS"
+            del cs["ads"]
+            cs["path_config_source"] = {"path": ecds_file, "watched_directory": {"path": os.path.dirname(ecds_file)}}
+            filters = hcm["http_filters"]
+            i = [x["name"] for x in filters].index(ROUTER)
+            filters.insert(i, f)
+        elif to == "HTTP_ROUTE":
+            rm = match["routeConfiguration"]
+            assert rm["portNumber"] == logical_port and op == "MERGE"
+            name = rm["vhost"]["route"]["name"]
+            hits = 0
+            for vh in vhosts:
+                for i, r in enumerate(vh["routes"]):
+                    if r["name"] == name:
+                        vh["routes"][i] = proto_merge(r, value)
+                        hits += 1
+            assert hits == 1, f"route {name}: {hits} matches"
+        elif to == "LISTENER":
+            assert match["listener"]["portNumber"] == logical_port and op == "MERGE"
+            listener = proto_merge(listener, value)
+        elif to == "CLUSTER":
+            cmatch = match["cluster"]
+            name = f"outbound|{cmatch['portNumber']}||{cmatch['service']}"
+            assert name in clusters and op == "MERGE", name
+            clusters[name] = proto_merge(clusters[name], value)
+        else:
+            raise ValueError(f"{shape}: unexpected patch {to}")
+        applied.append(to)
+
+    os.makedirs(os.path.dirname(ecds_file), exist_ok=True)
+    ecds_doc = {"version_info": "1", "resources": [
+        dict({"@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig"}, **ec) for ec in ext_configs]}
+    tmp = ecds_file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(ecds_doc, f, indent=1)
+    os.rename(tmp, ecds_file)
+
+    # Istio's bootstrap (the parts that matter here), then Envoy's merge of
+    # the bootstrap override.
+    bootstrap = {
+        "node": {"id": f"{'router' if shape == 'gateway' else 'sidecar'}~127.0.0.1~kvroute.test~test.svc.cluster.local",
+                 "cluster": "kvroute.test"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "static_resources": {"listeners": [listener], "clusters": list(clusters.values())},
+    }
+    override = json.loads(cm["data"]["custom_bootstrap.json"])
+    text = json.dumps(override)
+    text = text.replace('"port_value": 15000', f'"port_value": {admin_port}')
+    override = json.loads(text)
+    for ext in override.get("bootstrap_extensions", []):
+        ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": os.path.abspath(wasm)}}
+    bootstrap = proto_merge(bootstrap, override)
+    config_path = os.path.join(workdir, "envoy.json")
+    with open(config_path, "w") as f:
+        json.dump(bootstrap, f, indent=1)
+    return {"config": config_path, "ecds": ecds_file, "eds": eds, "applied": applied,
+            "model_cluster": MODEL_CLUSTER, "other_host": OTHER_HOST}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("workdir")
+    ap.add_argument("--wasm", default=render.DEFAULT_WASM)
+    ap.add_argument("--endpoints", default="127.0.0.1:18001,127.0.0.1:18002")
+    ap.add_argument("--listen-port", type=int, default=10000)
+    ap.add_argument("--admin-port", type=int, default=9901)
+    a = ap.parse_args()
+    out = build(a.shape, a.workdir, a.wasm, a.endpoints.split(","), a.listen_port, a.admin_port)
+    print(json.dumps(out, indent=1))
