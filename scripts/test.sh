@@ -13,7 +13,9 @@
 #   5. fuzz smoke: bash fuzz/smoke.sh (libFuzzer, 10 s per target over its seeds: the request
 #      parser, the plugin config, the engine; fails on a crash)
 #   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
-#   7. pytest tests/e2e                             (real Envoy + emulated vLLM fleet on 127.0.0.1)
+#   7. the Istio manifests: bash scripts/istio-check.sh (CRD schemas from ../shared/istio,
+#      cross-references, envoy --mode validate, a real start with the filter over ECDS)
+#      then pytest tests/e2e                        (real Envoy + emulated vLLM fleet on 127.0.0.1)
 #   8. the demo with short settings (bash scripts/demo-check.sh): checks that it prints its
 #      routing tables and stops every process it started
 #   9. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
@@ -91,6 +93,10 @@ done_step
 step "release module: cargo build --release --target wasm32-wasip1 -p kvroute-wasm"
 cargo build --release --target wasm32-wasip1 -p kvroute-wasm
 ls -l target/wasm32-wasip1/release/kvroute_wasm.wasm
+done_step
+
+step "Istio manifests (bash scripts/istio-check.sh: CRD schemas, cross-references, envoy --mode validate, ECDS start)"
+bash scripts/istio-check.sh
 done_step
 
 # ---------------------------------------------------------------- real Envoy
