@@ -145,34 +145,43 @@ def patches(ef, apply_to):
     return [p for p in ef["spec"]["configPatches"] if p["applyTo"] == apply_to]
 
 
+def plugin_file(variant):
+    with open(os.path.join(equivalent.VARIANTS[variant], "kvroute-plugin.json")) as f:
+        return json.load(f)
+
+
+def without_mode(plugin):
+    p = copy.deepcopy(plugin)
+    p.get("collector", {}).pop("mode", None)
+    return p
+
+
 def cross_references(shape, docs, ref):
+    """The primary install (istio/<shape>/): the EnvoyFilter alone, in
+    collector.mode lease."""
     print(f"names ({shape}):")
     context, port, vs_file = equivalent.SHAPES[shape]
     ef = equivalent.one(docs["envoyfilter.yaml"], "EnvoyFilter")
     vs = equivalent.one(docs[vs_file], "VirtualService")
-    cm = equivalent.one(docs["kvroute-bootstrap.yaml"], "ConfigMap")
-    pod = docs["deployment-patch.yaml"][0]["spec"]["template"]
-    with open(os.path.join(ISTIO, "kvroute-plugin.json")) as f:
-        plugin = json.load(f)
+    plugin = plugin_file("lease")
 
     ref_filter = next(f for f in ref["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
                       ["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.wasm")["typed_config"]["config"]
-    ref_service = ref["bootstrap_extensions"][0]["typed_config"]
     ref_cluster = next(c for c in ref["static_resources"]["clusters"] if c["name"] == render.VLLM_CLUSTER)
     ref_route = ref["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
         "route_config"]["virtual_hosts"][0]["routes"][0]["route"]
 
+    expect(not {"kvroute-bootstrap.yaml", "deployment-patch.yaml"} & set(docs),
+           f"istio/{shape}/ has no bootstrap override or pod patch (the singleton alternative's, istio/singleton/{shape}/)")
     (ec,) = patches(ef, "EXTENSION_CONFIG")
     (hf,) = patches(ef, "HTTP_FILTER")
     (hr,) = patches(ef, "HTTP_ROUTE")
     (ls,) = patches(ef, "LISTENER")
-    (cl,) = patches(ef, "CLUSTER")
+    (cl,) = [p for p in patches(ef, "CLUSTER") if p["patch"]["operation"] == "MERGE"]
+    added = [p for p in patches(ef, "CLUSTER") if p["patch"]["operation"] == "ADD"]
     ext = ec["patch"]["value"]
     wasm = ext["typed_config"]
     cfg = wasm["config"]
-    boot = json.loads(cm["data"]["custom_bootstrap.json"])
-    (svc,) = [b for b in boot["bootstrap_extensions"] if b["name"] == "envoy.bootstrap.wasm"]
-    svc = svc["typed_config"]
 
     expect(wasm["@type"] == equivalent.WASM_TYPE, "EXTENSION_CONFIG is an HTTP Wasm filter config")
     expect(hf["patch"]["value"]["name"] == ext["name"], f"HTTP_FILTER name = EXTENSION_CONFIG name ({ext['name']})")
@@ -186,17 +195,14 @@ def cross_references(shape, docs, ref):
            and hr["match"]["routeConfiguration"]["portNumber"] == port, f"filter, route and buffer patches on port {port}")
 
     expect(cfg["root_id"] == ref_filter["root_id"] == "kvroute", "filter root_id kvroute (= render.py)")
-    expect(svc["config"]["root_id"] == ref_service["config"]["root_id"] == "kvroute-collector", "collector root_id kvroute-collector (= render.py)")
-    expect(cfg["vm_config"]["vm_id"] == svc["config"]["vm_config"]["vm_id"] == ref_filter["vm_config"]["vm_id"] == "kvroute",
-           "vm_id kvroute in filter, collector and render.py")
+    expect(cfg["vm_config"]["vm_id"] == ref_filter["vm_config"]["vm_id"] == "kvroute", "vm_id kvroute in filter and render.py")
     expect(cfg.get("allow_on_headers_stop_iteration") is True, "allow_on_headers_stop_iteration: true")
     expect(cfg.get("failure_policy") == ref_filter.get("failure_policy"), f"failure_policy = render.py ({ref_filter.get('failure_policy')})")
-    expect(svc.get("singleton") is True, "the collector is a singleton")
-    expect(cfg["vm_config"]["runtime"] == svc["config"]["vm_config"]["runtime"] == "envoy.wasm.runtime.v8", "V8 runtime")
+    expect(cfg["vm_config"]["runtime"] == "envoy.wasm.runtime.v8", "V8 runtime")
 
     filter_json = json.loads(cfg["configuration"]["value"])
-    collector_json = json.loads(svc["config"]["configuration"]["value"])
-    expect(filter_json == collector_json == plugin, "filter and collector get the same plugin JSON (= istio/kvroute-plugin.json)")
+    expect(filter_json == plugin, "the filter gets istio/kvroute-plugin.json")
+    expect(plugin.get("collector", {}).get("mode") == "lease", "collector.mode is lease in the primary install (no singleton needed)")
 
     cmatch = cl["match"]["cluster"]
     cluster_name = f"outbound|{cmatch['portNumber']}||{cmatch['service']}"
@@ -204,12 +210,20 @@ def cross_references(shape, docs, ref):
     expect(f"outbound|{dest['port']['number']}||{dest['host']}" == cluster_name, f"VirtualService routes to {cluster_name}")
     expect(plugin["endpoints"]["fromCluster"]["cluster"] == plugin["collector"]["metricsCluster"] == cluster_name,
            "endpoints.fromCluster.cluster and collector.metricsCluster name the patched cluster")
+
+    # The admin cluster: a CLUSTER ADD (istiod sends it over CDS as it is).
     admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
-    admin = [c for c in boot["static_resources"]["clusters"] if c["name"] == admin_name]
-    expect(len(admin) == 1 and admin[0]["type"] == "STATIC", f"adminCluster {admin_name} is a STATIC cluster of the bootstrap override")
+    admin = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == admin_name]
+    expect(len(added) == 1 and len(admin) == 1 and admin[0].get("type") == "STATIC",
+           f"adminCluster {admin_name} is the one CLUSTER ADD, a STATIC cluster")
     if admin:
-        sa = admin[0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
-        expect((sa["address"], sa["port_value"]) == ("127.0.0.1", 15000), "envoy_admin points at the proxy's admin listener 127.0.0.1:15000")
+        expect("cluster" not in added[0].get("match", {}), "the CLUSTER ADD matches on context only (istiod ignores match.cluster for ADD)")
+        la = admin[0]["load_assignment"]
+        sa = la["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+        expect(la["cluster_name"] == admin_name and (sa["address"], sa["port_value"]) == ("127.0.0.1", 15000),
+               f"{admin_name} points at the proxy's admin listener 127.0.0.1:15000")
+        expect(admin_name not in {"prometheus_stats", "agent", "sds-grpc", "xds-grpc", "zipkin"},
+               f"{admin_name} is not one of the static clusters of Istio's bootstrap")
 
     lbp = cl["patch"]["value"]["load_balancing_policy"]
     expect(lbp == ref_cluster["load_balancing_policy"], "override_host policy = render.py's (header source, fallback round robin)")
@@ -232,16 +246,79 @@ def cross_references(shape, docs, ref):
     uri = remote["http_uri"]["uri"]
     expect(uri.startswith(("oci://", "https://")), f"module URL {uri} is oci:// or https://")
     expect(re.fullmatch(r"[0-9a-f]{64}", remote.get("sha256", "")) is not None, "sha256 is 64 hex digits")
+    gws = [d for d in docs.get(vs_file, []) if d.get("kind") == "Gateway"]
+    labels = ef["spec"]["workloadSelector"]["labels"]
+    for gw in gws:
+        expect(all(gw["spec"]["selector"].get(k) == v for k, v in labels.items()), "Gateway selector = EnvoyFilter workloadSelector")
+
+    # What the primary renders to: the filter over ECDS, envoy_admin over
+    # CDS, and no singleton (as render.py in lease mode).
+    with tempfile.TemporaryDirectory() as d:
+        dummy = os.path.join(d, "m.wasm")
+        open(dummy, "wb").close()
+        out = equivalent.build(shape, os.path.join(d, "eq"), dummy, ["127.0.0.1:1"], 1, 2)
+        with open(out["config"]) as f:
+            boot = json.load(f)
+        with open(out["cds"]) as f:
+            cds = [c["name"] for c in json.load(f)["resources"]]
+    expect(not boot.get("bootstrap_extensions"), "the equivalent bootstrap has no bootstrap extension (no singleton)")
+    expect(cds == [admin_name], f"the equivalent gets {admin_name} over CDS")
+    lease_render = render.render(endpoints=["127.0.0.1:1"], wasm="/x.wasm", plugin_config=plugin)
+    expect("envoy.bootstrap.wasm" not in lease_render, "render.py renders no singleton for the same plugin JSON")
+
+
+def singleton_references(shape, docs, primary_docs, ref):
+    """The optional alternative (istio/singleton/<shape>/): the primary's
+    EnvoyFilter with collector.mode singleton, the bootstrap override with the
+    collector, and the pod patch that mounts the module."""
+    print(f"names (singleton alternative, {shape}):")
+    ef = equivalent.one(docs["envoyfilter.yaml"], "EnvoyFilter")
+    primary_ef = equivalent.one(primary_docs["envoyfilter.yaml"], "EnvoyFilter")
+    cm = equivalent.one(docs["kvroute-bootstrap.yaml"], "ConfigMap")
+    pod = docs["deployment-patch.yaml"][0]["spec"]["template"]
+    plugin, primary_plugin = plugin_file("singleton"), plugin_file("lease")
+    ref_service = ref["bootstrap_extensions"][0]["typed_config"]
+
+    expect(plugin.get("collector", {}).get("mode") == "singleton", "istio/singleton/kvroute-plugin.json has collector.mode singleton")
+    expect(without_mode(plugin) == without_mode(primary_plugin),
+           "istio/singleton/kvroute-plugin.json = istio/kvroute-plugin.json except collector.mode")
+
+    def cfg_of(e):
+        (ec,) = patches(e, "EXTENSION_CONFIG")
+        return ec["patch"]["value"]["typed_config"]["config"]
+
+    filter_json = json.loads(cfg_of(ef)["configuration"]["value"])
+    expect(filter_json == plugin, "the alternative's filter gets istio/singleton/kvroute-plugin.json")
+    same = copy.deepcopy(ef)
+    cfg_of(same)["configuration"]["value"] = cfg_of(primary_ef)["configuration"]["value"]
+    expect(same == primary_ef, f"singleton/{shape}/envoyfilter.yaml = {shape}/envoyfilter.yaml except the plugin JSON")
+
+    boot = json.loads(cm["data"]["custom_bootstrap.json"])
+    svcs = [b for b in boot.get("bootstrap_extensions", []) if b["name"] == "envoy.bootstrap.wasm"]
+    expect(len(svcs) == 1, "the bootstrap override has one envoy.bootstrap.wasm")
+    if not svcs:
+        return
+    svc = svcs[0]["typed_config"]
+    cfg = cfg_of(ef)
+    expect(svc.get("singleton") is True, "the collector is a singleton")
+    expect(svc["config"]["root_id"] == ref_service["config"]["root_id"] == "kvroute-collector", "collector root_id kvroute-collector (= render.py)")
+    expect(svc["config"]["vm_config"]["vm_id"] == cfg["vm_config"]["vm_id"] == ref_service["config"]["vm_config"]["vm_id"] == "kvroute",
+           "vm_id kvroute in filter, collector and render.py")
+    expect(svc["config"]["vm_config"]["runtime"] == cfg["vm_config"]["runtime"], "same runtime in filter and collector")
+    expect(json.loads(svc["config"]["configuration"]["value"]) == plugin, "the collector gets the same plugin JSON as the filter")
+    admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
+    static = [c["name"] for c in boot.get("static_resources", {}).get("clusters", [])]
+    expect(admin_name not in static, f"the override does not define {admin_name} too (the EnvoyFilter adds it over CDS)")
+
     expect(svc["config"]["vm_config"]["code"]["local"]["filename"] == "/var/lib/kvroute/plugin.wasm", "collector reads /var/lib/kvroute/plugin.wasm")
+    uri = cfg["vm_config"]["code"]["remote"]["http_uri"]["uri"]
     vols = pod.get("spec", {}).get("volumes") or json.loads(pod["metadata"]["annotations"].get("sidecar.istio.io/userVolume", "[]"))
     images = [v["image"]["reference"] for v in vols if "image" in v]
     if uri.startswith("oci://"):
         expect(images == [uri[len("oci://"):]], "the image volume mounts the same image the agent pulls")
     labels = ef["spec"]["workloadSelector"]["labels"]
     expect(all(pod["metadata"]["labels"].get(k) == v for k, v in labels.items()), f"workloadSelector {labels} matches the pod template")
-    gws = [d for d in docs.get(vs_file, []) if d.get("kind") == "Gateway"]
-    for gw in gws:
-        expect(all(gw["spec"]["selector"].get(k) == v for k, v in labels.items()), "Gateway selector = EnvoyFilter workloadSelector")
+    expect(cm["metadata"]["namespace"] == ef["metadata"]["namespace"], "ConfigMap and EnvoyFilter in the same namespace")
 
 
 # ---------------------------------------------------------------- OCI
@@ -271,48 +348,58 @@ def envoy_checks(wasm):
         problem(f"envoy ({envoy}) or the module ({wasm}) is missing; build the module, or pass --no-envoy")
         return
     with tempfile.TemporaryDirectory() as d:
-        for shape in sorted(equivalent.SHAPES):
-            cfg = equivalent.build(shape, os.path.join(d, shape), wasm, ["127.0.0.1:1", "127.0.0.1:2"], 1, 2)
-            p = subprocess.run([envoy, "--mode", "validate", "-c", cfg["config"], "--use-dynamic-base-id"],
-                               capture_output=True, text=True, timeout=120)
-            expect(p.returncode == 0, f"{shape}: envoy --mode validate on the equivalent bootstrap")
-        # A real start: ECDS accepted, both plugin configs loaded (validate
-        # mode does not run the module's configure).
-        import socket
+        for variant in sorted(equivalent.VARIANTS):
+            for shape in sorted(equivalent.SHAPES):
+                cfg = equivalent.build(shape, os.path.join(d, variant, shape), wasm, ["127.0.0.1:1", "127.0.0.1:2"], 1, 2, variant)
+                p = subprocess.run([envoy, "--mode", "validate", "-c", cfg["config"], "--use-dynamic-base-id"],
+                                   capture_output=True, text=True, timeout=120)
+                expect(p.returncode == 0, f"{variant} {shape}: envoy --mode validate on the equivalent bootstrap")
+        # A real start of each variant: ECDS accepted, envoy_admin over CDS,
+        # the plugin configs loaded (validate mode does not run the module's
+        # configure).
+        for variant in sorted(equivalent.VARIANTS):
+            real_start(envoy, wasm, os.path.join(d, f"run-{variant}"), variant)
 
-        ports = []
-        for _ in range(2):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            ports.append(s)
-        port, admin = (s.getsockname()[1] for s in ports)
-        for s in ports:
-            s.close()
-        cfg = equivalent.build("sidecar", os.path.join(d, "run"), wasm, ["127.0.0.1:1"], port, admin)
-        log = open(os.path.join(d, "envoy.log"), "w+")
-        proc = subprocess.Popen([envoy, "-c", cfg["config"], "--use-dynamic-base-id", "--concurrency", "1"],
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            stats = ""
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    stats = urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=extension_config_discovery", timeout=2).read().decode()
-                    if "kvroute.config_reload: 1" in stats:
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.2)
-            time.sleep(1)
-            log.seek(0)
-            text = log.read()
-            expect("kvroute.config_reload: 1" in stats and "config_fail: 0" in stats, "a real Envoy accepted the filter over ECDS")
-            expect("invalid kvroute config" not in text and proc.poll() is None, "the plugin JSON loads in the filter and the collector")
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=10)
-            log.close()
+
+def real_start(envoy, wasm, workdir, variant):
+    import socket
+
+    ports = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        ports.append(s)
+    port, admin = (s.getsockname()[1] for s in ports)
+    for s in ports:
+        s.close()
+    cfg = equivalent.build("sidecar", workdir, wasm, ["127.0.0.1:1"], port, admin, variant)
+    log = open(os.path.join(workdir, "envoy.log"), "w+")
+    proc = subprocess.Popen([envoy, "-c", cfg["config"], "--use-dynamic-base-id", "--concurrency", "1"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        stats = clusters = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                stats = urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=extension_config_discovery", timeout=2).read().decode()
+                if "kvroute.config_reload: 1" in stats:
+                    clusters = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=2).read().decode()
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        time.sleep(1)
+        log.seek(0)
+        text = log.read()
+        expect("kvroute.config_reload: 1" in stats and "config_fail: 0" in stats, f"{variant}: a real Envoy accepted the filter over ECDS")
+        expect("envoy_admin::" in clusters, f"{variant}: envoy_admin came over CDS")
+        expect("invalid kvroute config" not in text and proc.poll() is None,
+               f"{variant}: the plugin JSON loads" + (" in the filter and the collector" if variant == "singleton" else ""))
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        log.close()
 
 
 def main():
@@ -328,13 +415,17 @@ def main():
         return 2
     crds = load_crds(crd_file)
     manifests = {}
-    for shape in sorted(equivalent.SHAPES):
-        for name, docs in equivalent.shape_docs(shape).items():
-            manifests[os.path.join(ISTIO, shape, name)] = docs
+    for variant, root in sorted(equivalent.VARIANTS.items()):
+        for shape in sorted(equivalent.SHAPES):
+            d = os.path.join(root, shape)
+            for name in sorted(os.listdir(d)):
+                if name.endswith(".yaml"):
+                    manifests[os.path.join(d, name)] = equivalent.load_docs(os.path.join(d, name))
     validate_schemas(crds, manifests)
     ref = rendered()
     for shape in sorted(equivalent.SHAPES):
         cross_references(shape, equivalent.shape_docs(shape), ref)
+        singleton_references(shape, equivalent.shape_docs(shape, "singleton"), equivalent.shape_docs(shape), ref)
     check_oci()
     if not a.no_envoy:
         envoy_checks(a.wasm)

@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Render the Envoy configuration that istio/<shape>/ patches in, as one
-equivalent Envoy 1.40 bootstrap plus an ECDS file.
+equivalent Envoy 1.40 bootstrap plus an ECDS file and a CDS file.
+
+Two variants: `lease` (istio/<shape>/, the primary install: the EnvoyFilter
+alone, collector.mode lease, no singleton) and `singleton` (the optional
+alternative istio/singleton/<shape>/: the same EnvoyFilter with
+collector.mode singleton, plus the collector from the bootstrap override).
 
 What Istio would do, step by step, and what stands in for it here:
 
@@ -15,18 +20,22 @@ What Istio would do, step by step, and what stands in for it here:
 - istiod applies the EnvoyFilter patches (INSERT_BEFORE, MERGE with protobuf
   merge semantics: messages merge, lists append, scalars replace). Here: the
   same operations on the same objects, read from the shipped envoyfilter.yaml.
+  A CLUSTER ADD (envoy_admin) reaches Envoy over CDS, as from istiod: here
+  from a CDS file, with the admin port replaced by the local one.
 - istiod serves the EXTENSION_CONFIG over ECDS and the agent rewrites its
   remote module (oci:// or https://) to a local file, stripping ISTIO_META_*
   VM variables. Here: the extension config is written, rewritten the same way,
   as a TypedExtensionConfig discovery response into a file, and the HTTP
   filter's config source (ADS in the mesh) points at that file
   (path_config_source). Only the config source differs.
-- Envoy merges the bootstrap override (kvroute-bootstrap.yaml) into Istio's
-  bootstrap. Here: the same merge; the module path and the admin port are
-  replaced by the local ones.
+- singleton variant only: Envoy merges the bootstrap override
+  (kvroute-bootstrap.yaml) into Istio's bootstrap. Here: the same merge; the
+  module path is replaced by the local one. The lease variant has no override
+  and so no bootstrap extension.
 
 Used by scripts/istio-check.sh (envoy --mode validate) and by
-tests/e2e/test_istio_ecds.py (a routed request end to end). Needs PyYAML.
+tests/e2e/test_istio_ecds.py (routing and the collector end to end). Needs
+PyYAML.
 """
 
 import copy
@@ -56,6 +65,12 @@ MODEL_CLUSTER = f"outbound|{MODEL_PORT}||{MODEL_SERVICE}"
 OTHER_SERVICE = "other.models.svc.cluster.local"
 OTHER_CLUSTER = f"outbound|{MODEL_PORT}||{OTHER_SERVICE}"
 OTHER_HOST = "other.models.svc.cluster.local"
+# variant: the directory of its manifests (the VirtualService / Gateway file
+# is the primary's in both).
+VARIANTS = {
+    "lease": ISTIO,
+    "singleton": os.path.join(ISTIO, "singleton"),
+}
 
 
 def load_docs(path):
@@ -63,10 +78,31 @@ def load_docs(path):
         return [d for d in yaml.safe_load_all(f) if d is not None]
 
 
-def shape_docs(shape):
-    """Every YAML document of istio/<shape>/, by file name."""
-    d = os.path.join(ISTIO, shape)
-    return {name: load_docs(os.path.join(d, name)) for name in sorted(os.listdir(d)) if name.endswith(".yaml")}
+def shape_docs(shape, variant="lease"):
+    """Every YAML document of the variant's <shape>/ directory, by file name
+    (for the singleton variant, plus the primary's VirtualService file)."""
+    d = os.path.join(VARIANTS[variant], shape)
+    docs = {name: load_docs(os.path.join(d, name)) for name in sorted(os.listdir(d)) if name.endswith(".yaml")}
+    vs_file = SHAPES[shape][2]
+    if vs_file not in docs:
+        docs[vs_file] = load_docs(os.path.join(ISTIO, shape, vs_file))
+    return docs
+
+
+def deep_update(doc, patch):
+    """JSON merge: objects merge, everything else replaces."""
+    out = copy.deepcopy(doc)
+    for k, v in patch.items():
+        out[k] = deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def patch_plugin_json(wasm_config, plugin_patch):
+    """Apply a test-only change (e.g. routing.statePath) to the plugin JSON of
+    a Wasm filter or service config, in place."""
+    if plugin_patch:
+        c = wasm_config["configuration"]
+        c["value"] = json.dumps(deep_update(json.loads(c["value"]), plugin_patch))
 
 
 def one(docs, kind):
@@ -170,14 +206,17 @@ def write_eds(path, cluster, endpoints, version):
     os.rename(tmp, path)
 
 
-def build(shape, workdir, wasm, endpoints, listen_port, admin_port):
-    """Write <workdir>/envoy.json (bootstrap), ecds.json and the EDS files.
-    Returns a dict of the paths and names used."""
+def build(shape, workdir, wasm, endpoints, listen_port, admin_port, variant="lease", plugin_patch=None):
+    """Write <workdir>/envoy.json (bootstrap), the ECDS, CDS and EDS files.
+    plugin_patch: a test-only change merged into the plugin JSON of the
+    filter (and the collector). Returns a dict of the paths and names used."""
     context, logical_port, vs_file = SHAPES[shape]
-    docs = shape_docs(shape)
+    docs = shape_docs(shape, variant)
     ef = one(docs["envoyfilter.yaml"], "EnvoyFilter")
     vs = one(docs[vs_file], "VirtualService")
-    cm = one(docs["kvroute-bootstrap.yaml"], "ConfigMap")
+    cm = one(docs["kvroute-bootstrap.yaml"], "ConfigMap") if "kvroute-bootstrap.yaml" in docs else None
+    if (cm is None) != (variant == "lease"):
+        raise ValueError(f"{variant} variant of {shape}: a bootstrap override {'is' if cm else 'is not'} there")
     os.makedirs(workdir, exist_ok=True)
 
     # The agent's module cache: a copy under another name, so the filter and the
@@ -211,7 +250,9 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port):
     clusters = {c: istio_cluster(c, eds[c]) for c in (MODEL_CLUSTER, OTHER_CLUSTER)}
 
     ecds_file = os.path.join(workdir, "ecds", "kvroute.json")
+    cds_file = os.path.join(workdir, "cds", "clusters.json")
     ext_configs = []
+    added_clusters = []
     applied = []
     for p in ef["spec"]["configPatches"]:
         to, op, value = p["applyTo"], p["patch"]["operation"], p["patch"]["value"]
@@ -220,7 +261,9 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port):
             raise ValueError(f"{shape}: patch {to} has context {match.get('context')}, expected {context}")
         if to == "EXTENSION_CONFIG":
             assert op == "ADD", "Istio applies only ADD to EXTENSION_CONFIG"
-            ext_configs.append(agent_rewrite(value, agent_wasm))
+            ec = agent_rewrite(value, agent_wasm)
+            patch_plugin_json(ec["typed_config"]["config"], plugin_patch)
+            ext_configs.append(ec)
         elif to == "HTTP_FILTER":
             lm = match["listener"]
             assert lm["portNumber"] == logical_port
@@ -248,6 +291,13 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port):
         elif to == "LISTENER":
             assert match["listener"]["portNumber"] == logical_port and op == "MERGE"
             listener = proto_merge(listener, value)
+        elif to == "CLUSTER" and op == "ADD":
+            # InsertedClusters: the value as it is, for the patch's context;
+            # match.cluster is not read. The admin port is the local one.
+            assert "cluster" not in match, "a CLUSTER ADD matches on context only"
+            c = json.loads(json.dumps(value).replace('"port_value": 15000', f'"port_value": {admin_port}'))
+            assert c["name"] not in clusters, c["name"]
+            added_clusters.append(c)
         elif to == "CLUSTER":
             cmatch = match["cluster"]
             name = f"outbound|{cmatch['portNumber']}||{cmatch['service']}"
@@ -256,6 +306,12 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port):
         else:
             raise ValueError(f"{shape}: unexpected patch {to}")
         applied.append(to)
+
+    os.makedirs(os.path.dirname(cds_file), exist_ok=True)
+    with open(cds_file + ".tmp", "w") as f:
+        json.dump({"version_info": "1", "resources": [
+            dict({"@type": "type.googleapis.com/envoy.config.cluster.v3.Cluster"}, **c) for c in added_clusters]}, f, indent=1)
+    os.rename(cds_file + ".tmp", cds_file)
 
     os.makedirs(os.path.dirname(ecds_file), exist_ok=True)
     ecds_doc = {"version_info": "1", "resources": [
@@ -272,19 +328,25 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port):
                  "cluster": "kvroute.test"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
         "static_resources": {"listeners": [listener], "clusters": list(clusters.values())},
+        "dynamic_resources": {"cds_config": {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": cds_file, "watched_directory": {"path": os.path.dirname(cds_file)}},
+        }},
     }
-    override = json.loads(cm["data"]["custom_bootstrap.json"])
-    text = json.dumps(override)
-    text = text.replace('"port_value": 15000', f'"port_value": {admin_port}')
-    override = json.loads(text)
-    for ext in override.get("bootstrap_extensions", []):
-        ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": os.path.abspath(wasm)}}
-    bootstrap = proto_merge(bootstrap, override)
+    if cm is not None:
+        override = json.loads(cm["data"]["custom_bootstrap.json"])
+        text = json.dumps(override)
+        text = text.replace('"port_value": 15000', f'"port_value": {admin_port}')
+        override = json.loads(text)
+        for ext in override.get("bootstrap_extensions", []):
+            ext["typed_config"]["config"]["vm_config"]["code"] = {"local": {"filename": os.path.abspath(wasm)}}
+            patch_plugin_json(ext["typed_config"]["config"], plugin_patch)
+        bootstrap = proto_merge(bootstrap, override)
     config_path = os.path.join(workdir, "envoy.json")
     with open(config_path, "w") as f:
         json.dump(bootstrap, f, indent=1)
-    return {"config": config_path, "ecds": ecds_file, "eds": eds, "applied": applied,
-            "model_cluster": MODEL_CLUSTER, "other_host": OTHER_HOST}
+    return {"config": config_path, "ecds": ecds_file, "cds": cds_file, "eds": eds, "applied": applied,
+            "model_cluster": MODEL_CLUSTER, "other_host": OTHER_HOST, "variant": variant}
 
 
 if __name__ == "__main__":
@@ -292,11 +354,12 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("--variant", choices=sorted(VARIANTS), default="lease")
     ap.add_argument("workdir")
     ap.add_argument("--wasm", default=render.DEFAULT_WASM)
     ap.add_argument("--endpoints", default="127.0.0.1:18001,127.0.0.1:18002")
     ap.add_argument("--listen-port", type=int, default=10000)
     ap.add_argument("--admin-port", type=int, default=9901)
     a = ap.parse_args()
-    out = build(a.shape, a.workdir, a.wasm, a.endpoints.split(","), a.listen_port, a.admin_port)
+    out = build(a.shape, a.workdir, a.wasm, a.endpoints.split(","), a.listen_port, a.admin_port, a.variant)
     print(json.dumps(out, indent=1))
