@@ -6,29 +6,42 @@ Envoy bootstrap: an Istio-like outbound listener, route and EDS cluster, with
 the EnvoyFilter patches applied; the HTTP filter comes from a
 `config_discovery` whose source is a file holding the EXTENSION_CONFIG as a
 TypedExtensionConfig discovery response, its module rewritten to a local file
-as Istio's agent does; the collector and envoy_admin come from the bootstrap
-override ConfigMap. The plugin JSON is the manifests' own, unchanged (no state
-path, no decision header), so what is asserted is what the emulator says: who
-served each request.
+as Istio's agent does; envoy_admin (a CLUSTER ADD) comes over CDS from a file.
+The primary install is the EnvoyFilter alone, in collector.mode lease: no
+bootstrap extension at all, the worker VMs elect the collector. The optional
+alternative (istio/singleton/) adds the collector singleton from the bootstrap
+override ConfigMap.
+
+The routing tests use the manifests' plugin JSON unchanged (no state path, no
+decision header), so what is asserted is what the emulator says: who served
+each request. The collector tests add only routing.statePath, to read the
+metrics table, and count the /metrics requests each emulated server answered
+(`metrics_scrapes` in /emulator/stats): one collector polls, not one per worker.
 
 Needs PyYAML (scripts/istio-check.sh installs it).
 """
 
+import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import REPO, Process, completion, free_ports, request, text, wait_until
+from conftest import REPO, STATE_PATH, Process, completion, free_ports, request, text, wait_until
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read istio/ (pip install pyyaml)")
 sys.path.insert(0, os.path.join(REPO, "istio"))
 import equivalent  # noqa: E402
 
 
-def _start_envoy(tmp_path, cfg, name):
-    args = ["envoy", "-c", cfg["config"], "--concurrency", "2", "--use-dynamic-base-id",
+with open(os.path.join(REPO, "istio", "kvroute-plugin.json")) as _f:
+    POLL_MS = json.load(_f)["collector"]["metricsPollIntervalMs"]
+
+
+def _start_envoy(tmp_path, cfg, name, concurrency):
+    args = ["envoy", "-c", cfg["config"], "--concurrency", str(concurrency), "--use-dynamic-base-id",
             "--log-level", os.environ.get("KVROUTE_E2E_ENVOY_LOG", "warning")]
     return Process(name, args, str(tmp_path / f"{name}.log"))
 
@@ -37,10 +50,11 @@ def _start_envoy(tmp_path, cfg, name):
 def istio_envoy(artifacts, tmp_path):
     started = []
 
-    def start(shape, endpoints):
+    def start(shape, endpoints, variant="lease", plugin_patch=None, concurrency=2):
         port, admin = free_ports(2)
-        cfg = equivalent.build(shape, str(tmp_path / shape), artifacts["wasm"], endpoints, port, admin)
-        proc = _start_envoy(tmp_path, cfg, f"envoy-{shape}")
+        name = f"{variant}-{shape}"
+        cfg = equivalent.build(shape, str(tmp_path / name), artifacts["wasm"], endpoints, port, admin, variant, plugin_patch)
+        proc = _start_envoy(tmp_path, cfg, f"envoy-{name}", concurrency)
         started.append(proc)
 
         def live():
@@ -75,6 +89,8 @@ def _stats(admin, needle):
 def test_ecds_filter_routes_and_sticks(fleet, istio_envoy, shape):
     f = fleet(3)
     e = istio_envoy(shape, f.addresses)
+    with open(e["config"]) as fh:
+        assert not json.load(fh).get("bootstrap_extensions"), "the primary install adds no bootstrap extension"
 
     # The filter came over ECDS: Envoy counts the config it accepted.
     ecds = _stats(e["admin"], "extension_config_discovery")
@@ -83,8 +99,9 @@ def test_ecds_filter_routes_and_sticks(fleet, istio_envoy, shape):
     fails = {k: v for k, v in ecds.items() if k.endswith("kvroute.config_fail") and v != "0"}
     assert not fails, ecds
 
-    # Discovery through envoy_admin (the bootstrap override) must have found
-    # the members before routing can stick; until then the filter fails open.
+    # Discovery through envoy_admin (the EnvoyFilter's CLUSTER ADD, over CDS)
+    # by the elected worker must have found the members before routing can
+    # stick; until then the filter fails open.
     prefix = text(1000 + len(shape), 6000)
 
     def sticky_run():
@@ -109,6 +126,50 @@ def test_ecds_filter_routes_and_sticks(fleet, istio_envoy, shape):
     assert e["process"].alive()
 
 
+def _scrapes(f):
+    return {a: f.stats(a)["metrics_scrapes"] for a in f.addresses}
+
+
+@pytest.mark.parametrize("variant,shape", [("lease", "sidecar"), ("lease", "gateway"), ("singleton", "sidecar")])
+def test_ecds_collector_polls_once(fleet, istio_envoy, variant, shape):
+    """The collector of the install works: metrics reach the shared table,
+    and each endpoint is scraped about once per poll interval with 3 workers.
+    In lease mode that is the one elected worker (one poller per worker would
+    triple it); in the singleton alternative, the bootstrap singleton."""
+    f = fleet(2)
+    e = istio_envoy(shape, f.addresses, variant, plugin_patch={"routing": {"statePath": STATE_PATH}}, concurrency=3)
+    with open(e["config"]) as fh:
+        exts = [x["name"] for x in json.load(fh).get("bootstrap_extensions", [])]
+    assert exts == ([] if variant == "lease" else ["envoy.bootstrap.wasm"]), exts
+
+    def state():
+        r = request(e["port"], "GET", STATE_PATH, timeout=5)
+        return r.json() if r.status == 200 else None
+
+    def metrics_for_all():
+        s = state()
+        return s is not None and {x["address"] for x in s["endpoints"]} == set(f.addresses) and all(
+            x.get("metrics") for x in s["endpoints"])
+
+    wait_until(metrics_for_all, timeout=20, interval=0.3, what="metrics for every endpoint in the shared table")
+    r = completion(e["port"], text(4242, 4096))
+    assert r.status == 200 and r.served_by in f.addresses, r
+
+    before = _scrapes(f)
+    seconds = 5
+    time.sleep(seconds)
+    after = _scrapes(f)
+    expected = seconds * 1000 / POLL_MS
+    for a in f.addresses:
+        n = after[a] - before[a]
+        assert expected * 0.6 <= n <= expected * 1.3, f"{a}: {n} scrapes in {seconds} s, expected about {expected} (one poller)"
+    # The metrics keep arriving (fresh, not just once).
+    assert metrics_for_all(), state()
+    failures = {k: v for k, v in _stats(e["admin"], "kvroute_metrics_poll_failures").items() if v not in ("0", "")}
+    assert not failures, failures
+    assert e["process"].alive()
+
+
 def test_filter_is_off_for_other_services(fleet, istio_envoy):
     """The filter is disabled on the listener and enabled only on the route
     kvroute-models: another service behind the same listener is not routed by
@@ -124,12 +185,10 @@ def test_filter_is_off_for_other_services(fleet, istio_envoy):
 
 
 def test_manifest_bootstraps_validate(artifacts, tmp_path):
-    """`envoy --mode validate` on both shapes' equivalent bootstraps, and on
-    each with the ECDS config inlined (validate mode does not fetch ECDS)."""
-    import json
-
-    for shape in ("sidecar", "gateway"):
-        cfg = equivalent.build(shape, str(tmp_path / shape), artifacts["wasm"], ["127.0.0.1:1", "127.0.0.1:2"], 1, 2)
+    """`envoy --mode validate` on both variants' and shapes' equivalent
+    bootstraps, and on each with the ECDS config inlined (validate mode does not fetch ECDS)."""
+    for variant, shape in [(v, s) for v in sorted(equivalent.VARIANTS) for s in sorted(equivalent.SHAPES)]:
+        cfg = equivalent.build(shape, str(tmp_path / variant / shape), artifacts["wasm"], ["127.0.0.1:1", "127.0.0.1:2"], 1, 2, variant)
         with open(cfg["ecds"]) as fh:
             ec = json.load(fh)["resources"][0]
         with open(cfg["config"]) as fh:
@@ -138,7 +197,7 @@ def test_manifest_bootstraps_validate(artifacts, tmp_path):
             if filt["name"] == ec["name"]:
                 del filt["config_discovery"]
                 filt["typed_config"] = ec["typed_config"]
-        inline = str(tmp_path / f"{shape}-inline.json")
+        inline = str(tmp_path / f"{variant}-{shape}-inline.json")
         with open(inline, "w") as fh:
             json.dump(boot, fh)
         for path in (cfg["config"], inline):
