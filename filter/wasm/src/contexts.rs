@@ -37,10 +37,13 @@ impl Context for Root {
         }
     }
 
-    /// The VM is going away: hand over what was counted since the last tick.
+    /// The VM is going away: hand over what was counted since the last
+    /// tick; a collector takes back its `kvroute_collector_leader`.
     fn on_done(&mut self) -> bool {
-        if let Some(Role::Filter(w)) = &self.role {
-            w.flush(&SdkHost);
+        match &mut self.role {
+            Some(Role::Filter(w)) => w.flush(&SdkHost),
+            Some(Role::Collector(c)) => c.on_done(&SdkHost),
+            None => {}
         }
         true
     }

@@ -8,6 +8,7 @@
 //! call per target is in flight; a call that times out comes back with no
 //! headers and counts as a failed poll.
 
+use super::telemetry::{self, CollectorStats};
 use super::{Counter, Counts, Host, Level};
 use crate::config::EndpointSource;
 use crate::engine::Engine;
@@ -71,6 +72,8 @@ pub struct Collector {
     next_reap_ms: u64,
     /// The last time the clock answered (see [`Collector::now_ms`]).
     last_now_ms: u64,
+    /// The gauges (`telemetry`).
+    stats: CollectorStats,
 }
 
 impl Collector {
@@ -90,6 +93,7 @@ impl Collector {
             next_poll_ms: 0,
             next_reap_ms: 0,
             last_now_ms: 0,
+            stats: telemetry::start_collector_stats(host),
         })
     }
 
@@ -157,6 +161,12 @@ impl Collector {
                 Err(e) => self.host_error(host, "reaping", e),
             }
         }
+        self.stats.on_tick(host, &self.engine, now);
+    }
+
+    /// The VM is going away: this VM no longer runs the collector.
+    pub fn on_done(&mut self, host: &dyn Host) {
+        telemetry::set_collector_leader(host, false);
     }
 
     /// Stores one poll's result; a store error is logged and counted.
