@@ -11,3 +11,4 @@ mod lifecycle;
 mod malformed;
 #[cfg(feature = "perfmap")]
 mod profile_loop;
+mod stats;
