@@ -181,6 +181,74 @@ def _state_listener_yaml(host, port, wasm, config, state_path):
 """
 
 
+# Envoy stats of the module (docs/observability.md). The slot of a
+# per-endpoint gauge (`wasmcustom.kvroute_endpoint_*.slot.<n>`) becomes the
+# Prometheus label `slot`; the regex is kvroute_core::lifecycle::telemetry's
+# SLOT_TAG_REGEX. Histogram buckets fit each stat's unit (Envoy's default
+# buckets are for milliseconds).
+STATS_CONFIG_YAML = r"""
+# kvroute's stats: the endpoint slot as a Prometheus label, and buckets that
+# fit the histograms' units (µs; percent).
+stats_config:
+  stats_tags:
+  - tag_name: slot
+    regex: '^wasmcustom\.kvroute_endpoint_[a-z_]+(\.slot\.([0-9]+))$'
+  histogram_bucket_settings:
+  - match: {prefix: wasmcustom.kvroute_decision_time_us}
+    buckets: [10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000]
+  - match: {prefix: wasmcustom.kvroute_affinity_percent}
+    buckets: [0.5, 10, 25, 50, 75, 90, 95, 99, 100]
+"""
+
+
+def debug_plugin_config(config):
+    """The plugin config of the internal debug listener's filter: the same
+    config with routing.debugHeader on (and no state path)."""
+    config = json.loads(json.dumps(config))
+    routing = config.setdefault("routing", {})
+    routing["debugHeader"] = True
+    routing.pop("statePath", None)
+    return config
+
+
+def _debug_listener_yaml(host, port, wasm, config):
+    """A third listener, for operators only: routes like the client listener,
+    with the same module and vm_id (so the same shared data and the same
+    charges), and adds the decision explanation (x-kvroute-decision) to each
+    routed response."""
+    return f"""
+  # Internal listener: routed like the client listener, and every routed
+  # response carries x-kvroute-decision (why this endpoint). Bind it where
+  # only operators reach it; the client listener adds no such header.
+  - name: kvroute_debug
+    address:
+      socket_address: {{address: {host}, port_value: {port}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: kvroute_debug
+          route_config:
+            name: kvroute_debug
+            virtual_hosts:
+            - name: models
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route:
+                  cluster: {VLLM_CLUSTER}
+                  timeout: 0s
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset-before-request
+                    num_retries: 1
+          http_filters:
+{_wasm_filter_yaml("kvroute-debug", wasm, config)}          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"""
+
+
 def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
     override_host = f"""    # The filter picks the host: it writes "{DESTINATION_HEADER}: ip:port[,fallback...]".
     # Addresses that are not members of this cluster are skipped; with no usable
@@ -252,12 +320,17 @@ def render(
     baseline=False,
     state_listener=None,
     state_path=DEFAULT_STATE_PATH,
+    debug_listener=None,
 ):
     """Return the bootstrap YAML as a string.
 
     state_listener="ip:port" adds an internal listener that serves the shared
     state at state_path (GET), for operators; the client listener then keeps
     whatever the plugin config says (the shipped config serves no state).
+
+    debug_listener="ip:port" adds an internal listener that routes like the
+    client listener and adds the decision header (routing.debugHeader) there
+    only.
 
     baseline=True renders the same listener and cluster without kvroute (no
     wasm anywhere): the cluster's fallback round robin picks every host. It
@@ -267,6 +340,8 @@ def render(
         raise ValueError("give --endpoints ip:port,... or --eds-file PATH")
     if endpoints and eds_file:
         raise ValueError("give either --endpoints or --eds-file, not both")
+    if baseline and debug_listener:
+        raise ValueError("--debug-listener needs kvroute; it makes no sense with --baseline")
     if baseline and state_listener:
         raise ValueError("--state-listener needs kvroute; it makes no sense with --baseline")
     if not re.fullmatch(r"/[A-Za-z0-9/._~-]*", state_path):
@@ -301,11 +376,16 @@ bootstrap_extensions:
     if state_listener:
         host, port = parse_hostport(state_listener)
         state = _state_listener_yaml(host, port, wasm, state_plugin_config(config, state_path), state_path)
+    if debug_listener:
+        host, port = parse_hostport(debug_listener)
+        state += _debug_listener_yaml(host, port, wasm, debug_plugin_config(config))
+    stats_config = STATS_CONFIG_YAML
     title = "Envoy 1.40 bootstrap for kvroute"
     if baseline:
         collector = ""
         routing_filter = ""
         state = ""
+        stats_config = ""
         title = "Envoy 1.40 baseline bootstrap WITHOUT kvroute (round robin)"
 
     return f"""# {title}. Generated by envoy/render.py; see envoy/README.md.
@@ -314,7 +394,7 @@ node: {{id: kvroute, cluster: kvroute}}
 admin:
   address:
     socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}
-{collector}
+{stats_config}{collector}
 static_resources:
   listeners:
   - name: kvroute
@@ -408,6 +488,9 @@ def main(argv=None):
                         "for example 127.0.0.1:9903; the client listener serves none with the shipped config")
     p.add_argument("--state-path", default=DEFAULT_STATE_PATH,
                    help=f"path of the state on --state-listener (default {DEFAULT_STATE_PATH})")
+    p.add_argument("--debug-listener", metavar="IP:PORT",
+                   help="add an internal listener that routes like the client one and adds x-kvroute-decision "
+                        "(routing.debugHeader) there only; bind it to 127.0.0.1 or an operator-only address")
     p.add_argument("-o", "--output", help="write here instead of stdout")
     args = p.parse_args(argv)
 
@@ -438,6 +521,7 @@ def main(argv=None):
             baseline=args.baseline,
             state_listener=args.state_listener,
             state_path=args.state_path,
+            debug_listener=args.debug_listener,
         )
     except ValueError as e:
         print(f"render.py: {e}", file=sys.stderr)

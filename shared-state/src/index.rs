@@ -89,6 +89,16 @@ fn shard_key_string(mut n: u64) -> String {
     key
 }
 
+/// Entries in use in one shard value (hash not 0), for the occupancy gauge
+/// (`kvroute_index_used_bytes` = entries × [`ENTRY_BYTES`]). A short or
+/// missing value counts what it has.
+pub fn used_entries(shard: &[u8]) -> u32 {
+    shard
+        .chunks_exact(ENTRY_BYTES)
+        .filter(|e| e[..8] != [0u8; 8])
+        .count() as u32
+}
+
 /// An endpoint as the index sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Holder {
@@ -402,6 +412,30 @@ fn upsert(
 mod tests {
     use super::*;
     use crate::memory::MemoryStore;
+
+    #[test]
+    fn used_entries_counts_non_empty_entries() {
+        let mut shard = vec![0u8; SHARD_BYTES];
+        assert_eq!(used_entries(&shard), 0);
+        for i in [0, 7, SHARD_BYTES / ENTRY_BYTES - 1] {
+            write_entry(
+                &mut shard,
+                i,
+                Entry {
+                    hash: 1,
+                    slot: 0,
+                    generation: 1,
+                    recorded: 0,
+                },
+            );
+        }
+        assert_eq!(used_entries(&shard), 3);
+        assert_eq!(
+            used_entries(&shard[..20]),
+            1,
+            "a short value counts whole entries"
+        );
+    }
 
     fn chain(seed: u64, n: usize) -> Vec<u64> {
         let mut v = Vec::with_capacity(n);

@@ -339,12 +339,14 @@ def plugin_config(**overrides):
 
 
 class Envoy:
-    def __init__(self, process, port, admin_port, config_path, eds_file=None, state_port=None):
+    def __init__(self, process, port, admin_port, config_path, eds_file=None, state_port=None, debug_port=None):
         self.process = process
         self.port = port
         self.admin_port = admin_port
         # The internal state listener (render.py --state-listener), if any.
         self.state_port = state_port
+        # The internal debug listener (render.py --debug-listener), if any.
+        self.debug_port = debug_port
         self.config_path = config_path
         self.eds_file = eds_file
         self.eds_version = 1
@@ -389,18 +391,22 @@ class Envoy:
 @pytest.fixture
 def envoy(artifacts, tmp_path):
     """Factory: envoy(config, endpoints=[...] | eds=[...], concurrency=2,
-    state_listener=False) -> Envoy.
+    state_listener=False, debug_listener=False) -> Envoy.
 
     state_listener=True adds render.py's internal state listener on a free
-    port (Envoy.state_port), and Envoy.state() reads from it. With eds=[...], the vllm cluster takes its members from an EDS file and the
+    port (Envoy.state_port), and Envoy.state() reads from it. debug_listener=True
+    adds render.py's internal debug listener (Envoy.debug_port). With eds=[...], the vllm cluster takes its members from an EDS file and the
     plugin config gets endpoints.fromCluster (unless the config sets endpoints).
     Waits until Envoy is LIVE and the filter's state lists the expected members.
     """
     started = []
 
-    def start(config=None, endpoints=None, eds=None, concurrency=2, wait_endpoints=True, state_listener=False):
+    def start(config=None, endpoints=None, eds=None, concurrency=2, wait_endpoints=True, state_listener=False,
+              debug_listener=False):
         config = plugin_config() if config is None else config
-        port, admin_port, state_port = free_ports(3)
+        port, admin_port, state_port, debug_port = free_ports(4)
+        if not debug_listener:
+            debug_port = None
         if not state_listener:
             state_port = None
         n = len(started)
@@ -420,6 +426,8 @@ def envoy(artifacts, tmp_path):
         ]
         if state_port:
             args += ["--state-listener", f"127.0.0.1:{state_port}"]
+        if debug_port:
+            args += ["--debug-listener", f"127.0.0.1:{debug_port}"]
         eds_file = None
         if eds is not None:
             eds_file = str(tmp_path / f"eds{n}" / "vllm.json")
@@ -429,7 +437,7 @@ def envoy(artifacts, tmp_path):
             args += ["--endpoints", ",".join(endpoints)]
         proc = Process(f"envoy#{n}", args, str(tmp_path / f"envoy{n}.log"))
         started.append(proc)
-        e = Envoy(proc, port, admin_port, config_path, eds_file, state_port)
+        e = Envoy(proc, port, admin_port, config_path, eds_file, state_port, debug_port)
 
         def live():
             if not proc.alive():

@@ -37,9 +37,10 @@ impl Context for Root {
         }
     }
 
-    /// The VM is going away: hand over what was counted since the last tick.
+    /// The VM is going away: hand over what was counted since the last
+    /// tick; a collector takes back its `kvroute_collector_leader`.
     fn on_done(&mut self) -> bool {
-        if let Some(role) = &self.role {
+        if let Some(role) = &mut self.role {
             role.on_done(&SdkHost);
         }
         true

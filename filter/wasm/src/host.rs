@@ -155,4 +155,16 @@ impl Host for SdkHost {
     fn increment_counter(&self, id: u32, by: i64) -> HostResult<()> {
         hostcalls::increment_metric(id, by).map_err(err("proxy_increment_metric"))
     }
+
+    fn define_gauge(&self, name: &str) -> HostResult<u32> {
+        hostcalls::define_metric(MetricType::Gauge, name).map_err(err("proxy_define_metric"))
+    }
+
+    fn define_histogram(&self, name: &str) -> HostResult<u32> {
+        hostcalls::define_metric(MetricType::Histogram, name).map_err(err("proxy_define_metric"))
+    }
+
+    fn record_metric(&self, id: u32, value: u64) -> HostResult<()> {
+        hostcalls::record_metric(id, value).map_err(err("proxy_record_metric"))
+    }
 }

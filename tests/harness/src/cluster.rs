@@ -626,6 +626,11 @@ impl Cluster {
         self.0.world.borrow().metrics.get(name).map(|m| m.value)
     }
 
+    /// Samples recorded into a histogram (`None`: not defined).
+    pub fn metric_samples(&self, name: &str) -> Option<u64> {
+        self.0.world.borrow().metrics.get(name).map(|m| m.samples)
+    }
+
     /// Log lines (kept ones) containing `needle`, as "vm: message".
     pub fn logs_matching(&self, needle: &str) -> Vec<String> {
         self.0

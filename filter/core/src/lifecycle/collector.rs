@@ -12,6 +12,7 @@
 //! the one holding the lease ([`super::lease`]) does this work each tick.
 
 use super::lease::{Lease, Schedule, Standing};
+use super::telemetry::{self, CollectorStats};
 use super::{Counter, Counts, Host, Level};
 use crate::config::{CollectorMode, EndpointSource};
 use crate::engine::Engine;
@@ -77,6 +78,8 @@ pub struct Collector {
     last_now_ms: u64,
     /// `lease` mode: this VM's part in the election.
     lease: Option<Lease>,
+    /// The gauges (`telemetry`), published by the VM that collects.
+    stats: CollectorStats,
 }
 
 impl Collector {
@@ -106,6 +109,7 @@ impl Collector {
             next_poll_ms: 0,
             next_reap_ms: 0,
             last_now_ms: 0,
+            stats: telemetry::start_collector_stats(host, lease.is_none()),
             lease,
         })
     }
@@ -198,10 +202,13 @@ impl Collector {
             return;
         };
         if !self.contend(host, now) {
+            telemetry::set_collector_leader(host, false);
             return;
         }
         self.work(host, now);
         self.renew(host, now);
+        telemetry::set_collector_leader(host, self.is_leader());
+        self.stats.on_tick(host, &self.engine, now);
     }
 
     fn work(&mut self, host: &dyn Host, now: u64) {
@@ -241,6 +248,11 @@ impl Collector {
                 Err(e) => self.host_error(host, "reaping", e),
             }
         }
+    }
+
+    /// The VM is going away: this VM no longer runs the collector.
+    pub fn on_done(&mut self, host: &dyn Host) {
+        telemetry::set_collector_leader(host, false);
     }
 
     /// Stores one poll's result; a store error is logged and counted.

@@ -11,10 +11,13 @@
 //!   against `routing.paths` and `routing.statePath`.
 //! - [`Counter`] and [`Counts`] are the Envoy counters, tallied in the VM and
 //!   handed over on a tick.
+//! - [`telemetry`]: the histograms (sampled in the VM, handed over on the
+//!   tick), the collector's gauges and the collector-leader hook.
 
 mod collector;
 pub mod lease;
 mod stream;
+pub mod telemetry;
 #[cfg(test)]
 mod tests;
 
@@ -120,6 +123,12 @@ pub trait Host {
 
     fn define_counter(&self, name: &str) -> HostResult<u32>;
     fn increment_counter(&self, id: u32, by: i64) -> HostResult<()>;
+    /// `proxy_define_metric` of a gauge.
+    fn define_gauge(&self, name: &str) -> HostResult<u32>;
+    /// `proxy_define_metric` of a histogram.
+    fn define_histogram(&self, name: &str) -> HostResult<u32>;
+    /// `proxy_record_metric`: sets a gauge, or adds one histogram sample.
+    fn record_metric(&self, id: u32, value: u64) -> HostResult<()>;
 }
 
 /// The module's Envoy counters (shown by Envoy as `wasmcustom.kvroute_*`).
@@ -303,6 +312,8 @@ pub struct Worker {
     pub engine: Engine,
     rng: RefCell<Rng>,
     pub counts: Counts,
+    /// Histogram samples, handed to Envoy with the counts.
+    pub samples: telemetry::Samples,
     /// The last time the host's clock answered, in ms. A clock error reuses
     /// it (and is counted) rather than stamping time 0, which would make a
     /// fresh charge look ancient to the reaper.
@@ -315,6 +326,7 @@ impl Worker {
             engine,
             rng: RefCell::new(Rng::new(seed)),
             counts,
+            samples: telemetry::Samples::new(seed),
             last_now_ms: Cell::new(0),
         }
     }
@@ -327,15 +339,25 @@ impl Worker {
 
     /// Now in ms; on a clock error, the last time seen (the error counted).
     pub fn now_ms(&self, host: &dyn Host) -> u64 {
+        self.clock_ns(host)
+            .map_or(self.last_now_ms.get(), |ns| ns / 1_000_000)
+    }
+
+    /// The last time the clock answered, ms.
+    pub fn now_ms_cached(&self) -> u64 {
+        self.last_now_ms.get()
+    }
+
+    /// Now in ns (`None` on a clock error, counted); updates the last time.
+    pub fn clock_ns(&self, host: &dyn Host) -> Option<u64> {
         match host.now_ns() {
             Ok(ns) => {
-                let ms = ns / 1_000_000;
-                self.last_now_ms.set(ms);
-                ms
+                self.last_now_ms.set(ns / 1_000_000);
+                Some(ns)
             }
             Err(e) => {
                 self.host_error(host, "reading the clock", e);
-                self.last_now_ms.get()
+                None
             }
         }
     }
@@ -343,6 +365,7 @@ impl Worker {
     /// Hands pending counts to Envoy (the root's tick and end).
     pub fn flush(&self, host: &dyn Host) {
         self.counts.flush(host);
+        self.samples.flush(host);
     }
 }
 
@@ -397,8 +420,12 @@ impl Role {
         }
     }
 
-    /// The root's end: hands over what was counted since the last tick.
-    pub fn on_done(&self, host: &dyn Host) {
+    /// The root's end: hands over what was counted since the last tick;
+    /// a collector gives back `kvroute_collector_leader`.
+    pub fn on_done(&mut self, host: &dyn Host) {
+        if let Some(c) = self.collector() {
+            c.on_done(host);
+        }
         if let Role::Filter { worker, .. } = self {
             worker.flush(host);
         }

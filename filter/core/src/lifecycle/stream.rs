@@ -220,11 +220,15 @@ impl Stream {
                 Vec::new()
             }
         };
-        let now = w.now_ms(host);
+        let timed = w.samples.time_decision();
+        let now_ns = w.clock_ns(host);
+        let now = now_ns.map_or_else(|| w.now_ms_cached(), |ns| ns / 1_000_000);
         let outcome = {
             let mut rng = w.rng.borrow_mut();
             w.engine.route(host.store(), kind, &body, now, &mut rng)
         };
+        w.samples
+            .on_decision(host, now_ns.filter(|_| timed), &outcome);
         match outcome {
             Outcome::Routed(r) => {
                 let header = &w.engine.config.routing.destination_header;

@@ -22,6 +22,11 @@ struct FakeHost {
     logs: RefCell<Vec<(Level, String)>>,
     counters: RefCell<HashMap<u32, i64>>,
     counter_calls: Cell<u32>,
+    /// Gauges and histograms by name (ids from [`metric_id`]).
+    metric_names: RefCell<HashMap<u32, String>>,
+    gauges: RefCell<HashMap<String, i64>>,
+    histograms: RefCell<HashMap<String, Vec<u64>>>,
+    clock_reads: Cell<u32>,
     calls: RefCell<Vec<Call>>,
     call_status: RefCell<Option<String>>,
     call_body: RefCell<Option<Vec<u8>>>,
@@ -36,6 +41,18 @@ impl FakeHost {
         } else {
             Ok(())
         }
+    }
+
+    fn gauge(&self, name: &str) -> Option<i64> {
+        self.gauges.borrow().get(name).copied()
+    }
+
+    fn samples(&self, name: &str) -> Vec<u64> {
+        self.histograms
+            .borrow()
+            .get(name)
+            .cloned()
+            .unwrap_or_default()
     }
 
     fn counter(&self, c: Counter) -> i64 {
@@ -66,6 +83,7 @@ impl Host for FakeHost {
         &self.store
     }
     fn now_ns(&self) -> HostResult<u64> {
+        self.clock_reads.set(self.clock_reads.get() + 1);
         self.fail("proxy_get_current_time_nanoseconds")?;
         Ok(self.now_ns.get())
     }
@@ -150,10 +168,58 @@ impl Host for FakeHost {
     }
     fn increment_counter(&self, id: u32, by: i64) -> HostResult<()> {
         self.fail("proxy_increment_metric")?;
+        if let Some(name) = self.metric_names.borrow().get(&id) {
+            *self.gauges.borrow_mut().entry(name.clone()).or_default() += by;
+            return Ok(());
+        }
         self.counter_calls.set(self.counter_calls.get() + 1);
         *self.counters.borrow_mut().entry(id).or_default() += by;
         Ok(())
     }
+    fn define_gauge(&self, name: &str) -> HostResult<u32> {
+        self.fail("proxy_define_metric")?;
+        let id = metric_id(1, name);
+        self.metric_names.borrow_mut().insert(id, name.to_string());
+        self.gauges
+            .borrow_mut()
+            .entry(name.to_string())
+            .or_default();
+        Ok(id)
+    }
+    fn define_histogram(&self, name: &str) -> HostResult<u32> {
+        self.fail("proxy_define_metric")?;
+        let id = metric_id(2, name);
+        self.metric_names.borrow_mut().insert(id, name.to_string());
+        self.histograms
+            .borrow_mut()
+            .entry(name.to_string())
+            .or_default();
+        Ok(id)
+    }
+    fn record_metric(&self, id: u32, value: u64) -> HostResult<()> {
+        self.fail("proxy_record_metric")?;
+        let name = self.metric_names.borrow().get(&id).cloned().unwrap();
+        if id & 3 == 1 {
+            self.gauges.borrow_mut().insert(name, value as i64);
+        } else {
+            self.histograms
+                .borrow_mut()
+                .entry(name)
+                .or_default()
+                .push(value);
+        }
+        Ok(())
+    }
+}
+
+/// A gauge or histogram id that is the same for a name on every fake host
+/// (the leader gauge's id is cached per thread), type in the low 2 bits as
+/// Envoy does, never a counter id (those are small).
+fn metric_id(kind: u32, name: &str) -> u32 {
+    let h = name.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    (h | 0x1000) & !3 | kind
 }
 
 const BASE: &str = r#""endpoints":{"static":["127.0.0.1:1","127.0.0.1:2"]},
@@ -645,9 +711,15 @@ fn a_lease_mode_filter_collects_once_it_holds_the_lease() {
     // The first tick creates the lease free; the second takes it and polls.
     role.on_tick(&host);
     assert!(host.calls.borrow().is_empty());
+    assert_eq!(
+        host.gauge(telemetry::LEADER_GAUGE),
+        None,
+        "a contender is not the collector"
+    );
     host.now_ns.set(1_250_000_000);
     role.on_tick(&host);
     assert_eq!(host.calls.borrow().len(), 2);
+    assert_eq!(host.gauge(telemetry::LEADER_GAUGE), Some(1));
     // Another VM's lease that has not expired: this one stays a follower.
     let other = lease::LeaseRecord {
         holder: 1,
@@ -660,10 +732,171 @@ fn a_lease_mode_filter_collects_once_it_holds_the_lease() {
     host.now_ns.set(3_000_000_000);
     role.on_tick(&host);
     assert_eq!(host.calls.borrow().len(), 2, "a follower polled");
+    assert_eq!(
+        host.gauge(telemetry::LEADER_GAUGE),
+        Some(0),
+        "the lease was lost"
+    );
     // The singleton mode filter has no collector.
     let (_, w) = filter("");
     assert_eq!(
         w.engine.config.collector.mode,
         crate::config::CollectorMode::Singleton
     );
+}
+
+#[test]
+fn histograms_are_sampled_in_the_vm_and_recorded_on_the_tick() {
+    use telemetry::{Histogram, DECISION_SAMPLE_EVERY, SAMPLES_PER_FLUSH};
+    let (host, w) = filter("");
+    let reads = host.clock_reads.get();
+    for i in 0..DECISION_SAMPLE_EVERY {
+        let mut s = routed_stream(&host, &w, chat_body(&format!("q{i}")));
+        s.on_end(&host);
+    }
+    // One clock read per request, and one more for the timed one.
+    assert_eq!(host.clock_reads.get() - reads, DECISION_SAMPLE_EVERY + 1);
+    assert_eq!(w.samples.pending(Histogram::DecisionTimeUs), 1);
+    assert_eq!(
+        w.samples.pending(Histogram::AffinityPercent),
+        DECISION_SAMPLE_EVERY as usize
+    );
+    assert!(host.samples("kvroute_affinity_percent").is_empty());
+    w.flush(&host);
+    let affinity = host.samples("kvroute_affinity_percent");
+    assert_eq!(affinity.len(), DECISION_SAMPLE_EVERY as usize);
+    assert!(affinity.iter().all(|&p| p <= 100), "{affinity:?}");
+    // The shared system prompt: later requests find it on their endpoint.
+    assert!(affinity.iter().skip(1).any(|&p| p > 0), "{affinity:?}");
+    assert_eq!(host.samples("kvroute_decision_time_us").len(), 1);
+    assert_eq!(w.samples.pending(Histogram::AffinityPercent), 0);
+    // A busy VM keeps at most SAMPLES_PER_FLUSH per histogram between ticks.
+    for i in 0..3 * SAMPLES_PER_FLUSH {
+        let mut s = routed_stream(&host, &w, chat_body(&format!("r{i}")));
+        s.on_end(&host);
+    }
+    assert_eq!(
+        w.samples.pending(Histogram::AffinityPercent),
+        SAMPLES_PER_FLUSH
+    );
+    w.flush(&host);
+    assert_eq!(
+        host.samples("kvroute_affinity_percent").len(),
+        DECISION_SAMPLE_EVERY as usize + SAMPLES_PER_FLUSH
+    );
+    // A host that refuses samples loses them, logged, and nothing panics.
+    host.failing.borrow_mut().insert("proxy_record_metric");
+    let mut s = routed_stream(&host, &w, chat_body("late"));
+    s.on_end(&host);
+    w.flush(&host);
+    assert_eq!(w.samples.pending(Histogram::AffinityPercent), 0);
+    assert!(host
+        .logs
+        .borrow()
+        .iter()
+        .any(|(_, m)| m.contains("sample dropped")));
+}
+
+/// A filter and the collector over one fake host (one store), with a
+/// 16-shard index so one gauge period sweeps all of it.
+fn filter_and_collector() -> (FakeHost, Rc<Worker>, Collector) {
+    let host = FakeHost::default();
+    host.now_ns.set(5_000_000_000);
+    *host.config.borrow_mut() =
+        format!(r#"{{{BASE},"routing":{{"seed":7}},"sharedState":{{"indexBudgetBytes":65536}}}}"#)
+            .into_bytes();
+    *host.root_id.borrow_mut() = COLLECTOR_ROOT_ID.as_bytes().to_vec();
+    let Ok(Role::Collector(c)) = configure(&host) else {
+        panic!("not the collector")
+    };
+    *host.root_id.borrow_mut() = b"kvroute".to_vec();
+    let Ok(Role::Filter { worker: w, .. }) = configure(&host) else {
+        panic!("not a filter")
+    };
+    (host, w, *c)
+}
+
+#[test]
+fn collector_gauges_follow_the_shared_tables() {
+    use telemetry::{slot_stat_name, GAUGE_PERIOD_MS};
+    let (host, w, mut c) = filter_and_collector();
+    let slot = |base: &str, s: u16| host.gauge(&slot_stat_name(base, s));
+    c.on_tick(&host);
+    assert_eq!(host.gauge("kvroute_endpoints"), Some(2));
+    assert_eq!(host.gauge("kvroute_endpoints_stale_metrics"), Some(2));
+    assert_eq!(host.gauge("kvroute_index_budget_bytes"), Some(65536));
+    assert_eq!(host.gauge("kvroute_index_used_bytes"), Some(0));
+    assert_eq!(slot("kvroute_endpoint_inflight_requests", 0), Some(0));
+    assert_eq!(slot("kvroute_endpoint_metrics_age_ms", 1), Some(0));
+
+    // A request held in flight shows on its endpoint's slot.
+    let mut s = routed_stream(&host, &w, chat_body("q"));
+    let primary = host.header("x-gateway-destination-endpoint").unwrap();
+    let held = if primary.starts_with("127.0.0.1:1") {
+        0
+    } else {
+        1
+    };
+    // Before the period is over nothing is read or set again.
+    let calls = host.counter_calls.get();
+    c.on_tick(&host);
+    assert_eq!(slot("kvroute_endpoint_inflight_requests", held), Some(0));
+    assert_eq!(host.counter_calls.get(), calls);
+    host.now_ns
+        .set(host.now_ns.get() + GAUGE_PERIOD_MS * 1_000_000);
+    c.on_tick(&host);
+    assert_eq!(slot("kvroute_endpoint_inflight_requests", held), Some(1));
+    assert!(slot("kvroute_endpoint_inflight_tokens", held).unwrap() > 0);
+    assert_eq!(
+        slot("kvroute_endpoint_inflight_requests", 1 - held),
+        Some(0)
+    );
+    // Metrics never came: their age runs from the collector's start.
+    assert_eq!(
+        slot("kvroute_endpoint_metrics_age_ms", held),
+        Some(GAUGE_PERIOD_MS as i64)
+    );
+    let used = host.gauge("kvroute_index_used_bytes").unwrap();
+    assert!(used > 0 && used % 16 == 0, "{used}");
+    s.on_end(&host);
+    host.now_ns
+        .set(host.now_ns.get() + GAUGE_PERIOD_MS * 1_000_000);
+    c.on_tick(&host);
+    assert_eq!(slot("kvroute_endpoint_inflight_requests", held), Some(0));
+    assert_eq!(slot("kvroute_endpoint_inflight_tokens", held), Some(0));
+    // Gauges that cannot be set are logged, never fatal.
+    host.failing.borrow_mut().insert("proxy_record_metric");
+    host.now_ns
+        .set(host.now_ns.get() + GAUGE_PERIOD_MS * 1_000_000);
+    c.on_tick(&host);
+}
+
+#[test]
+fn the_collector_leader_gauge_is_set_by_the_role() {
+    use telemetry::{set_collector_leader, GAUGE_PERIOD_MS, LEADER_GAUGE};
+    let (host, _w, mut c) = filter_and_collector();
+    assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
+    // A second collector configured in the process (Envoy's canary) leaves 1.
+    *host.root_id.borrow_mut() = COLLECTOR_ROOT_ID.as_bytes().to_vec();
+    assert!(matches!(configure(&host), Ok(Role::Collector(_))));
+    assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
+    // The hook is idempotent (a lease can call it every tick).
+    set_collector_leader(&host, true);
+    assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
+    c.on_done(&host);
+    assert_eq!(host.gauge(LEADER_GAUGE), Some(0));
+    // A refused update is tried again on the next change.
+    host.failing.borrow_mut().insert("proxy_record_metric");
+    set_collector_leader(&host, true);
+    assert_eq!(host.gauge(LEADER_GAUGE), Some(0));
+    host.failing.borrow_mut().clear();
+    set_collector_leader(&host, true);
+    assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
+    // Another VM's late 0 (a lease hand-over) is overwritten by the leader
+    // within one gauge period.
+    *host.gauges.borrow_mut().get_mut(LEADER_GAUGE).unwrap() = 0;
+    host.now_ns
+        .set(host.now_ns.get() + GAUGE_PERIOD_MS * 1_000_000);
+    c.on_tick(&host);
+    assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
 }

@@ -12,3 +12,4 @@ mod lifecycle;
 mod malformed;
 #[cfg(feature = "perfmap")]
 mod profile_loop;
+mod stats;
