@@ -160,6 +160,19 @@ impl KvEvent {
         }
     }
 
+    /// The older tagged-array form: `[tag, field…]` in vLLM's declaration
+    /// order, trailing `nil`s left off (msgspec's `omit_defaults`).
+    pub fn to_msgpack_array(&self) -> Value {
+        let Value::Map(entries) = self.to_msgpack_value() else {
+            return Value::Nil; // to_msgpack_value always builds a map
+        };
+        let mut items: Vec<Value> = entries.into_iter().map(|(_, v)| v).collect();
+        while items.len() > 1 && items.last().is_some_and(Value::is_nil) {
+            items.pop();
+        }
+        Value::Array(items)
+    }
+
     /// Decodes one event in map form or in the older tagged-array form.
     pub fn from_msgpack_value(v: &Value) -> Result<KvEvent, DecodeError> {
         match v {
@@ -306,12 +319,31 @@ fn build_event(tag: &str, fields: &[(&str, &Value)]) -> Result<KvEvent, DecodeEr
     }
 }
 
+/// How events are written inside a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventForm {
+    /// Maps with a `"type"` key (vLLM ≥ 0.11; what 0.32 publishes).
+    Map,
+    /// Tagged arrays (older vLLM).
+    Array,
+}
+
 impl KvEventBatch {
-    /// The msgpack payload: `[ts, [events…], data_parallel_rank]`.
+    /// The msgpack payload: `[ts, [events…], data_parallel_rank]`, events as
+    /// maps (vLLM 0.32's form).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_as(EventForm::Map)
+    }
+
+    /// The msgpack payload with events in the given form.
+    pub fn encode_as(&self, form: EventForm) -> Vec<u8> {
+        let event = match form {
+            EventForm::Map => KvEvent::to_msgpack_value,
+            EventForm::Array => KvEvent::to_msgpack_array,
+        };
         let v = Value::Array(vec![
             Value::F64(self.ts),
-            Value::Array(self.events.iter().map(KvEvent::to_msgpack_value).collect()),
+            Value::Array(self.events.iter().map(event).collect()),
             opt_int(self.data_parallel_rank),
         ]);
         let mut out = Vec::new();
@@ -320,8 +352,20 @@ impl KvEventBatch {
         out
     }
 
-    /// Decodes a payload; accepts map-form and array-form events.
+    /// Decodes a payload; accepts map-form and array-form events. Any event
+    /// that does not decode fails the whole batch.
     pub fn decode(payload: &[u8]) -> Result<KvEventBatch, DecodeError> {
+        let (batch, skipped) = Self::decode_lenient(payload)?;
+        match skipped.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(batch),
+        }
+    }
+
+    /// Decodes a payload, skipping events that do not decode (an unknown
+    /// `type`, a malformed field) and returning why each was skipped. The
+    /// batch itself (msgpack, `[ts, events, …]` shape) must be well formed.
+    pub fn decode_lenient(payload: &[u8]) -> Result<(KvEventBatch, Vec<DecodeError>), DecodeError> {
         let mut rd = payload;
         let v = rmpv::decode::read_value(&mut rd)
             .map_err(|e| DecodeError(format!("not msgpack: {e}")))?;
@@ -340,18 +384,24 @@ impl KvEventBatch {
                 .ok_or_else(|| DecodeError(format!("batch ts is not a number: {other}")))?,
             None => return Err(DecodeError("batch is empty".into())),
         };
-        let events = items
+        let mut events = Vec::new();
+        let mut skipped = Vec::new();
+        for e in items
             .get(1)
             .and_then(Value::as_array)
             .ok_or_else(|| DecodeError("batch events is not an array".into()))?
-            .iter()
-            .map(KvEvent::from_msgpack_value)
-            .collect::<Result<_, _>>()?;
-        Ok(KvEventBatch {
+        {
+            match KvEvent::from_msgpack_value(e) {
+                Ok(e) => events.push(e),
+                Err(why) => skipped.push(why),
+            }
+        }
+        let batch = KvEventBatch {
             ts,
             events,
             data_parallel_rank: items.get(2).and_then(Value::as_i64),
-        })
+        };
+        Ok((batch, skipped))
     }
 }
 
@@ -370,4 +420,71 @@ pub fn decode_seq(frame: &[u8]) -> Result<u64, DecodeError> {
         .try_into()
         .map_err(|_| DecodeError(format!("seq frame is {} bytes, not 8", frame.len())))?;
     Ok(u64::from_be_bytes(b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> KvEventBatch {
+        KvEventBatch {
+            ts: 1.7e9,
+            events: vec![
+                KvEvent::BlockStored {
+                    block_hashes: vec![1, u64::MAX],
+                    parent_block_hash: Some(9),
+                    token_ids: vec![5; 4],
+                    block_size: 2,
+                    lora_id: None,
+                    medium: Some(MEDIUM_GPU.into()),
+                    lora_name: None,
+                    extra_keys: Some(vec![None, None]),
+                    group_idx: Some(0),
+                    kv_cache_spec_kind: Some("full_attention".into()),
+                },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![1],
+                    medium: Some(MEDIUM_GPU.into()),
+                    group_idx: None,
+                },
+                KvEvent::AllBlocksCleared,
+            ],
+            data_parallel_rank: Some(0),
+        }
+    }
+
+    #[test]
+    fn both_forms_round_trip() {
+        let b = sample();
+        for form in [EventForm::Map, EventForm::Array] {
+            assert_eq!(
+                KvEventBatch::decode(&b.encode_as(form)).unwrap(),
+                b,
+                "{form:?}"
+            );
+        }
+        assert_ne!(b.encode_as(EventForm::Map), b.encode_as(EventForm::Array));
+    }
+
+    #[test]
+    fn lenient_decode_skips_unknown_events_and_keeps_the_rest() {
+        let v = Value::Array(vec![
+            Value::F64(1.0),
+            Value::Array(vec![
+                Value::Map(vec![(Value::from("type"), Value::from("BlockMoved"))]),
+                Value::Array(vec![
+                    Value::from("BlockRemoved"),
+                    Value::Array(vec![Value::from(7u64)]),
+                ]),
+            ]),
+            Value::from(0),
+        ]);
+        let mut buf = Vec::new();
+        rmpv::encode::write_value(&mut buf, &v).unwrap();
+        let (batch, skipped) = KvEventBatch::decode_lenient(&buf).unwrap();
+        assert_eq!(batch.events.len(), 1);
+        assert_eq!(skipped.len(), 1);
+        assert!(skipped[0].0.contains("BlockMoved"), "{:?}", skipped[0]);
+        assert!(KvEventBatch::decode(&buf).is_err());
+    }
 }

@@ -1,0 +1,117 @@
+//! `kvroute-relay`: the binary. Flags, then the ZMQ task and the HTTP server.
+
+use kvroute_relay::state::{Limits, Relay};
+use kvroute_relay::subscriber::SubConfig;
+use kvroute_relay::{http, new_epoch, subscriber, Shared};
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const USAGE: &str = "\
+kvroute-relay: re-serves one vLLM server's ZMQ KV events over HTTP.
+
+USAGE: kvroute-relay --sub tcp://127.0.0.1:5557 [options]
+
+  --sub ENDPOINT          vLLM's KV-event publisher (vLLM binds tcp://*:PORT; the relay connects)
+  --topic PREFIX          topic filter, e.g. kv@NAME (default: empty, all topics)
+  --replay ENDPOINT       vLLM's replay socket (replay_endpoint in --kv-events-config), to fill gaps
+  --replay-timeout-ms N   deadline for one replay (default 1000)
+  --listen ADDR:PORT      HTTP listen address (default 127.0.0.1:9157)
+  --max-blocks N          snapshot bound: the server's num_gpu_blocks (default 65536)
+  --ring-batches N        batches kept for /kv/events (default 4096)
+  --ring-hashes N         hashes kept across the ring (default 262144)
+  -h, --help              this text
+";
+
+struct Args {
+    sub: SubConfig,
+    listen: String,
+    limits: Limits,
+}
+
+fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
+    let mut sub = None;
+    let mut topic = String::new();
+    let mut replay = None;
+    let mut replay_ms = 1000u64;
+    let mut listen = "127.0.0.1:9157".to_string();
+    let mut limits = Limits::default();
+    while let Some(flag) = it.next() {
+        if flag == "-h" || flag == "--help" {
+            return Ok(None);
+        }
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) => (n.to_string(), Some(v.to_string())),
+            None => (flag.clone(), None),
+        };
+        let mut value = || {
+            inline
+                .clone()
+                .or_else(|| it.next())
+                .ok_or_else(|| format!("{name} needs a value (see --help)"))
+        };
+        let count = |v: String| {
+            v.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{name} {v:?}: expected a positive integer"))
+        };
+        match name.as_str() {
+            "--sub" => sub = Some(value()?),
+            "--topic" => topic = value()?,
+            "--replay" => replay = Some(value()?),
+            "--replay-timeout-ms" => replay_ms = count(value()?)? as u64,
+            "--listen" => listen = value()?,
+            "--max-blocks" => limits.max_blocks = count(value()?)?,
+            "--ring-batches" => limits.ring_batches = count(value()?)?,
+            "--ring-hashes" => limits.ring_hashes = count(value()?)?,
+            other => return Err(format!("unknown flag {other:?} (see --help)")),
+        }
+    }
+    let endpoint = sub.ok_or("--sub ENDPOINT is required, e.g. --sub tcp://127.0.0.1:5557")?;
+    Ok(Some(Args {
+        sub: SubConfig {
+            endpoint,
+            topic,
+            replay,
+            replay_timeout: Duration::from_millis(replay_ms),
+        },
+        listen,
+        limits,
+    }))
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = match parse(std::env::args().skip(1)) {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("kvroute-relay: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(&args.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!(
+                "kvroute-relay: cannot listen on {}: {e} (choose another --listen)",
+                args.listen
+            );
+            return ExitCode::from(1);
+        }
+    };
+    if let Ok(a) = listener.local_addr() {
+        eprintln!("kvroute-relay: serving http://{a}");
+    }
+    let state: Shared = Arc::new(Mutex::new(Relay::new(args.limits, new_epoch())));
+    let zmq = tokio::spawn(subscriber::run(args.sub, state.clone()));
+    let web = tokio::spawn(http::serve(listener, state));
+    let _ = tokio::signal::ctrl_c().await;
+    zmq.abort();
+    web.abort();
+    ExitCode::SUCCESS
+}
