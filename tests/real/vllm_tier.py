@@ -322,7 +322,12 @@ class Server:
                "--served-model-name", SERVED_MODEL,
                "--num-gpu-blocks-override", str(self.blocks),
                "--enable-prompt-tokens-details",
-               "--max-num-seqs", "32"]
+               "--max-num-seqs", "32",
+               # The emulator implements (and advertises) sha256_cbor block
+               # hashes; vLLM 0.32's default is "sha256" (pickle-based), whose
+               # hashes it cannot reproduce. Same algorithm on both sides, so
+               # identical prompts give identical KV-event hashes.
+               "--prefix-caching-hash-algo", "sha256_cbor"]
         if self.event_port is not None:
             # A concrete address: vLLM's PUB socket *connects* to it, and the
             # subscriber binds on 127.0.0.1 (a wildcard would make vLLM bind
@@ -347,6 +352,11 @@ class Server:
             # it, so identical prompts hash identically on every server and
             # in the emulator (--python-hash-seed 0).
             "PYTHONHASHSEED": "0",
+            # uvicorn closes idle keep-alive connections after 5 s by default;
+            # Envoy's upstream pool keeps them for 1 h and, on a reuse racing
+            # that close, answers 503 "reset before headers ... connection
+            # termination" (seen in test_collector under load). Keep them open.
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
             "PATH": f"{venv_dir() / 'bin'}:{env.get('PATH', '')}",
         })
         if self.cpu is not None:
