@@ -1,0 +1,85 @@
+"""A shared-prefix workload through Envoy + kvroute in front of two real vLLM
+servers: each prefix group lands on one server, both servers are used, and
+the servers' own prefix caches show the reuse."""
+
+import collections
+import threading
+
+from conftest import completion, e2e, real_plugin_config, scrape, words
+
+GROUPS = 6
+PER_GROUP = 4
+PREFIX_WORDS = 1000
+SUFFIX_WORDS = 40
+
+
+def _counters(addrs):
+    out = {}
+    for a in addrs:
+        _, v, _ = scrape(a)
+        out[a] = {k: v.get(k, 0.0) for k in ("vllm:request_success_total", "vllm:prefix_cache_hits_total",
+                                              "vllm:prefix_cache_queries_total")}
+    return out
+
+
+def test_prefix_groups_stick_to_one_real_server(real_fleet, envoy):
+    addrs = real_fleet.addresses
+    e = envoy(config=real_plugin_config(), endpoints=addrs)
+    prefixes = [words(f"group-{g}", PREFIX_WORDS) for g in range(GROUPS)]
+    before = _counters(addrs)
+
+    results = collections.defaultdict(list)  # group -> [(round, endpoint, usage)]
+    lock = threading.Lock()
+    errors = []
+
+    def send(g, r):
+        try:
+            resp = completion(e.port, prefixes[g] + " " + words(f"group-{g}-suffix-{r}", SUFFIX_WORDS),
+                              max_tokens=2, timeout=180)
+            d = resp.decision
+            assert d and d.get("endpoint") in addrs, resp
+            with lock:
+                results[g].append((r, d["endpoint"], d.get("branch"), resp.json()["usage"]))
+        except Exception as ex:  # noqa: BLE001
+            errors.append(ex)
+
+    # Each round sends one request per group, all groups at once: in round 0
+    # nothing is cached anywhere and the in-flight load spreads the groups;
+    # in later rounds each group's prefix is warm on one server.
+    for r in range(PER_GROUP):
+        threads = [threading.Thread(target=send, args=(g, r)) for g in range(GROUPS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, errors
+
+    after = _counters(addrs)
+    placement = {}
+    for g in range(GROUPS):
+        eps = {ep for _, ep, _, _ in results[g]}
+        assert len(results[g]) == PER_GROUP, results[g]
+        assert len(eps) == 1, f"group {g} went to {eps}: {results[g]}"
+        placement[g] = eps.pop()
+    used = collections.Counter(placement.values())
+    assert set(used) == set(addrs), f"not both servers used: {placement}"
+
+    # The servers' own counters: every request kvroute sent to a server was
+    # served by it (override_host honoured the decision) ...
+    for a in addrs:
+        sent = sum(PER_GROUP for g in range(GROUPS) if placement[g] == a)
+        got = after[a]["vllm:request_success_total"] - before[a]["vllm:request_success_total"]
+        assert got == sent, (a, got, sent, placement)
+
+    # ... and each later request found its prefix in that server's cache.
+    cached_by_server = collections.Counter()
+    for g in range(GROUPS):
+        for r, ep, _, usage in sorted(results[g]):
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            cached_by_server[ep] += cached
+            if r > 0:
+                assert cached >= 0.8 * usage["prompt_tokens"], (g, r, usage)
+    for a in addrs:
+        hits = after[a]["vllm:prefix_cache_hits_total"] - before[a]["vllm:prefix_cache_hits_total"]
+        assert hits >= cached_by_server[a] > 0, (a, hits, cached_by_server)
+    print(f"\nplacement {placement}; cached tokens per server {dict(cached_by_server)}")
