@@ -291,6 +291,18 @@ def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
       - max_connections: 4096
         max_pending_requests: 4096
         max_requests: 4096
+    # vLLM's server (uvicorn) closes an idle keep-alive connection after 5 s
+    # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); Envoy keeps idle upstream connections
+    # for an hour by default. A request sent on a connection the server is
+    # closing gets "503 upstream connect error ... connection termination".
+    # Envoy closes its side first.
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options:
+          idle_timeout: 4s
+        explicit_http_config:
+          http_protocol_options: {{}}
 """
     if eds_file:
         eds_dir = os.path.dirname(os.path.abspath(eds_file))

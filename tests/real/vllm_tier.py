@@ -352,11 +352,9 @@ class Server:
             # it, so identical prompts hash identically on every server and
             # in the emulator (--python-hash-seed 0).
             "PYTHONHASHSEED": "0",
-            # uvicorn closes idle keep-alive connections after 5 s by default;
-            # Envoy's upstream pool keeps them for 1 h and, on a reuse racing
-            # that close, answers 503 "reset before headers ... connection
-            # termination" (seen in test_collector under load). Keep them open.
-            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "3600",
+            # vLLM's default keep-alive (5 s) is kept on purpose: Envoy's
+            # `vllm` cluster closes idle connections after 4 s (render.py),
+            # without which a reuse racing the server's close got a 503.
             "PATH": f"{venv_dir() / 'bin'}:{env.get('PATH', '')}",
         })
         if self.cpu is not None:

@@ -114,6 +114,12 @@ impl Collector {
         })
     }
 
+    /// Sets `kvroute_collector_leader` for this collector (the lease's and
+    /// the singleton's hook).
+    pub fn set_leader(&mut self, host: &dyn Host, leader: bool) {
+        self.stats.set_leader(host, leader);
+    }
+
     pub fn timers(&self) -> Timers {
         self.timers
     }
@@ -202,12 +208,13 @@ impl Collector {
             return;
         };
         if !self.contend(host, now) {
-            telemetry::set_collector_leader(host, false);
+            self.stats.set_leader(host, false);
             return;
         }
         self.work(host, now);
         self.renew(host, now);
-        telemetry::set_collector_leader(host, self.is_leader());
+        let leader = self.is_leader();
+        self.stats.set_leader(host, leader);
         self.stats.on_tick(host, &self.engine, now);
     }
 
@@ -252,7 +259,7 @@ impl Collector {
 
     /// The VM is going away: this VM no longer runs the collector.
     pub fn on_done(&mut self, host: &dyn Host) {
-        telemetry::set_collector_leader(host, false);
+        self.stats.set_leader(host, false);
     }
 
     /// Stores one poll's result; a store error is logged and counted.

@@ -276,6 +276,8 @@ pub struct CollectorStats {
     next_shard: u32,
     next_ms: u64,
     started_ms: Option<u64>,
+    /// `kvroute_collector_leader`, as this collector last set it.
+    leader: LeaderGauge,
 }
 
 impl CollectorStats {
@@ -290,7 +292,13 @@ impl CollectorStats {
             next_shard: 0,
             next_ms: 0,
             started_ms: None,
+            leader: LeaderGauge::default(),
         }
+    }
+
+    /// Sets `kvroute_collector_leader` for this collector ([`LeaderGauge::set`]).
+    pub fn set_leader(&mut self, host: &dyn Host, leader: bool) {
+        self.leader.set(host, leader);
     }
 
     /// The collector's tick: every [`GAUGE_PERIOD_MS`], reads the endpoint,
@@ -302,7 +310,7 @@ impl CollectorStats {
             return;
         }
         self.next_ms = now_ms + GAUGE_PERIOD_MS;
-        refresh_collector_leader(host);
+        self.leader.refresh(host);
         let store = host.store();
         let table = match engine.endpoint_table(store) {
             Ok(t) => t,
@@ -393,10 +401,11 @@ impl CollectorStats {
 /// The collector's gauges; `leader`: this VM collects from the start (the
 /// singleton). A lease contender becomes the leader on its first won round.
 pub fn start_collector_stats(host: &dyn Host, leader: bool) -> CollectorStats {
+    let mut stats = CollectorStats::define(host);
     if leader {
-        set_collector_leader(host, true);
+        stats.set_leader(host, true);
     }
-    CollectorStats::define(host)
+    stats
 }
 
 /// `kvroute_collector_leader`: 1 while a VM of this Envoy runs the
@@ -409,55 +418,59 @@ pub fn start_collector_stats(host: &dyn Host, leader: bool) -> CollectorStats {
 /// again within a second.
 pub const LEADER_GAUGE: &str = "kvroute_collector_leader";
 
-thread_local! {
-    /// This VM's view: (gauge id once defined, runs the collector).
-    /// VM-global, not per root context.
-    static LEADER: Cell<(Option<u32>, bool)> = const { Cell::new((None, false)) };
+/// This collector's standing as last written to [`LEADER_GAUGE`], and the
+/// gauge's id once defined. Per collector (per root context): in lease mode
+/// each root of a VM contends on its own.
+#[derive(Debug, Default)]
+pub struct LeaderGauge {
+    id: Option<u32>,
+    leader: bool,
 }
 
-fn record_leader(host: &dyn Host, leader: bool) -> bool {
-    let (id, _) = LEADER.with(Cell::get);
-    let id = match id {
-        Some(id) => id,
-        None => match host.define_gauge(LEADER_GAUGE) {
-            Ok(id) => id,
+impl LeaderGauge {
+    fn record(&mut self, host: &dyn Host, leader: bool) -> bool {
+        let id = match self.id {
+            Some(id) => id,
+            None => match host.define_gauge(LEADER_GAUGE) {
+                Ok(id) => id,
+                Err(e) => {
+                    host.log(
+                        Level::Warn,
+                        &format!("kvroute: gauge {LEADER_GAUGE} not defined: {e}"),
+                    );
+                    return false;
+                }
+            },
+        };
+        self.id = Some(id);
+        match host.record_metric(id, u64::from(leader)) {
+            Ok(()) => true,
             Err(e) => {
                 host.log(
                     Level::Warn,
-                    &format!("kvroute: gauge {LEADER_GAUGE} not defined: {e}"),
+                    &format!("kvroute: gauge {LEADER_GAUGE} not set: {e}"),
                 );
-                return false;
+                false
             }
-        },
-    };
-    LEADER.with(|l| l.set((Some(id), l.get().1)));
-    match host.record_metric(id, u64::from(leader)) {
-        Ok(()) => true,
-        Err(e) => {
-            host.log(
-                Level::Warn,
-                &format!("kvroute: gauge {LEADER_GAUGE} not set: {e}"),
-            );
-            false
         }
     }
-}
 
-/// The hook for whatever decides that this VM runs the collector: the
-/// singleton's start and end, a lease's acquire and loss. Sets
-/// [`LEADER_GAUGE`] when this VM's role changes; a call that changes
-/// nothing makes no host call, so it can be called on every tick.
-pub fn set_collector_leader(host: &dyn Host, leader: bool) {
-    let (_, was) = LEADER.with(Cell::get);
-    if was != leader && record_leader(host, leader) {
-        LEADER.with(|l| l.set((l.get().0, leader)));
+    /// The hook for whatever decides that this collector runs: the
+    /// singleton's start and end, a lease's acquire and loss. Sets
+    /// [`LEADER_GAUGE`] when the standing changes; a call that changes
+    /// nothing makes no host call, so it can be called on every tick. A
+    /// refused update is tried again on the next call.
+    pub fn set(&mut self, host: &dyn Host, leader: bool) {
+        if self.leader != leader && self.record(host, leader) {
+            self.leader = leader;
+        }
     }
-}
 
-/// Sets [`LEADER_GAUGE`] to 1 again if this VM runs the collector (the
-/// collector's gauge period).
-pub fn refresh_collector_leader(host: &dyn Host) {
-    if LEADER.with(Cell::get).1 {
-        record_leader(host, true);
+    /// Sets [`LEADER_GAUGE`] to 1 again if this collector runs (the
+    /// collector's gauge period), over a late 0 from another VM.
+    pub fn refresh(&mut self, host: &dyn Host) {
+        if self.leader {
+            self.record(host, true);
+        }
     }
 }

@@ -198,7 +198,12 @@ impl Host for FakeHost {
     }
     fn record_metric(&self, id: u32, value: u64) -> HostResult<()> {
         self.fail("proxy_record_metric")?;
-        let name = self.metric_names.borrow().get(&id).cloned().unwrap();
+        let Some(name) = self.metric_names.borrow().get(&id).cloned() else {
+            return Err(HostError {
+                call: "proxy_record_metric",
+                status: 1,
+            });
+        };
         if id & 3 == 1 {
             self.gauges.borrow_mut().insert(name, value as i64);
         } else {
@@ -873,7 +878,7 @@ fn collector_gauges_follow_the_shared_tables() {
 
 #[test]
 fn the_collector_leader_gauge_is_set_by_the_role() {
-    use telemetry::{set_collector_leader, GAUGE_PERIOD_MS, LEADER_GAUGE};
+    use telemetry::{GAUGE_PERIOD_MS, LEADER_GAUGE};
     let (host, _w, mut c) = filter_and_collector();
     assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
     // A second collector configured in the process (Envoy's canary) leaves 1.
@@ -881,16 +886,16 @@ fn the_collector_leader_gauge_is_set_by_the_role() {
     assert!(matches!(configure(&host), Ok(Role::Collector(_))));
     assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
     // The hook is idempotent (a lease can call it every tick).
-    set_collector_leader(&host, true);
+    c.set_leader(&host, true);
     assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
     c.on_done(&host);
     assert_eq!(host.gauge(LEADER_GAUGE), Some(0));
     // A refused update is tried again on the next change.
     host.failing.borrow_mut().insert("proxy_record_metric");
-    set_collector_leader(&host, true);
+    c.set_leader(&host, true);
     assert_eq!(host.gauge(LEADER_GAUGE), Some(0));
     host.failing.borrow_mut().clear();
-    set_collector_leader(&host, true);
+    c.set_leader(&host, true);
     assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
     // Another VM's late 0 (a lease hand-over) is overwritten by the leader
     // within one gauge period.
