@@ -281,6 +281,24 @@ async fn metrics_use_vllm_names_labels_and_agree_with_stats() {
         .unwrap();
     assert_eq!(info.label("block_size"), Some("64"));
     assert_eq!(info.label("num_gpu_blocks"), Some("4096"));
+    // The same label set as real vLLM 0.32 serves (a missing or extra label
+    // is an emulator bug; tests/real checks it against a live server too).
+    let capture = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../testdata/vllm/metrics-vllm-0.32-cpu-small-kv.txt"),
+    )
+    .unwrap();
+    let real = parse(&capture).unwrap();
+    let real_info = real
+        .iter()
+        .find(|x| x.name == "vllm:cache_config_info")
+        .unwrap();
+    let names = |s: &kvroute_sim::prometheus::Sample| {
+        let mut v: Vec<String> = s.labels.iter().map(|(k, _)| k.clone()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(info), names(real_info));
     assert!(text.contains("vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 0.0\n"));
     assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
     let stats = c

@@ -132,17 +132,55 @@ pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
         "Cache configuration of the engine.",
         "gauge",
     );
+    // vLLM 0.32's whole label set (testdata/vllm/metrics-vllm-0.32-cpu*.txt),
+    // in its order. Geometry and hashing come from the emulator's config; the
+    // rest are vLLM's defaults on CPU. kv_cache_memory_bytes depends on the
+    // deployment (VLLM_CPU_KVCACHE_SPACE): the emulator reports 0.
+    let max_concurrency = format!(
+        "{:?}",
+        (u64::from(cfg.block_size) * u64::from(cfg.num_gpu_blocks)) as f64
+            / cfg.effective_max_model_len().max(1) as f64
+    );
     e.sample(
         "vllm:cache_config_info",
         &[
+            ("_block_size_resolved", "True"),
             ("block_size", &bs),
             ("cache_dtype", "auto"),
+            ("cache_hit_alignment_tokens", "None"),
+            ("effective_attention_block_size", &bs),
+            ("enable_mamba_shared_prefix_checkpoint", "False"),
             ("enable_prefix_caching", "True"),
             ("engine", "0"),
+            ("gpu_memory_utilization", "0.92"),
+            ("hash_block_size", "None"),
+            ("is_attention_free", "False"),
+            ("kv_cache_dtype_skip_layers", "[]"),
+            ("kv_cache_layout", "None"),
+            ("kv_cache_max_concurrency", &max_concurrency),
+            ("kv_cache_memory_bytes", "0"),
             ("kv_cache_size_tokens", &size_tokens),
+            ("kv_offloading_backend", "native"),
+            ("kv_offloading_size", "None"),
+            ("kv_sharing_fast_prefill", "False"),
+            ("mamba_block_size", "None"),
+            ("mamba_cache_dtype", "auto"),
+            ("mamba_cache_mode", "none"),
+            ("mamba_page_size_padded", "None"),
+            ("mamba_ssm_cache_dtype", "float32"),
+            ("num_cpu_blocks", "None"),
             ("num_gpu_blocks", &blocks),
             ("num_gpu_blocks_override", &blocks),
+            ("prefix_cache_retention_interval", "0"),
             ("prefix_caching_hash_algo", "sha256_cbor"),
+            ("prefix_match_unit", "None"),
+            ("replayssm_buffer_len", "16"),
+            ("skip_page_size_padded", "None"),
+            ("sliding_window", "None"),
+            ("swa_bounded_replay", "True"),
+            ("use_kda_recoverssm", "False"),
+            ("use_replayssm", "False"),
+            ("user_specified_block_size", "True"),
         ],
         1.0,
     );
