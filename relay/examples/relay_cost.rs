@@ -126,7 +126,9 @@ fn time<R>(n: usize, mut f: impl FnMut() -> R) -> (f64, f64) {
 
 fn state_mode(args: &[String]) {
     let n: usize = arg(args, "--batches", 20_000);
-    println!("# in-process: state::Relay::ingest on codec-encoded frames (map form, token ids included)");
+    println!(
+        "# in-process: state::Relay::ingest on codec-encoded frames (map form, token ids included)"
+    );
     println!("stored+removed_per_batch\tbatches\tpayload_B\tcpu_us_per_batch\twall_us_per_batch\tcpu_ns_per_hash\tdecode_only_cpu_us");
     for &h in &[16usize, 64] {
         let mut gen = Gen::new(h, 8192, 42 + h as u64);
@@ -186,7 +188,9 @@ fn state_mode(args: &[String]) {
         ("events tip (nothing new)", tip),
         ("events backlog 20 batches (2560 hashes)", tip - 20),
     ] {
-        let bytes = serde_json::to_vec(&relay.events_after(after, 4096, None)).unwrap().len();
+        let bytes = serde_json::to_vec(&relay.events_after(after, 4096, None))
+            .unwrap()
+            .len();
         let (c, w) = time(2_000, || {
             serde_json::to_vec(&relay.events_after(after, 4096, None)).unwrap()
         });
@@ -219,7 +223,9 @@ async fn pub_mode(args: &[String]) {
     // Let the relay's SUB connect and subscribe (a PUB drops until then).
     tokio::time::sleep(Duration::from_millis(wait_ms)).await;
     let mut gen = Gen::new(h, held, 11);
-    let msgs: Vec<[Vec<u8>; 3]> = (0..n).map(|s| frames("kv@bench", s, &gen.batch())).collect();
+    let msgs: Vec<[Vec<u8>; 3]> = (0..n)
+        .map(|s| frames("kv@bench", s, &gen.batch()))
+        .collect();
     let t0 = Instant::now();
     for (i, m) in msgs.iter().enumerate() {
         let mut z = ZmqMessage::from(Bytes::copy_from_slice(&m[0]));
