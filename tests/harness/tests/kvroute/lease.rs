@@ -3,7 +3,7 @@
 //! no singleton; every `/metrics` call is recorded with the VM that made it.
 
 use crate::support::*;
-use kvroute_harness::{Cluster, HttpCallReply, VmSpec};
+use kvroute_harness::{Cluster, HttpCallReply};
 use kvroute_shared_state::endpoints::EndpointTable;
 use kvroute_shared_state::ENDPOINTS_KEY;
 use std::cell::RefCell;
@@ -20,24 +20,8 @@ fn lease_fleet(workers: usize) -> (Cluster, Calls) {
         "mode": "lease", "leaseMs": LEASE_MS,
         "metricsCluster": "vllm", "metricsPollIntervalMs": POLL_MS, "metricsTimeoutMs": 200
     }}));
-    let wasm = kvroute_harness::artifacts::kvroute_wasm().unwrap();
     let c = Cluster::new();
-    for i in 0..workers {
-        let started = c
-            .add_vm(VmSpec::new(
-                &format!("worker-{i}"),
-                &wasm,
-                VM_ID,
-                "kvroute",
-                &config,
-            ))
-            .unwrap();
-        assert!(
-            started.configured,
-            "worker {i}: {:?}",
-            c.logs_matching("kvroute")
-        );
-    }
+    add_workers(&c, workers, &config);
     let calls: Calls = Rc::default();
     let log = calls.clone();
     c.set_http_responder(move |call| {

@@ -25,6 +25,23 @@ pub fn config(extra: serde_json::Value) -> String {
     doc.to_string()
 }
 
+/// Adds `workers` filter VMs (`worker-0`…) with `config` to `c`.
+pub fn add_workers(c: &Cluster, workers: usize, config: &str) {
+    let wasm = kvroute_wasm().expect("kvroute module");
+    for i in 0..workers {
+        let started = c
+            .add_vm(VmSpec::new(
+                &format!("worker-{i}"),
+                &wasm,
+                VM_ID,
+                "kvroute",
+                config,
+            ))
+            .expect("worker VM");
+        assert!(started.configured, "worker {i} rejected the config");
+    }
+}
+
 /// The collector (VM 0), then `workers` filter VMs (1..=workers), all with `config`.
 pub fn fleet(workers: usize, config: &str) -> Cluster {
     let wasm = kvroute_wasm().expect("kvroute module");
@@ -43,18 +60,7 @@ pub fn fleet(workers: usize, config: &str) -> Cluster {
         "collector rejected the config: {:?}",
         c.logs_matching("config")
     );
-    for i in 0..workers {
-        let started = c
-            .add_vm(VmSpec::new(
-                &format!("worker-{i}"),
-                &wasm,
-                VM_ID,
-                "kvroute",
-                config,
-            ))
-            .expect("worker VM");
-        assert!(started.configured, "worker {i} rejected the config");
-    }
+    add_workers(&c, workers, config);
     c
 }
 
