@@ -3,7 +3,7 @@
 //! - `engine`: the pure model of one vLLM server (timing, batching, prefix
 //!   cache). No I/O.
 //! - `kv_events` (re-exported from `kvroute-kv-events`, shared with the
-//!   relay), `vllm_hash`, `prometheus`: vLLM's wire formats.
+//!   relay), `vllm_hash` (re-exported from `kvroute-core`), `prometheus`: vLLM's wire formats.
 //! - `emulator`: HTTP/ZMQ glue that serves an engine on a loopback port.
 //! - `loadgen`: workloads, arrival stages and per-stage reports.
 
@@ -14,5 +14,7 @@ pub use kvroute_kv_events as kv_events;
 pub mod loadgen;
 pub mod prometheus;
 pub mod rng;
-pub mod vllm_hash;
+/// vLLM's sha256_cbor block hashes: the router's own implementation
+/// (`kvroute_core::precise::vllm_hash`), so emulator and filter agree.
+pub use kvroute_core::precise::vllm_hash;
 pub mod words;
