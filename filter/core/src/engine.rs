@@ -8,6 +8,7 @@
 use crate::blocks::prompt_blocks;
 use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
+use crate::precise::{Fallback, PreciseUse};
 use crate::request::{parse_request, ApiKind, ParseError, ParseLimits};
 use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
 use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
@@ -67,6 +68,8 @@ pub struct Routed {
     pub stream: bool,
     /// CAS races the charge and the index insert lost (and retried).
     pub cas_retries: u32,
+    /// Precise mode's part (`None` when it is off).
+    pub precise: Option<PreciseUse>,
 }
 
 impl Routed {
@@ -287,6 +290,22 @@ impl Engine {
             Ok(r) => r,
             Err(e) => return self.fail_for(Unrouted::BadBody(e)),
         };
+        // Precise mode: vLLM's own hashes of the prompt. The held-blocks view
+        // they are matched against is the collector's KV-event ingestion
+        // (issue 17 part 3), not wired in here yet: until it is, every
+        // request is scored on the approximate index, counted as
+        // `no_held_view` (or the reason its hashes could not be had).
+        let precise = self
+            .config
+            .precise
+            .as_ref()
+            .map(|p| match p.request_hashes(&req, body) {
+                Ok((hashes, _tokens)) => PreciseUse::Fallback {
+                    why: Fallback::NoHeldView,
+                    blocks: hashes.len().min(u32::MAX as usize) as u32,
+                },
+                Err(why) => PreciseUse::Fallback { why, blocks: 0 },
+            });
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
         match self.route_parsed(
             store,
@@ -298,6 +317,7 @@ impl Engine {
         ) {
             Ok(Some(mut r)) => {
                 r.stream = req.stream;
+                r.precise = precise;
                 Outcome::Routed(r)
             }
             Ok(None) => self.fail_for(Unrouted::NoEndpoints),
@@ -485,6 +505,7 @@ impl Engine {
             uncached_tokens: charge.prompt_tokens,
             stream: false,
             cas_retries,
+            precise: None,
         }))
     }
 

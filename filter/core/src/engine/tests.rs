@@ -486,3 +486,43 @@ fn a_sticky_request_does_not_rewrite_the_groups_it_already_holds() {
         r.explanation()
     );
 }
+
+#[test]
+fn precise_mode_computes_vllm_hashes_and_falls_back_counted_by_reason() {
+    let doc = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2"]},
+        "plugins":[{"type":"token-producer","parameters":{"modelName":"m","udsTokenizerConfig":{"socketFile":"/x"}}},
+                   {"type":"precise-prefix-cache-producer","parameters":{"tokenProcessorConfig":{"blockSizeTokens":4,"hashSeed":"0"}}},
+                   {"type":"prefix-cache-scorer","parameters":{"prefixMatchInfoProducerName":"precise-prefix-cache-producer"}},
+                   {"type":"max-score-picker"}],
+        "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let mut rng = Rng::new(1);
+    // Token IDs: hashed precisely (2 full blocks of 4), then — no held view
+    // yet — routed on the approximate index.
+    let ids = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#;
+    let r = routed(e.route(&s, ApiKind::Completions, ids, 0, &mut rng));
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::NoHeldView,
+            blocks: 2
+        })
+    );
+    // Text with the UDS tokenizer (not loadable in a VM): no tokenizer.
+    let text = br#"{"model":"m","prompt":"hello"}"#;
+    let r = routed(e.route(&s, ApiKind::Completions, text, 0, &mut rng));
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::NoTokenizer,
+            blocks: 0
+        })
+    );
+    // Approximate mode: no precise part at all.
+    let a = Engine::new(config(""));
+    a.collector_init(&s).unwrap();
+    let r = routed(a.route(&s, ApiKind::Completions, ids, 0, &mut rng));
+    assert_eq!(r.precise, None);
+}

@@ -102,6 +102,17 @@ impl Fallback {
     }
 }
 
+/// What precise mode did for one routed request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreciseUse {
+    /// Scored on the servers' held blocks; `blocks` vLLM hashes matched
+    /// against them.
+    Matched { blocks: u32 },
+    /// Scored on the approximate index; `blocks` precise hashes were
+    /// computed first (0 when none could be).
+    Fallback { why: Fallback, blocks: u32 },
+}
+
 impl From<TokenizeError> for Fallback {
     fn from(e: TokenizeError) -> Fallback {
         match e {
