@@ -463,6 +463,14 @@ impl HeldWriter {
             .ok_or_else(|| StoreError::Host("held shard vanished".into()))
     }
 
+    /// Whether `h` is in the set as this writer sees it.
+    pub fn contains(&mut self, store: &dyn Store, h: u64) -> Result<bool, StoreError> {
+        let n = self.geo.shard_of(key_hash(h));
+        let view = self.view.view;
+        let shard = self.shard(store, n)?;
+        Ok(shard_contains(shard, view, h))
+    }
+
     /// Adds `h`. Returns false if it was dropped at the bound (counted in
     /// `dropped`, and the view becomes incomplete).
     pub fn store(&mut self, store: &dyn Store, h: u64) -> Result<bool, StoreError> {

@@ -261,7 +261,7 @@ impl Engine {
     }
 
     /// Capacity of an endpoint in index blocks.
-    fn capacity_blocks(
+    pub(crate) fn capacity_blocks(
         &self,
         metrics: Option<&kvroute_shared_state::metrics::MetricsSnapshot>,
     ) -> u64 {
@@ -640,12 +640,16 @@ impl Engine {
         let metrics =
             MetricsTable::decode(store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
         let stale_after = self.config.collector.metrics_stale_after_ms;
+        let held = self.held_state(store)?;
         let eps: Vec<serde_json::Value> = table
             .endpoints
             .iter()
             .map(|e| {
                 let rec = load.get(e.slot, e.generation);
                 let m = metrics.get(e.slot, e.generation);
+                let kv_events = held
+                    .as_ref()
+                    .map(|h| h.endpoint_json(self, store, e, now_ms));
                 serde_json::json!({
                     "address": e.address,
                     "slot": e.slot,
@@ -668,6 +672,7 @@ impl Engine {
                         "fresh": m.is_fresh(now_ms, stale_after),
                         "failures": m.failures,
                     })),
+                    "kvEvents": kv_events,
                 })
             })
             .collect();
