@@ -264,7 +264,7 @@ impl Engine {
     }
 
     /// Capacity of an endpoint in index blocks.
-    fn capacity_blocks(
+    pub(crate) fn capacity_blocks(
         &self,
         metrics: Option<&kvroute_shared_state::metrics::MetricsSnapshot>,
     ) -> u64 {
@@ -290,34 +290,34 @@ impl Engine {
             Ok(r) => r,
             Err(e) => return self.fail_for(Unrouted::BadBody(e)),
         };
-        // Precise mode: vLLM's own hashes of the prompt. The held-blocks view
-        // they are matched against is the collector's KV-event ingestion
-        // (issue 17 part 3), not wired in here yet: until it is, every
-        // request is scored on the approximate index, counted as
-        // `no_held_view` (or the reason its hashes could not be had).
+        // Precise mode: vLLM's own hashes of the prompt, matched against the
+        // blocks the servers hold (`kvEvents`); or, when they cannot be had,
+        // the reason the approximate index decides instead.
         let precise = self
             .config
             .precise
             .as_ref()
-            .map(|p| match p.request_hashes(&req, body) {
-                Ok((hashes, _tokens)) => PreciseUse::Fallback {
-                    why: Fallback::NoHeldView,
-                    blocks: hashes.len().min(u32::MAX as usize) as u32,
-                },
-                Err(why) => PreciseUse::Fallback { why, blocks: 0 },
-            });
+            .map(|p| p.request_hashes(&req, body));
+        let (precise_in, hash_failure) = match &precise {
+            None => (None, None),
+            Some(Ok((hashes, tokens))) => (Some((hashes.as_slice(), *tokens)), None),
+            Some(Err(why)) => (None, Some(*why)),
+        };
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
-        match self.route_parsed(
+        match self.route_parsed_precise(
             store,
             &blocks.block_hashes,
             blocks.prompt_tokens,
+            precise_in,
             req.max_output_tokens,
             now_ms,
             rng,
         ) {
             Ok(Some(mut r)) => {
                 r.stream = req.stream;
-                r.precise = precise;
+                if let Some(why) = hash_failure {
+                    r.precise = Some(PreciseUse::Fallback { why, blocks: 0 });
+                }
                 Outcome::Routed(r)
             }
             Ok(None) => self.fail_for(Unrouted::NoEndpoints),
@@ -409,10 +409,105 @@ impl Engine {
         now_ms: u64,
         rng: &mut Rng,
     ) -> Result<Option<Routed>, StoreError> {
+        self.route_parsed_precise(
+            store,
+            hashes,
+            prompt_tokens,
+            None,
+            max_output_tokens,
+            now_ms,
+            rng,
+        )
+    }
+
+    /// The precise view of a request: when every healthy endpoint's
+    /// held-blocks view is fresh, the candidates' matches are the leading
+    /// vLLM hashes each holds, and the request is measured in vLLM blocks
+    /// and its exact token count. Otherwise `None`: the approximate index
+    /// decides (one stale relay would make its endpoint look cold).
+    fn held_candidates(
+        &self,
+        store: &dyn Store,
+        snap: &Snapshot,
+        vllm_hashes: &[u64],
+        prompt_tokens: u64,
+        now_ms: u64,
+    ) -> Result<Option<(Vec<Candidate>, RequestView)>, StoreError> {
+        let Some(p) = &self.config.precise else {
+            return Ok(None);
+        };
+        let status = kvroute_shared_state::held::HeldTable::read(store)?;
+        let eps: Vec<(u16, u16)> = snap
+            .endpoints
+            .iter()
+            .map(|e| (e.slot, e.generation))
+            .collect();
+        let m = kvroute_shared_state::held::longest_held(
+            store,
+            &self.held_geometry(),
+            &status,
+            &eps,
+            vllm_hashes,
+            now_ms,
+            self.config.kv_events.stale_ms,
+        )?;
+        if !m.iter().all(|x| x.fresh) {
+            return Ok(None);
+        }
+        let candidates = snap
+            .candidates
+            .iter()
+            .zip(&m)
+            .map(|(c, x)| Candidate {
+                matched_blocks: x.matched_blocks,
+                ..c.clone()
+            })
+            .collect();
+        let view = RequestView {
+            prompt_tokens,
+            total_blocks: vllm_hashes.len().min(u32::MAX as usize) as u32,
+            block_size_tokens: p.block_size,
+            max_output_tokens: snap.view.max_output_tokens,
+        };
+        Ok(Some((candidates, view)))
+    }
+
+    /// [`route_parsed`](Self::route_parsed) with precise mode's input:
+    /// the request's vLLM hashes and exact token count, if it has them.
+    /// The approximate index is kept up to date either way (it is the
+    /// fallback), from `hashes`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_parsed_precise(
+        &self,
+        store: &dyn Store,
+        hashes: &[u64],
+        prompt_tokens: u64,
+        precise: Option<(&[u64], u64)>,
+        max_output_tokens: Option<u64>,
+        now_ms: u64,
+        rng: &mut Rng,
+    ) -> Result<Option<Routed>, StoreError> {
         let Some(snap) = self.snapshot(store, hashes, prompt_tokens, max_output_tokens, now_ms)?
         else {
             return Ok(None);
         };
+        let held = match precise {
+            Some((vllm_hashes, tokens)) => {
+                self.held_candidates(store, &snap, vllm_hashes, tokens, now_ms)?
+            }
+            None => None,
+        };
+        let precise_use = precise.map(|(vllm_hashes, _)| {
+            let blocks = vllm_hashes.len().min(u32::MAX as usize) as u32;
+            if held.is_some() {
+                PreciseUse::Matched { blocks }
+            } else {
+                PreciseUse::Fallback {
+                    why: Fallback::NoHeldView,
+                    blocks,
+                }
+            }
+        });
         let Snapshot {
             endpoints,
             holders,
@@ -422,12 +517,26 @@ impl Engine {
             view,
             load,
         } = snap;
-        let Some(decision) = self.config.scheduler.schedule(&view, &candidates, rng) else {
+        // Scheduling (and the charge) on the held view when there is one;
+        // the approximate index's bookkeeping below stays on its own blocks.
+        let (sched_candidates, sched_view) = match &held {
+            Some((c, v)) => (c, v),
+            None => (&candidates, &view),
+        };
+        let Some(decision) = self
+            .config
+            .scheduler
+            .schedule(sched_view, sched_candidates, rng)
+        else {
             return Ok(None);
         };
         let chosen = &endpoints[decision.primary];
+        let charge = self
+            .config
+            .scheduler
+            .inflight
+            .charge(sched_view, &sched_candidates[decision.primary]);
         let cand = &candidates[decision.primary];
-        let charge = self.config.scheduler.inflight.charge(&view, cand);
         let new_blocks = u64::from(view.total_blocks.saturating_sub(cand.matched_blocks));
         let cold_stamp = if decision.cold { now_ms.max(1) } else { 0 };
         let window = window_ms(self.config.collector.reap_after_ms);
@@ -505,7 +614,7 @@ impl Engine {
             uncached_tokens: charge.prompt_tokens,
             stream: false,
             cas_retries,
-            precise: None,
+            precise: precise_use,
         }))
     }
 
@@ -661,12 +770,16 @@ impl Engine {
         let metrics =
             MetricsTable::decode(store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
         let stale_after = self.config.collector.metrics_stale_after_ms;
+        let held = self.held_state(store)?;
         let eps: Vec<serde_json::Value> = table
             .endpoints
             .iter()
             .map(|e| {
                 let rec = load.get(e.slot, e.generation);
                 let m = metrics.get(e.slot, e.generation);
+                let kv_events = held
+                    .as_ref()
+                    .map(|h| h.endpoint_json(self, store, e, now_ms));
                 serde_json::json!({
                     "address": e.address,
                     "slot": e.slot,
@@ -689,6 +802,7 @@ impl Engine {
                         "fresh": m.is_fresh(now_ms, stale_after),
                         "failures": m.failures,
                     })),
+                    "kvEvents": kv_events,
                 })
             })
             .collect();

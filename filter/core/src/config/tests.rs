@@ -250,7 +250,8 @@ fn precise_doc(tokenizer_params: Value, producer_params: Value) -> String {
             "schedulingProfiles": [{"name": "default", "plugins": [
                 {"pluginRef": "prefix-cache-scorer", "weight": 2},
                 {"pluginRef": "max-score-picker"}
-            ]}]
+            ]}],
+            "kvEvents": {"enabled": true}
         })
         .to_string(),
     )
@@ -319,6 +320,16 @@ fn precise_config_errors_name_the_field() {
         serde_json::json!({}),
     ));
     assert!(e.message.contains("chat template does not compile"), "{e}");
+    // Precise mode without the servers' held blocks would never match.
+    let mut v: Value = serde_json::from_str(&precise_doc(
+        serde_json::json!({"modelName": "m"}),
+        serde_json::json!({}),
+    ))
+    .unwrap();
+    v.as_object_mut().unwrap().remove("kvEvents");
+    let e = reject(&v.to_string());
+    assert_eq!(e.path, "plugins[1].type");
+    assert!(e.message.contains("kvEvents"), "{e}");
     // A tokenizer without a precise producer has nothing to feed.
     let e = reject(&with_endpoints(
         r#"{"plugins":[{"type":"tokenizer","parameters":{"modelName":"m"}}]}"#,
@@ -328,7 +339,8 @@ fn precise_config_errors_name_the_field() {
     // The producer is not listed in a profile; the deprecated scorer is.
     let e = reject(&with_endpoints(
         r#"{"plugins":[{"type":"precise-prefix-cache-producer"},{"type":"max-score-picker"}],
-            "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"precise-prefix-cache-producer"}]}]}"#,
+            "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"precise-prefix-cache-producer"}]}],
+            "kvEvents":{"enabled":true}}"#,
     ));
     assert!(e.message.contains("data producer"), "{e}");
     let e = reject(&with_endpoints(

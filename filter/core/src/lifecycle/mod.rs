@@ -147,6 +147,13 @@ pub enum Counter {
     MetricsPollFailures,
     ReapedRequests,
     CasRetries,
+    KvEventsPolls,
+    KvEventsPollFailures,
+    KvEventsBadAnswers,
+    KvEventsResyncs,
+    KvEventsSnapshots,
+    KvEventsIndexResets,
+    KvEventsDropped,
     /// Precise mode: routed on the servers' held blocks.
     PreciseMatched,
     /// Precise mode: routed on the approximate index, by reason
@@ -160,7 +167,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 20] = [
+    pub const ALL: [Counter; 27] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -174,6 +181,13 @@ impl Counter {
         Counter::MetricsPollFailures,
         Counter::ReapedRequests,
         Counter::CasRetries,
+        Counter::KvEventsPolls,
+        Counter::KvEventsPollFailures,
+        Counter::KvEventsBadAnswers,
+        Counter::KvEventsResyncs,
+        Counter::KvEventsSnapshots,
+        Counter::KvEventsIndexResets,
+        Counter::KvEventsDropped,
         Counter::PreciseMatched,
         Counter::PreciseFallbackNoTokenizer,
         Counter::PreciseFallbackUnknownModel,
@@ -198,6 +212,13 @@ impl Counter {
             Counter::MetricsPollFailures => "kvroute_metrics_poll_failures",
             Counter::ReapedRequests => "kvroute_reaped_requests",
             Counter::CasRetries => "kvroute_cas_retries",
+            Counter::KvEventsPolls => "kvroute_kv_events_polls",
+            Counter::KvEventsPollFailures => "kvroute_kv_events_poll_failures",
+            Counter::KvEventsBadAnswers => "kvroute_kv_events_bad_answers",
+            Counter::KvEventsResyncs => "kvroute_kv_events_resyncs",
+            Counter::KvEventsSnapshots => "kvroute_kv_events_snapshots",
+            Counter::KvEventsIndexResets => "kvroute_kv_events_index_resets",
+            Counter::KvEventsDropped => "kvroute_kv_events_dropped_blocks",
             Counter::PreciseMatched => "kvroute_precise_matched",
             Counter::PreciseFallbackNoTokenizer => "kvroute_precise_fallback_no_tokenizer",
             Counter::PreciseFallbackUnknownModel => "kvroute_precise_fallback_unknown_model",
