@@ -175,8 +175,8 @@ def servers(artifacts, relay_binary, tmp_path):
         s.stop()
 
 
-def kv_config(servers, **kv):
-    cfg = plugin_config(endpoints={"static": [s.address for s in servers]})
+def kv_config(servers, mode="singleton", **kv):
+    cfg = plugin_config(endpoints={"static": [s.address for s in servers]}, collector={"mode": mode})
     cfg["kvEvents"] = {
         "enabled": True,
         "pollMs": 100,
@@ -211,9 +211,10 @@ def tokens(seed, n):
 # tests
 
 
-def test_held_blocks_match_what_the_servers_published(envoy, servers):
+@pytest.mark.parametrize("mode", ["singleton", "lease"])
+def test_held_blocks_match_what_the_servers_published(envoy, servers, mode):
     a, b = servers(2)
-    e = envoy(kv_config([a, b]), endpoints=[a.address, b.address])
+    e = envoy(kv_config([a, b], mode), endpoints=[a.address, b.address])
     wait_until(lambda: all(held(e, s.address).get("fresh") for s in (a, b)), timeout=10,
                what="both relays polled")
     assert held(e, a.address)["blocks"] == 0
