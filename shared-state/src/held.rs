@@ -136,6 +136,9 @@ pub struct EndpointHeld {
     pub complete: bool,
     /// Hashes in the set.
     pub blocks: u32,
+    /// A store was dropped at the bound since the set was last loaded or
+    /// cleared: it cannot be complete until then.
+    pub lossy: bool,
     /// Stores dropped at the bound, since the slot's generation began.
     pub dropped: u64,
 }
@@ -170,7 +173,7 @@ impl HeldTable {
             w.u64(s.ok_at_ms);
             w.u64(s.attempted_at_ms);
             w.u32(s.failures);
-            w.u8(u8::from(s.complete));
+            w.u8(u8::from(s.complete) | u8::from(s.lossy) << 1);
             w.u32(s.blocks);
             w.u64(s.dropped);
         }
@@ -201,10 +204,17 @@ impl HeldTable {
                 ok_at_ms: r.u64()?,
                 attempted_at_ms: r.u64()?,
                 failures: r.u32()?,
-                complete: r.u8()? != 0,
-                blocks: r.u32()?,
-                dropped: r.u64()?,
+                complete: false,
+                blocks: 0,
+                lossy: false,
+                dropped: 0,
             });
+            let flags = r.u8()?;
+            let last = slots.len() - 1;
+            slots[last].complete = flags & 1 != 0;
+            slots[last].lossy = flags & 2 != 0;
+            slots[last].blocks = r.u32()?;
+            slots[last].dropped = r.u64()?;
         }
         Some(HeldTable { slots })
     }
@@ -439,6 +449,7 @@ impl HeldWriter {
     pub fn clear(&mut self, now_ms: u64) {
         self.view.view = new_view_id(self.view.view, now_ms);
         self.view.blocks = 0;
+        self.view.lossy = false;
         self.view.relay_epoch = 0;
         self.view.relay_seq = 0;
         self.view.complete = false;
@@ -502,6 +513,7 @@ impl HeldWriter {
             _ => {
                 self.view.dropped = self.view.dropped.saturating_add(1);
                 self.view.complete = false;
+                self.view.lossy = true;
                 Ok(false)
             }
         }
@@ -634,6 +646,7 @@ mod tests {
                     failures: 1,
                     complete: true,
                     blocks: 17,
+                    lossy: true,
                     dropped: 2,
                 },
             ],

@@ -41,6 +41,12 @@ use std::fmt;
 struct EventsAnswer {
     epoch: u64,
     seq: u64,
+    /// The relay's newest seq (absent: treat `seq` as the newest).
+    #[serde(default)]
+    last: Option<u64>,
+    /// The relay snapshot's completeness now (absent: unknown, keep ours).
+    #[serde(default)]
+    complete: Option<bool>,
     #[serde(default)]
     resync: bool,
     #[serde(default)]
@@ -238,6 +244,13 @@ impl Engine {
             }
         }
         w.view.relay_seq = a.seq;
+        // Caught up, the set is the relay's snapshot: take its completeness
+        // (unless this side dropped stores at the bound).
+        if let (Some(complete), false) = (a.complete, a.more) {
+            if a.last.is_none_or(|l| l == a.seq) {
+                w.view.complete = complete && !w.view.lossy;
+            }
+        }
         out.dropped = w.view.dropped - dropped_before;
         out.blocks = w.view.blocks;
         if a.more {
@@ -285,7 +298,7 @@ impl Engine {
         out.dropped = w.view.dropped - dropped_before;
         w.view.relay_epoch = a.epoch.max(1);
         w.view.relay_seq = a.seq;
-        w.view.complete = a.complete && out.dropped == 0;
+        w.view.complete = a.complete && !w.view.lossy;
         w.view.attempted_at_ms = now_ms;
         w.view.ok_at_ms = now_ms.max(1);
         w.view.failures = 0;

@@ -1352,6 +1352,41 @@ mod kv_events {
     }
 
     #[test]
+    fn a_caught_up_view_takes_the_relays_completeness() {
+        let (host, mut c) = kv_collector("");
+        c.on_tick(&host);
+        // Taken before the relay saw its first batch: not complete.
+        answer(
+            &host,
+            &mut c,
+            1,
+            r#"{"epoch":1,"seq":0,"complete":false,"blocks":[]}"#,
+        );
+        let e = engine("");
+        assert!(!held_of(&host, &e, 0).0.unwrap().complete);
+        host.now_ns.set(1_200_000_000);
+        c.on_tick(&host);
+        let n = host.calls.borrow().len() as u32;
+        // Not caught up yet (more to come): the flag is not taken over.
+        answer(
+            &host,
+            &mut c,
+            n,
+            r#"{"epoch":1,"seq":1,"last":2,"more":true,"complete":true,"batches":[{"seq":1,"ops":[{"op":"stored","hashes":[4]}]}]}"#,
+        );
+        assert!(!held_of(&host, &e, 0).0.unwrap().complete);
+        answer(
+            &host,
+            &mut c,
+            n + 1,
+            r#"{"epoch":1,"seq":2,"last":2,"more":false,"complete":true,"batches":[{"seq":2,"ops":[{"op":"stored","hashes":[5]}]}]}"#,
+        );
+        let (view, hashes) = held_of(&host, &e, 0);
+        assert_eq!(hashes, [4, 5]);
+        assert!(view.unwrap().complete, "caught up with a complete relay");
+    }
+
+    #[test]
     fn the_set_stays_within_max_held_blocks() {
         let (host, mut c) = kv_collector(r#","maxHeldBlocks":300"#);
         c.on_tick(&host);
