@@ -39,7 +39,10 @@ fn main() {
                 req.cache_salt.as_deref(),
                 precise.max_blocks,
             );
-            println!("{}", serde_json::json!({"token_ids": ids, "hashes": hashes}));
+            println!(
+                "{}",
+                serde_json::json!({"token_ids": ids, "hashes": hashes})
+            );
         }
         Err(f) => {
             println!("{}", serde_json::json!({"fallback": f.label()}));

@@ -460,7 +460,7 @@ impl Engine {
             .zip(&m)
             .map(|(c, x)| Candidate {
                 matched_blocks: x.matched_blocks,
-                ..c.clone()
+                ..*c
             })
             .collect();
         let view = RequestView {
