@@ -397,6 +397,10 @@ struct TokenProcessorParams {
     hash_seed: Option<String>,
 }
 
+/// The largest inline `tokenizer.json` (bytes): production tokenizers are
+/// 2–11 MB, and every VM holds its own loaded copy.
+const MAX_TOKENIZER_JSON_BYTES: usize = 16 * 1024 * 1024;
+
 /// `token-producer` (llm-d's older name: `tokenizer`) parameters.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -747,6 +751,15 @@ fn compile_plugin(
                             ))
                         }
                     };
+                    if bytes.len() > MAX_TOKENIZER_JSON_BYTES {
+                        return Err(err(
+                            format!("{ppath}.tokenizerJson"),
+                            format!(
+                                "is {} bytes; at most {MAX_TOKENIZER_JSON_BYTES} (each worker VM loads its own copy)",
+                                bytes.len()
+                            ),
+                        ));
+                    }
                     if let Some(c) = &q.tokenizer_config {
                         if !c.is_object() {
                             return Err(err(

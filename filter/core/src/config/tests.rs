@@ -330,6 +330,14 @@ fn precise_config_errors_name_the_field() {
     let e = reject(&v.to_string());
     assert_eq!(e.path, "plugins[1].type");
     assert!(e.message.contains("kvEvents"), "{e}");
+    // The inline tokenizer is bounded.
+    let huge = "x".repeat(16 * 1024 * 1024 + 1);
+    let e = reject(&precise_doc(
+        serde_json::json!({"modelName": "m", "tokenizerJson": huge}),
+        serde_json::json!({}),
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.tokenizerJson");
+    assert!(e.message.contains("at most 16777216"), "{e}");
     // A tokenizer without a precise producer has nothing to feed.
     let e = reject(&with_endpoints(
         r#"{"plugins":[{"type":"tokenizer","parameters":{"modelName":"m"}}]}"#,
