@@ -27,13 +27,17 @@ import pytest
 
 from conftest import BLOCK_SIZE, MODEL, REPO, e2e, vllm_tier
 
+# Server #1: test_parity.py compares server #0's events with the emulator's,
+# and this module's prompts must not make #0 evict during that capture.
+SERVER = 1
+
 
 @pytest.fixture(scope="module")
 def hasher(real_fleet, tmp_path_factory):
     """Runs kvroute's hashing (the vllm_hashes example) on a body."""
     out = tmp_path_factory.mktemp("hash-parity")
     md = vllm_tier.model_dir()
-    seed = real_fleet.servers[0].env()["PYTHONHASHSEED"]
+    seed = real_fleet.servers[SERVER].env()["PYTHONHASHSEED"]
     cfg = {
         "endpoints": {"static": ["127.0.0.1:1"]},
         "plugins": [
@@ -104,7 +108,7 @@ def _quiet(sink, start, settle=1.5, timeout=60):
 
 
 def _check(real_fleet, hasher, path, api, body):
-    server, sink = real_fleet.servers[0], real_fleet.sinks[0]
+    server, sink = real_fleet.servers[SERVER], real_fleet.sinks[SERVER]
     ours = hasher(api, body)
     ids, hashes = ours["token_ids"], ours["hashes"]
     assert len(hashes) == len(ids) // BLOCK_SIZE >= 3, (len(ids), len(hashes))
