@@ -19,6 +19,24 @@ use kvroute_shared_state::{Store, StoreError, ENDPOINTS_KEY, LOAD_KEY, METRICS_K
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 
+/// A candidate's rendezvous key: its `ip:port` hashed, so that every gateway
+/// replica gives an endpoint the same key whatever slot it has there.
+fn endpoint_key(address: &str) -> u64 {
+    xxhash_rust::xxh64::xxh64(address.as_bytes(), 0)
+}
+
+/// The request's tie key (see [`RequestView::tie_key`]).
+fn tie_key(hashes: &[u64], candidates: &[Candidate]) -> Option<u64> {
+    let longest = candidates
+        .iter()
+        .map(|c| c.matched_blocks)
+        .max()
+        .unwrap_or(0) as usize;
+    hashes
+        .get(longest.min(hashes.len().saturating_sub(1)))
+        .copied()
+}
+
 /// Why a request was not routed by kvroute.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Unrouted {
@@ -358,6 +376,7 @@ impl Engine {
                         kv_cache_usage: m.kv_cache_usage,
                     }),
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
+                    key: endpoint_key(&e.address),
                 }
             })
             .collect();
@@ -366,6 +385,7 @@ impl Engine {
             total_blocks: hashes.len() as u32,
             block_size_tokens: self.config.prefix.blocks.block_size_tokens,
             max_output_tokens,
+            tie_key: tie_key(hashes, &candidates),
         };
         Ok(Some(Snapshot {
             endpoints,

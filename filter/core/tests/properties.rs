@@ -5,6 +5,7 @@ use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
 use kvroute_core::scheduling::active_request::ActiveRequestScorer;
 use kvroute_core::scheduling::affinity_filter::AffinityFilter;
 use kvroute_core::scheduling::charge::InflightConfig;
+use kvroute_core::scheduling::max_score::TieBreak;
 use kvroute_core::scheduling::prefix_cache::PrefixCacheScorer;
 use kvroute_core::scheduling::token_load::TokenLoadScorer;
 use kvroute_core::scheduling::{
@@ -30,6 +31,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                 kv_cache_usage: u,
             }),
             last_cold_pick: cold,
+            key: 0,
         })
 }
 
@@ -72,8 +74,11 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                 )],
                 picker: if weighted {
                     Picker::WeightedRandom
+                } else if fallbacks % 2 == 0 {
+                    // Both tie breaks, keyed off an unrelated draw.
+                    Picker::MaxScore(TieBreak::Prefix)
                 } else {
-                    Picker::MaxScore
+                    Picker::MaxScore(TieBreak::Random)
                 },
                 inflight: InflightConfig {
                     add_estimated_output_tokens: out,
@@ -91,7 +96,7 @@ proptest! {
     #[test]
     fn decisions_are_well_formed(s in scheduler(), cands in proptest::collection::vec(candidate(), 0..12),
                                  blocks in 0u32..200, extra in 0u64..64, max_out in proptest::option::of(0u64..5000), seed in any::<u64>()) {
-        let req = RequestView { prompt_tokens: u64::from(blocks) * 16 + extra, total_blocks: blocks, block_size_tokens: 16, max_output_tokens: max_out };
+        let req = RequestView { prompt_tokens: u64::from(blocks) * 16 + extra, total_blocks: blocks, block_size_tokens: 16, max_output_tokens: max_out, tie_key: if blocks > 0 { Some(u64::from(blocks) * 31 + extra) } else { None }, };
         let d = s.schedule(&req, &cands, &mut Rng::new(seed));
         if cands.is_empty() {
             prop_assert!(d.is_none());

@@ -13,6 +13,7 @@ use crate::blocks::BlockConfig;
 use crate::scheduling::active_request::ActiveRequestScorer;
 use crate::scheduling::affinity_filter::AffinityFilter;
 use crate::scheduling::charge::InflightConfig;
+use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
 use crate::scheduling::token_load::TokenLoadScorer;
 use crate::scheduling::{Picker, Scheduler, Scorer};
@@ -375,6 +376,9 @@ struct NoParams {}
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct PickerParams {
     max_num_of_endpoints: Option<i64>,
+    /// `max-score-picker` only: `"random"` (llm-d's, the default) or
+    /// `"prefix"` (rendezvous on the request's blocks).
+    tie_break: Option<String>,
 }
 
 /// Deserialises with unknown-field rejection and a path in the error.
@@ -772,8 +776,22 @@ fn compile_plugin(
                     ));
                 }
             }
+            let tie = match q.tie_break.as_deref() {
+                None | Some("random") => TieBreak::Random,
+                Some("prefix") if kind == "max-score-picker" => TieBreak::Prefix,
+                Some(other) => {
+                    return Err(err(
+                        format!("{ppath}.tieBreak"),
+                        if kind == "max-score-picker" {
+                            format!("\"{other}\" is not a tie break; use \"random\" or \"prefix\"")
+                        } else {
+                            "weighted-random-picker draws at random; only \"random\" applies".into()
+                        },
+                    ))
+                }
+            };
             Compiled::Picker(if kind == "max-score-picker" {
-                Picker::MaxScore
+                Picker::MaxScore(tie)
             } else {
                 Picker::WeightedRandom
             })
@@ -949,7 +967,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let scheduler = Scheduler {
         filters,
         scorers,
-        picker: picker.unwrap_or(Picker::MaxScore),
+        picker: picker.unwrap_or(Picker::MaxScore(TieBreak::Random)),
         inflight: inflight.unwrap_or_default(),
         max_fallbacks: routing.max_fallbacks,
     };

@@ -1,4 +1,5 @@
 use super::*;
+use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
 
 const BASELINE: &str = r#"{"plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":64,"maxPrefixTokensToMatch":131072}},
@@ -178,7 +179,7 @@ fn guide_optimized_baseline_loads_with_the_token_gap_gate() {
     assert_eq!(f.max_tokens_in_flight_penalty, 286_720);
     assert_eq!(f.max_ttft_penalty_ms, 0.0);
     assert_eq!(f.affinity_threshold, 0.8);
-    assert_eq!(c.scheduler.picker, Picker::MaxScore);
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Random));
     assert_eq!(c.prefix.blocks.max_prefix_tokens, 40_960);
     assert_eq!(c.scheduler.inflight.output_ratio, 1.5);
 }
@@ -390,7 +391,7 @@ fn old_plugin_type_names_are_aliases() {
             "kv-cache-utilization-scorer"
         ]
     );
-    assert_eq!(c.scheduler.picker, Picker::MaxScore);
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Random));
 }
 
 #[test]
@@ -632,4 +633,44 @@ fn collector_mode_and_lease_are_checked() {
     ))
     .to_string();
     assert!(e.contains("collector.leaseMs"), "{e}");
+}
+
+#[test]
+fn max_score_picker_tie_break() {
+    let doc = |picker: &str| {
+        format!(
+            r#"{{"endpoints":{{"static":["127.0.0.1:1"]}},"plugins":[{{"type":"token-load-scorer"}},{picker}],
+                "schedulingProfiles":[{{"name":"d","plugins":[{{"pluginRef":"token-load-scorer"}},{{"pluginRef":"p"}}]}}]}}"#
+        )
+    };
+    let c = Config::from_json(
+        doc(r#"{"type":"max-score-picker","name":"p","parameters":{"tieBreak":"prefix"}}"#)
+            .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Prefix));
+    let c = Config::from_json(doc(r#"{"type":"max-score-picker","name":"p"}"#).as_bytes()).unwrap();
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Random));
+    let e = Config::from_json(
+        doc(r#"{"type":"max-score-picker","name":"p","parameters":{"tieBreak":"first"}}"#)
+            .as_bytes(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("tieBreak"), "{e}");
+    let e = Config::from_json(
+        doc(r#"{"type":"weighted-random-picker","name":"p","parameters":{"tieBreak":"prefix"}}"#)
+            .as_bytes(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("tieBreak"), "{e}");
+}
+
+#[test]
+fn shipped_config_breaks_ties_by_prefix() {
+    // The shipped file leaves `endpoints` to the deployment (render.py adds them).
+    let mut v: Value =
+        serde_json::from_slice(include_bytes!("../../../../envoy/kvroute-config.json")).unwrap();
+    v["endpoints"] = serde_json::json!({"static": ["127.0.0.1:1"]});
+    let c = Config::from_json(v.to_string().as_bytes()).unwrap();
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Prefix));
 }

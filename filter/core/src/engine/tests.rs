@@ -486,3 +486,77 @@ fn a_sticky_request_does_not_rewrite_the_groups_it_already_holds() {
         r.explanation()
     );
 }
+
+fn prefix_tie_config(endpoints: &str) -> Config {
+    let doc = format!(
+        r#"{{"endpoints":{{"static":[{endpoints}]}},
+            "plugins":[{{"type":"approx-prefix-cache-producer","parameters":{{"blockSizeTokens":16}}}},
+                       {{"type":"active-request-scorer"}},{{"type":"max-score-picker","parameters":{{"tieBreak":"prefix"}}}}],
+            "schedulingProfiles":[{{"name":"d","plugins":[{{"pluginRef":"active-request-scorer"}},{{"pluginRef":"max-score-picker"}}]}}]}}"#
+    );
+    Config::from_json(doc.as_bytes()).unwrap()
+}
+
+/// Issue 17 part 5: two gateway replicas (two stores, different RNG seeds,
+/// endpoints listed in different orders so their slots differ) place the
+/// same cold prompts on the same endpoints.
+#[test]
+fn prefix_tie_break_places_cold_prompts_alike_in_two_replicas() {
+    let a = Engine::new(prefix_tie_config(
+        r#""127.0.0.1:1","127.0.0.1:2","127.0.0.1:3","127.0.0.1:4""#,
+    ));
+    let b = Engine::new(prefix_tie_config(
+        r#""127.0.0.1:4","127.0.0.1:3","127.0.0.1:2","127.0.0.1:1""#,
+    ));
+    let (sa, sb) = (MemoryStore::new(), MemoryStore::new());
+    a.collector_init(&sa).unwrap();
+    b.collector_init(&sb).unwrap();
+    let (mut ra, mut rb) = (Rng::new(1), Rng::new(987_654));
+    let sys = "Shared system prompt for every session. ".repeat(30);
+    let mut used = std::collections::BTreeMap::new();
+    for i in 0..40 {
+        let body = chat(
+            &sys,
+            &format!("session {i}: {}", "private context ".repeat(20)),
+        );
+        let pa = routed(a.route(&sa, ApiKind::ChatCompletions, &body, i, &mut ra));
+        let pb = routed(b.route(&sb, ApiKind::ChatCompletions, &body, i, &mut rb));
+        assert_eq!(primary(&pa), primary(&pb), "session {i}");
+        *used.entry(primary(&pa).to_string()).or_insert(0) += 1;
+        // Finished before the next arrives: every endpoint has no request
+        // in flight, so each placement is a tie on the request-count score.
+        a.release_rest(&sa, &pa.ticket.unwrap(), false).unwrap();
+        b.release_rest(&sb, &pb.ticket.unwrap(), false).unwrap();
+    }
+    // Sessions share only the system prompt, which the fleet holds: the tie
+    // key is their first private block, so they still spread.
+    assert_eq!(used.len(), 4, "{used:?}");
+    assert!(used.values().all(|&n| n >= 4), "{used:?}");
+}
+
+/// Without `tieBreak`, llm-d's random tie break is kept: replicas with
+/// different seeds disagree on some cold placements.
+#[test]
+fn random_tie_break_is_the_llm_d_default() {
+    let mk = || {
+        let mut c = prefix_tie_config(r#""127.0.0.1:1","127.0.0.1:2","127.0.0.1:3""#);
+        c.scheduler.picker =
+            crate::scheduling::Picker::MaxScore(crate::scheduling::max_score::TieBreak::Random);
+        Engine::new(c)
+    };
+    let (a, b) = (mk(), mk());
+    let (sa, sb) = (MemoryStore::new(), MemoryStore::new());
+    a.collector_init(&sa).unwrap();
+    b.collector_init(&sb).unwrap();
+    let (mut ra, mut rb) = (Rng::new(1), Rng::new(2));
+    let mut differ = 0;
+    for i in 0..30 {
+        let body = chat(&format!("prompt {i} ").repeat(30), "q");
+        let pa = routed(a.route(&sa, ApiKind::ChatCompletions, &body, i, &mut ra));
+        let pb = routed(b.route(&sb, ApiKind::ChatCompletions, &body, i, &mut rb));
+        differ += usize::from(primary(&pa) != primary(&pb));
+        a.release_rest(&sa, &pa.ticket.unwrap(), false).unwrap();
+        b.release_rest(&sb, &pb.ticket.unwrap(), false).unwrap();
+    }
+    assert!(differ > 5, "{differ}");
+}
