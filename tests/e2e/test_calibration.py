@@ -62,6 +62,7 @@ def test_collector_estimates_each_endpoints_prefill_rate_and_the_gate_uses_it(fl
         return st if all(within(got[a], rate_of[a]) for a in rate_of) else None
 
     st = wait_until(estimates, timeout=10, what="each endpoint's estimate within 10% of its --prefill-tps")
+    print("estimates:", {rate_of[a]: x["metrics"]["prefillTokensPerS"] for a, x in st.items()}, "served:", served)
     for a, x in st.items():
         assert x["metrics"]["fresh"] and x["metrics"]["prefillSamples"] >= 1, x
         assert x["gatePrefillTokensPerS"] == x["metrics"]["prefillTokensPerS"], x
