@@ -702,3 +702,14 @@ fn peak_prefill_throughput_auto() {
     assert_eq!(e.path, path);
     assert!(e.message.contains("not allowed"), "{e}");
 }
+
+#[test]
+fn fuzz_seed_with_auto_peak_prefill_loads() {
+    let doc = include_str!("../../../../fuzz/seeds/config/peak-prefill-auto.json");
+    let c = Config::from_json(doc.as_bytes()).unwrap();
+    let p = c.scheduler.filters[0].prefill_auto.unwrap();
+    assert_eq!(
+        (p.initial, p.floor, p.ceiling),
+        (20_480.0, 2_560.0, 163_840.0)
+    );
+}
