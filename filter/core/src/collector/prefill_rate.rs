@@ -4,8 +4,9 @@
 //! **What vLLM gives.** For every finished request, vLLM (v1 engine,
 //! `FinishedRequestStats`) observes two histograms at the same moment:
 //! - `vllm:request_prefill_kv_computed_tokens`: the prompt tokens it
-//!   computed, `num_prompt_tokens − num_cached_tokens` (prefix-cache hits
-//!   excluded: `vllm:prompt_tokens_total` would count them);
+//!   computed, `num_prompt_tokens − num_cached_tokens` (prefix-cache hits and
+//!   KV transferred from elsewhere excluded: `vllm:prompt_tokens_total` would
+//!   count them; added by vllm-project/vllm#30189, December 2025);
 //! - `vllm:request_prefill_time_seconds`: `first_token_ts − scheduled_ts`,
 //!   the time from first scheduling to the first token (queueing excluded).
 //!
