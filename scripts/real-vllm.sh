@@ -35,10 +35,10 @@ case "$cmd" in
   test)
     started=$(date +%s)
     python3 "$helper" setup
-    echo "==> build: the release module and the emulator"
+    echo "==> build: the release module, the emulator and kvroute-calibrate"
     unset CARGO_TARGET_DIR
     cargo build --release --target wasm32-wasip1 -p kvroute-wasm
-    cargo build --bin kvroute-emulator
+    cargo build --bin kvroute-emulator --bin kvroute-calibrate
     if ! command -v envoy >/dev/null 2>&1; then
       # shellcheck source=scripts/setup.sh
       source scripts/setup.sh

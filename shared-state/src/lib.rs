@@ -10,7 +10,7 @@
 //! |---|---|---|
 //! | `kvroute/endpoints` | collector | [`endpoints::EndpointTable`]: address, slot, generation, health |
 //! | `kvroute/load` | workers (and the collector: reaper, state epoch) | [`load::LoadTable`]: per-slot in-flight tokens/requests in time buckets, insert counter; the state epoch |
-//! | `kvroute/metrics` | collector | [`metrics::MetricsTable`]: last polled vLLM metrics per slot, with age |
+//! | `kvroute/metrics` | collector | [`metrics::MetricsTable`]: last polled vLLM metrics per slot, with age, and the online prefill-rate estimate |
 //! | `kvroute/ix/<n>` | workers | [`index::PrefixIndex`] shards: fixed-size tables of block entries |
 //!
 //! The crate knows nothing of proxy-wasm: the [`Store`] trait is implemented

@@ -6,7 +6,10 @@
 //!   relay), `vllm_hash`, `prometheus`: vLLM's wire formats.
 //! - `emulator`: HTTP/ZMQ glue that serves an engine on a loopback port.
 //! - `loadgen`: workloads, arrival stages and per-stage reports.
+//! - `calibrate`: offline measurement of `peakPrefillThroughput`
+//!   (`kvroute-calibrate`).
 
+pub mod calibrate;
 pub mod cli;
 pub mod emulator;
 pub mod engine;

@@ -6,6 +6,7 @@
 //! as it runs in Envoy. The glue only moves bytes and headers.
 
 use crate::blocks::prompt_blocks;
+use crate::collector::prefill_rate::{self, PrefillRateParams};
 use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::request::{parse_request, ApiKind, ParseError, ParseLimits};
@@ -376,6 +377,7 @@ impl Engine {
                         kv_cache_usage: m.kv_cache_usage,
                     }),
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
+                    prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),
                     key: endpoint_key(&e.address),
                 }
             })
@@ -606,6 +608,7 @@ impl Engine {
         now_ms: u64,
     ) -> Result<Option<String>, StoreError> {
         let parsed = result.map(vllm_metrics::parse);
+        let prefill = self.prefill_rate_params();
         let mut problem = None;
         update(
             store,
@@ -626,6 +629,7 @@ impl Engine {
                         m.num_gpu_blocks = v.num_gpu_blocks.unwrap_or(m.num_gpu_blocks);
                         m.prefix_queries = v.prefix_queries;
                         m.prefix_hits = v.prefix_hits;
+                        prefill_rate::observe(&mut m.prefill, v.prefill, now_ms, &prefill);
                     }
                     Ok(Err(e)) => {
                         m.failures = m.failures.saturating_add(1);
@@ -638,6 +642,21 @@ impl Engine {
         )?;
         self.bump_epoch(store)?;
         Ok(problem)
+    }
+
+    /// The online prefill-rate estimator's knobs: the affinity filter's
+    /// `"auto"` settings, or defaults around its fixed value (the estimate is
+    /// kept and shown either way; the gate uses it only with `"auto"`).
+    pub fn prefill_rate_params(&self) -> PrefillRateParams {
+        let f = self.config.scheduler.filters.first();
+        match f.and_then(|f| f.prefill_auto) {
+            Some(p) => p,
+            None => PrefillRateParams::around(
+                f.map(|f| f.peak_prefill_throughput)
+                    .filter(|&r| r > 0.0)
+                    .unwrap_or(15_928.0),
+            ),
+        }
     }
 
     /// Reaps charges older than `collector.reapAfterMs`. Returns the requests reaped.
@@ -666,6 +685,15 @@ impl Engine {
             .map(|e| {
                 let rec = load.get(e.slot, e.generation);
                 let m = metrics.get(e.slot, e.generation);
+                // What the affinity filter's TTFT estimate divides by now.
+                let gate_rate = self.config.scheduler.filters.first().map(|f| {
+                    f.prefill_tokens_per_s(&Candidate {
+                        prefill_tokens_per_s: m
+                            .filter(|m| m.is_fresh(now_ms, stale_after))
+                            .and_then(|m| m.prefill.estimate()),
+                        ..Default::default()
+                    })
+                });
                 serde_json::json!({
                     "address": e.address,
                     "slot": e.slot,
@@ -676,6 +704,7 @@ impl Engine {
                     "insertCounter": rec.map_or(0, |r| r.insert_counter),
                     "reapedRequests": rec.map_or(0, |r| r.reaped_requests),
                     "capacityBlocks": self.capacity_blocks(m),
+                    "gatePrefillTokensPerS": gate_rate,
                     "metrics": m.filter(|m| m.ok_at_ms != 0).map(|m| serde_json::json!({
                         "waiting": m.waiting,
                         "running": m.running,
@@ -684,6 +713,10 @@ impl Engine {
                         "numGpuBlocks": m.num_gpu_blocks,
                         "prefixCacheQueries": m.prefix_queries,
                         "prefixCacheHits": m.prefix_hits,
+                        "prefillTokensPerS": m.prefill.estimate(),
+                        "prefillSamples": m.prefill.samples,
+                        "prefillUpdatedAgeMs": (m.prefill.updated_at_ms != 0)
+                            .then(|| now_ms.saturating_sub(m.prefill.updated_at_ms)),
                         "ageMs": now_ms.saturating_sub(m.ok_at_ms),
                         "fresh": m.is_fresh(now_ms, stale_after),
                         "failures": m.failures,

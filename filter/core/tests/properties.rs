@@ -1,6 +1,7 @@
 //! Property tests of the scheduler, the charge and the hashing.
 
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
+use kvroute_core::collector::prefill_rate::PrefillRateParams;
 use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
 use kvroute_core::scheduling::active_request::ActiveRequestScorer;
 use kvroute_core::scheduling::affinity_filter::AffinityFilter;
@@ -20,8 +21,9 @@ fn candidate() -> impl Strategy<Value = Candidate> {
         0u64..500,
         proptest::option::of((0.0f64..50.0, 0.0f64..50.0, 0.0f64..1.0)),
         proptest::option::of(1u64..1000),
+        proptest::option::of(1.0f64..1e6),
     )
-        .prop_map(|(matched, tokens, requests, m, cold)| Candidate {
+        .prop_map(|(matched, tokens, requests, m, cold, rate)| Candidate {
             matched_blocks: matched,
             inflight_tokens: tokens,
             inflight_requests: requests,
@@ -31,6 +33,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                 kv_cache_usage: u,
             }),
             last_cold_pick: cold,
+            prefill_tokens_per_s: rate,
             key: 0,
         })
 }
@@ -57,6 +60,8 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                         peak_prefill_throughput: tput,
                         exploration_probability: expl,
                         max_tokens_in_flight_penalty: 0,
+                        // Half the cases read each candidate's estimate.
+                        prefill_auto: (tput > 50_000.0).then(PrefillRateParams::default),
                     }]
                 } else {
                     vec![]

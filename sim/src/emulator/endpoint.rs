@@ -107,6 +107,8 @@ pub struct Snapshot {
     pub evicted_blocks: u64,
     pub counters: EngineCounters,
     pub ttft: Histogram,
+    pub prefill_time: Histogram,
+    pub prefill_kv_computed: Histogram,
     pub fault_responses: u64,
     /// Model seconds lost to host lag since start (never reset).
     pub host_lag_model_s: f64,
@@ -245,6 +247,8 @@ impl Endpoint {
             evicted_blocks: engine.cache().evictions,
             counters: engine.counters.clone(),
             ttft: engine.ttft.clone(),
+            prefill_time: engine.prefill_time.clone(),
+            prefill_kv_computed: engine.prefill_kv_computed.clone(),
             fault_responses: self.fault_responses.load(Ordering::Relaxed),
             host_lag_model_s: self.host_lag_model_us.load(Ordering::Relaxed) as f64 / 1e6,
         }

@@ -636,6 +636,86 @@ fn collector_mode_and_lease_are_checked() {
 }
 
 #[test]
+fn peak_prefill_throughput_auto() {
+    let f = |params: &str| {
+        accept(&one_plugin("prefix-cache-affinity-filter", params))
+            .scheduler
+            .filters[0]
+            .clone()
+    };
+    let peak = |v: &str| format!(r#"{{"peakPrefillThroughput":{v}}}"#);
+    // A number is fixed, as before.
+    let g = f(&peak("20480"));
+    assert_eq!(
+        (g.peak_prefill_throughput, g.prefill_auto),
+        (20_480.0, None)
+    );
+    // "auto": estimated, starting from (and falling back to) the default.
+    let g = f(&peak(r#""auto""#));
+    assert_eq!(g.peak_prefill_throughput, 15_928.0);
+    assert_eq!(g.prefill_auto, Some(PrefillRateParams::around(15_928.0)));
+    // The object form sets the bounds and knobs.
+    let g = f(&peak(
+        r#"{"auto":true,"initial":10000,"floor":2000,"ceiling":50000,"smoothing":0.5,"minTokensPerRequest":1024}"#,
+    ));
+    assert_eq!(g.peak_prefill_throughput, 10_000.0);
+    assert_eq!(
+        g.prefill_auto,
+        Some(PrefillRateParams {
+            initial: 10_000.0,
+            floor: 2_000.0,
+            ceiling: 50_000.0,
+            smoothing: 0.5,
+            min_tokens_per_request: 1024.0,
+        })
+    );
+    // Omitted bounds are ÷8 and ×8 around initial; auto defaults to true.
+    let g = f(&peak(r#"{"initial":8000}"#));
+    assert_eq!(
+        g.prefill_auto.map(|p| (p.floor, p.ceiling)),
+        Some((1000.0, 64_000.0))
+    );
+    // "auto": false is the fixed initial value.
+    let g = f(&peak(r#"{"auto":false,"initial":8000}"#));
+    assert_eq!((g.peak_prefill_throughput, g.prefill_auto), (8000.0, None));
+
+    let path = "plugins[0].parameters.peakPrefillThroughput";
+    let bad = |v: &str| reject(&one_plugin("prefix-cache-affinity-filter", &peak(v)));
+    let e = bad(r#""automatic""#);
+    assert_eq!(e.path, path);
+    assert!(e.message.contains("\"auto\""), "{e}");
+    let e = bad(r#"{"auto":true,"flor":1}"#);
+    assert_eq!(e.path, format!("{path}.flor"));
+    let e = bad(r#"{"initial":1000,"floor":2000}"#);
+    assert_eq!(e.path, path);
+    assert!(e.message.contains("floor ≤ initial ≤ ceiling"), "{e}");
+    let e = bad(r#"{"initial":0}"#);
+    assert_eq!(e.path, format!("{path}.initial"));
+    let e = bad(r#"{"smoothing":0}"#);
+    assert_eq!(e.path, format!("{path}.smoothing"));
+    let e = bad(r#"{"smoothing":1.5}"#);
+    assert_eq!(e.path, format!("{path}.smoothing"));
+    let e = bad(r#"{"minTokensPerRequest":0}"#);
+    assert_eq!(e.path, format!("{path}.minTokensPerRequest"));
+    let e = bad("-1");
+    assert_eq!(e.path, path);
+    let e = bad("true");
+    assert_eq!(e.path, path);
+    assert!(e.message.contains("not allowed"), "{e}");
+}
+
+#[test]
+fn fuzz_seed_with_auto_peak_prefill_loads() {
+    let doc = include_str!("../../../../fuzz/seeds/config/peak-prefill-auto.json");
+    let c = Config::from_json(doc.as_bytes()).unwrap();
+    let p = c.scheduler.filters[0].prefill_auto.unwrap();
+    assert_eq!(
+        (p.initial, p.floor, p.ceiling),
+        (20_480.0, 2_560.0, 163_840.0)
+    );
+}
+
+#[test]
 fn max_score_picker_tie_break() {
     let doc = |picker: &str| {
         format!(

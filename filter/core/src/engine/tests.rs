@@ -487,6 +487,79 @@ fn a_sticky_request_does_not_rewrite_the_groups_it_already_holds() {
     );
 }
 
+/// `/metrics` with the two prefill histograms' sums (tokens, seconds, requests).
+fn prefill_metrics(tokens: f64, seconds: f64, requests: f64) -> Vec<u8> {
+    format!(
+        "vllm:num_requests_running{{engine=\"0\"}} 0\n\
+         vllm:num_requests_waiting{{engine=\"0\"}} 0\n\
+         vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} {seconds}\n\
+         vllm:request_prefill_time_seconds_count{{engine=\"0\"}} {requests}\n\
+         vllm:request_prefill_kv_computed_tokens_sum{{engine=\"0\"}} {tokens}\n\
+         vllm:request_prefill_kv_computed_tokens_count{{engine=\"0\"}} {requests}\n"
+    )
+    .into_bytes()
+}
+
+#[test]
+fn online_prefill_estimate_reaches_the_gate_while_fresh() {
+    let doc = serde_json::to_string(&serde_json::json!({
+        "endpoints": {"static": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "plugins": [
+            {"type": "prefix-cache-affinity-filter",
+             "parameters": {"peakPrefillThroughput": {"auto": true, "initial": 10000}}},
+            {"type": "token-load-scorer"}],
+        "schedulingProfiles": [{"name": "d", "plugins": [
+            {"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"}]}],
+        "collector": {"metricsStaleAfterMs": 3000}
+    }))
+    .unwrap();
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let table = e.endpoint_table(&s).unwrap();
+    let ep = &table.endpoints[0];
+    let (slot, generation) = (ep.slot, ep.generation);
+    // A baseline, then 8000 computed tokens in 0.5 s of prefill.
+    e.record_metrics(
+        &s,
+        slot,
+        generation,
+        Ok(&prefill_metrics(50.0, 0.1, 1.0)),
+        1000,
+    )
+    .unwrap();
+    e.record_metrics(
+        &s,
+        slot,
+        generation,
+        Ok(&prefill_metrics(8050.0, 0.6, 3.0)),
+        2000,
+    )
+    .unwrap();
+    let snap = e.snapshot(&s, &[], 10, None, 2500).unwrap().unwrap();
+    let rates: Vec<_> = snap
+        .candidates
+        .iter()
+        .map(|c| c.prefill_tokens_per_s)
+        .collect();
+    assert_eq!(rates, vec![Some(16_000.0), None]);
+    let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 2500).unwrap()).unwrap();
+    assert_eq!(v["endpoints"][0]["metrics"]["prefillTokensPerS"], 16_000.0);
+    assert_eq!(v["endpoints"][0]["metrics"]["prefillSamples"], 1);
+    assert_eq!(v["endpoints"][0]["gatePrefillTokensPerS"], 16_000.0);
+    assert_eq!(v["endpoints"][1]["gatePrefillTokensPerS"], 10_000.0);
+    // Polls fail from here: once the metrics are stale the gate falls back
+    // to the configured value; the estimate itself is kept for later.
+    e.record_metrics(&s, slot, generation, Err(()), 4000)
+        .unwrap();
+    let snap = e.snapshot(&s, &[], 10, None, 5001).unwrap().unwrap();
+    assert_eq!(snap.candidates[0].prefill_tokens_per_s, None);
+    let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 5001).unwrap()).unwrap();
+    assert_eq!(v["endpoints"][0]["gatePrefillTokensPerS"], 10_000.0);
+    assert_eq!(v["endpoints"][0]["metrics"]["prefillTokensPerS"], 16_000.0);
+    assert_eq!(v["endpoints"][0]["metrics"]["fresh"], false);
+}
+
 fn prefix_tie_config(endpoints: &str) -> Config {
     let doc = format!(
         r#"{{"endpoints":{{"static":[{endpoints}]}},

@@ -905,3 +905,39 @@ fn the_collector_leader_gauge_is_set_by_the_role() {
     c.on_tick(&host);
     assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
 }
+
+#[test]
+fn collector_gauges_show_the_prefill_estimate() {
+    use telemetry::{slot_stat_name, GAUGE_PERIOD_MS};
+    let (host, _w, mut c) = filter_and_collector();
+    let gauge = |s: u16| host.gauge(&slot_stat_name("kvroute_endpoint_prefill_tokens_per_s", s));
+    c.on_tick(&host);
+    assert_eq!(gauge(0), Some(0), "no estimate yet");
+    // Two polls of slot 0: 6000 computed tokens in 0.25 s of prefill.
+    let engine = Engine::new(Config::from_json(&host.config.borrow()).unwrap());
+    let text = |tokens: f64, seconds: f64, n: f64| {
+        format!(
+            "vllm:num_requests_running 0\nvllm:request_prefill_time_seconds_sum {seconds}\n\
+             vllm:request_prefill_time_seconds_count {n}\nvllm:request_prefill_kv_computed_tokens_sum {tokens}\n"
+        )
+    };
+    let now_ms = host.now_ns.get() / 1_000_000;
+    let store = host.store();
+    engine
+        .record_metrics(store, 0, 1, Ok(text(0.0, 0.0, 0.0).as_bytes()), now_ms)
+        .unwrap();
+    engine
+        .record_metrics(
+            store,
+            0,
+            1,
+            Ok(text(6000.0, 0.25, 2.0).as_bytes()),
+            now_ms + 1,
+        )
+        .unwrap();
+    host.now_ns
+        .set(host.now_ns.get() + GAUGE_PERIOD_MS * 1_000_000);
+    c.on_tick(&host);
+    assert_eq!(gauge(0), Some(24_000));
+    assert_eq!(gauge(1), Some(0));
+}

@@ -76,6 +76,10 @@ pub struct Candidate {
     /// When this endpoint last received a cold request (a monotone stamp,
     /// larger = more recent), for `no-hit-lru-scorer`; `None` if never.
     pub last_cold_pick: Option<u64>,
+    /// The collector's prefill-throughput estimate for this endpoint,
+    /// tokens/s, while its metrics are fresh (`collector::prefill_rate`);
+    /// the affinity filter uses it with `peakPrefillThroughput: "auto"`.
+    pub prefill_tokens_per_s: Option<f64>,
     /// A stable hash of the endpoint's `ip:port` (the same in every gateway
     /// replica), for rendezvous tie-breaking.
     pub key: u64,
