@@ -677,10 +677,16 @@ impl Engine {
             })
             .collect();
         let index_bytes = self.geometry.max_bytes();
+        let held_geo = self.held_geometry();
         Ok(serde_json::json!({
             "endpointTableVersion": table.version,
             "endpoints": eps,
             "index": {"shards": self.geometry.shards, "maxBytes": index_bytes},
+            "kvEvents": self.config.kv_events.enabled.then(|| serde_json::json!({
+                "maxHeldBlocks": held_geo.max_blocks,
+                "shardsPerEndpoint": held_geo.shards,
+                "maxBytesPerEndpoint": held_geo.max_bytes_per_endpoint(),
+            })),
         })
         .to_string())
     }

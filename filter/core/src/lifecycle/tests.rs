@@ -1070,6 +1070,7 @@ mod kv_events {
         assert_eq!(kv["fresh"], true);
         assert_eq!(kv["hashes"], serde_json::json!([11, 12, 13, 14]));
         assert_eq!(state["endpoints"][1]["kvEvents"]["fresh"], false);
+        assert_eq!(state["kvEvents"]["maxBytesPerEndpoint"], 512 * 2048);
     }
 
     #[test]
@@ -1119,6 +1120,14 @@ mod kv_events {
         host.now_ns.set(3_400_000_000);
         c.on_tick(&host);
         assert_eq!(host.counter(Counter::KvEventsPollFailures), 7);
+        // A relay that stays down is warned about once per run of failures.
+        let warns = host
+            .logs
+            .borrow()
+            .iter()
+            .filter(|(l, m)| *l == Level::Warn && m.contains("relay"))
+            .count();
+        assert_eq!(warns, 1, "{:?}", host.logs.borrow());
     }
 
     #[test]
