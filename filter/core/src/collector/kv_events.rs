@@ -408,3 +408,35 @@ impl Engine {
         }))
     }
 }
+
+impl Engine {
+    /// The request path's view of the held sets (`kvEvents`): for each of
+    /// `endpoints` (e.g. [`crate::engine::Snapshot::endpoints`]), the
+    /// leading hashes of `hashes` (vLLM block hashes, block 0 first) it
+    /// holds and whether its view is fresh (`kvEvents.staleMs`). With
+    /// `kvEvents` off, every endpoint is not fresh and nothing is read.
+    /// One read of `kvroute/held`, then [`kvroute_shared_state::held::longest_held`].
+    pub fn held_prefixes(
+        &self,
+        store: &dyn Store,
+        endpoints: &[kvroute_shared_state::endpoints::EndpointEntry],
+        hashes: &[u64],
+        now_ms: u64,
+    ) -> Result<Vec<kvroute_shared_state::held::HeldMatch>, StoreError> {
+        let kv = &self.config.kv_events;
+        if !kv.enabled {
+            return Ok(vec![Default::default(); endpoints.len()]);
+        }
+        let status = HeldTable::read(store)?;
+        let ids: Vec<(u16, u16)> = endpoints.iter().map(|e| (e.slot, e.generation)).collect();
+        kvroute_shared_state::held::longest_held(
+            store,
+            &self.held_geometry(),
+            &status,
+            &ids,
+            hashes,
+            now_ms,
+            kv.stale_ms,
+        )
+    }
+}

@@ -1302,6 +1302,18 @@ mod kv_events {
         assert!(lookup(1000)
             .iter()
             .all(|m| m.fresh && m.matched_blocks == 1));
+        // The engine's request-path helper says the same.
+        let table = e.endpoint_table(&host.store).unwrap();
+        let m = e
+            .held_prefixes(&host.store, &table.endpoints, &[42, 43], 1000)
+            .unwrap();
+        assert!(m.iter().all(|m| m.fresh && m.matched_blocks == 1), "{m:?}");
+        let off_json = config("").replace(r#""enabled":true"#, r#""enabled":false"#);
+        let off = Engine::new(crate::config::Config::from_json(off_json.as_bytes()).unwrap());
+        let m = off
+            .held_prefixes(&host.store, &table.endpoints, &[42], 1000)
+            .unwrap();
+        assert!(m.iter().all(|m| !m.fresh), "kvEvents off: never fresh");
         // The relays stop answering: every poll times out.
         for i in 1..=12u64 {
             host.now_ns.set(1_000_000_000 + i * 200_000_000);
