@@ -55,10 +55,10 @@ struct EventsAnswer {
     batches: Vec<Batch>,
 }
 
+/// One batch of an answer (its `seq` is not needed: the answer's `seq` is
+/// the cursor).
 #[derive(Debug, Deserialize)]
 struct Batch {
-    #[allow(dead_code)]
-    seq: u64,
     ops: Vec<Op>,
 }
 
