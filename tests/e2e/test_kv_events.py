@@ -238,6 +238,10 @@ def test_held_blocks_match_what_the_servers_published(envoy, servers, mode):
         assert v["relay"] == {s.address: s.relay_address for s in (a, b)}[addr]
     assert stat(e, "wasmcustom.kvroute_kv_events_bad_answers") == 0
     assert stat(e, "wasmcustom.kvroute_kv_events_polls") > 4
+    # A client cannot reach a relay through the gateway: no route uses the
+    # relay cluster, whatever ORIGINAL_DST header the client sends.
+    r = request(e.port, "GET", "/kv/snapshot", headers={"x-envoy-original-dst-host": a.relay_address})
+    assert b'"blocks"' not in r.body, r
     assert e.wasm_failures() == {}
 
 
