@@ -989,6 +989,20 @@ mod kv_events {
         )
         .unwrap_err();
         assert!(e.to_string().contains("kvEvents.relays"), "{e}");
+        // The fuzz seed with every section sets every kvEvents field.
+        let seed = include_str!("../../../../fuzz/seeds/config/every-section.json");
+        let kv = crate::config::Config::from_json(seed.as_bytes())
+            .unwrap()
+            .kv_events;
+        assert!(kv.enabled);
+        assert_eq!(
+            kv.relay_for("10.0.0.7:8000").as_deref(),
+            Some("10.0.0.7:9158")
+        );
+        assert_eq!(
+            kv.relay_for("10.0.0.8:8000").as_deref(),
+            Some("10.0.0.8:9157")
+        );
     }
 
     #[test]
