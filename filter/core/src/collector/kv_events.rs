@@ -217,6 +217,7 @@ impl Engine {
             return Ok(out);
         }
         let dropped_before = w.view.dropped;
+        let seq_before = w.view.relay_seq;
         for batch in &a.batches {
             for op in &batch.ops {
                 match op {
@@ -253,7 +254,13 @@ impl Engine {
         }
         out.dropped = w.view.dropped - dropped_before;
         out.blocks = w.view.blocks;
-        if a.more {
+        // The next page at once, if this one moved the cursor (a relay that
+        // says `more` without moving it is asked again on the next round,
+        // not in a loop).
+        // The next page at once, if this one moved the cursor (a relay that
+        // says `more` without moving it is asked again on the next round,
+        // not in a loop).
+        if a.more && a.seq > seq_before {
             out.follow_up = Some(Ask::Events);
         }
         w.commit(store)?;

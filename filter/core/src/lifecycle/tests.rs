@@ -1075,6 +1075,15 @@ mod kv_events {
             "/kv/events?after=7&epoch=77&limit=4096"
         );
         assert_eq!(host.counter(Counter::KvEventsPolls), 4);
+        // `more` without progress is not followed at once (no call loop).
+        answer(
+            &host,
+            &mut c,
+            4,
+            r#"{"epoch":77,"seq":7,"more":true,"batches":[]}"#,
+        );
+        assert_eq!(host.calls.borrow().len(), 4);
+        assert_eq!(held_of(&host, &e, 0).1, [11, 12, 13, 14]);
         // The state view shows the set.
         let state: serde_json::Value =
             serde_json::from_str(&e.state_json(&host.store, 1400).unwrap()).unwrap();
