@@ -257,9 +257,6 @@ impl Engine {
         // The next page at once, if this one moved the cursor (a relay that
         // says `more` without moving it is asked again on the next round,
         // not in a loop).
-        // The next page at once, if this one moved the cursor (a relay that
-        // says `more` without moving it is asked again on the next round,
-        // not in a loop).
         if a.more && a.seq > seq_before {
             out.follow_up = Some(Ask::Events);
         }
