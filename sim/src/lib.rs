@@ -14,5 +14,6 @@ pub use kvroute_kv_events as kv_events;
 pub mod loadgen;
 pub mod prometheus;
 pub mod rng;
+pub mod simulator;
 pub mod vllm_hash;
 pub mod words;

@@ -112,6 +112,23 @@ pub struct Snapshot {
     pub host_lag_model_s: f64,
 }
 
+impl Snapshot {
+    /// The model's state (no faults, no host lag: those belong to the glue).
+    pub fn of(engine: &Engine) -> Snapshot {
+        Snapshot {
+            running: engine.num_running(),
+            waiting: engine.num_waiting(),
+            kv_cache_usage: engine.cache().usage(),
+            cached_blocks: engine.cache().num_cached(),
+            evicted_blocks: engine.cache().evictions,
+            counters: engine.counters.clone(),
+            ttft: engine.ttft.clone(),
+            fault_responses: 0,
+            host_lag_model_s: 0.0,
+        }
+    }
+}
+
 /// One emulated vLLM server.
 pub struct Endpoint {
     pub cfg: EmulatorConfig,
@@ -238,15 +255,9 @@ impl Endpoint {
     pub fn snapshot(&self) -> Snapshot {
         let engine = lock(&self.engine);
         Snapshot {
-            running: engine.num_running(),
-            waiting: engine.num_waiting(),
-            kv_cache_usage: engine.cache().usage(),
-            cached_blocks: engine.cache().num_cached(),
-            evicted_blocks: engine.cache().evictions,
-            counters: engine.counters.clone(),
-            ttft: engine.ttft.clone(),
             fault_responses: self.fault_responses.load(Ordering::Relaxed),
             host_lag_model_s: self.host_lag_model_us.load(Ordering::Relaxed) as f64 / 1e6,
+            ..Snapshot::of(&engine)
         }
     }
 
