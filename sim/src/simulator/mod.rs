@@ -45,8 +45,9 @@ use kvroute_core::config::{Config, EndpointSource};
 use kvroute_core::engine::{Engine as Router, Outcome};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_core::scheduling::Rng;
-use kvroute_shared_state::load::Ticket;
+use kvroute_shared_state::load::{LoadTable, Ticket};
 use kvroute_shared_state::memory::MemoryStore;
+use kvroute_shared_state::Store;
 use prompt::{from_pieces, Piece, RouterInput, SimRequest};
 use serde::Serialize;
 use std::cmp::Ordering;
@@ -147,6 +148,11 @@ pub struct SimReport {
     pub wall_s: f64,
     /// Iterations run by all servers.
     pub iterations: u64,
+    /// In-flight requests the router's load table still holds after the
+    /// run (every charge released: 0).
+    pub inflight_after: u64,
+    /// Bytes the router's shared data holds after the run.
+    pub shared_data_bytes: usize,
 }
 
 impl SimReport {
@@ -424,7 +430,24 @@ impl Sim {
             .iter()
             .map(|s| s.model.counters.preemptions)
             .sum();
+        let (inflight_after, shared_data_bytes) = match &self.router {
+            KvRouter::Kvroute { store, slots, .. } => {
+                let bytes = store
+                    .get(kvroute_shared_state::LOAD_KEY)
+                    .map_err(|e| format!("reading the load table: {e}"))?;
+                let load = LoadTable::decode(bytes.as_ref().map(|(b, _)| b.as_slice()));
+                let inflight = slots
+                    .iter()
+                    .filter_map(|&(slot, generation)| load.get(slot, generation))
+                    .map(|r| r.inflight_requests())
+                    .sum();
+                (inflight, store.usage().0)
+            }
+            KvRouter::RoundRobin { .. } => (0, 0),
+        };
         Ok(SimReport {
+            inflight_after,
+            shared_data_bytes,
             router,
             endpoints: self.names.clone(),
             stages,
