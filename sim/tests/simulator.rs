@@ -4,7 +4,7 @@
 use kvroute_core::engine::Engine as Router;
 use kvroute_sim::loadgen::stages::parse_stages;
 use kvroute_sim::loadgen::workload::{WorkloadKind, WorkloadSpec};
-use kvroute_sim::simulator::arms::{arm_router, ArmParams};
+use kvroute_sim::simulator::arms::{arm_document, router_from_document, ArmParams};
 use kvroute_sim::simulator::trace::parse_trace;
 use kvroute_sim::simulator::{simulate, FleetSpec, Load, RouterSpec, SimConfig, SimReport};
 
@@ -30,10 +30,24 @@ fn fleet() -> FleetSpec {
     f
 }
 
+/// An arm with a 4 MiB prefix index (the default 64 MiB is created up
+/// front, which a debug build spends seconds on).
+fn router(arm: &str) -> RouterSpec {
+    match arm_document(arm, &ArmParams::default()).unwrap() {
+        None => RouterSpec::RoundRobin,
+        Some(mut doc) => {
+            doc["sharedState"] = serde_json::json!({"indexBudgetBytes": INDEX_BUDGET});
+            router_from_document(&doc).unwrap()
+        }
+    }
+}
+
+const INDEX_BUDGET: u64 = 4 << 20;
+
 fn cfg(arm: &str, stages: &str, seed: u64, exact: bool) -> SimConfig {
     SimConfig {
         fleet: fleet(),
-        router: arm_router(arm, &ArmParams::default()).unwrap(),
+        router: router(arm),
         load: Load::Workload {
             spec: small_shared_prefix(),
             stages: parse_stages(stages).unwrap(),
@@ -128,7 +142,7 @@ fn affinity_beats_round_robin_on_hits_when_the_working_set_exceeds_one_cache() {
     assert!(kv.totals.scrapes > 100, "{:?}", kv.totals);
     assert_eq!(rr.totals.scrapes, 0);
     // Shared data stays within the index budget plus the small tables.
-    let RouterSpec::Kvroute(config) = arm_router("kvroute", &ArmParams::default()).unwrap() else {
+    let RouterSpec::Kvroute(config) = router("kvroute") else {
         panic!("kvroute arm")
     };
     let budget = Router::new(*config).geometry().max_bytes() as usize;

@@ -137,6 +137,36 @@ pub struct Totals {
     pub reaped: u64,
 }
 
+/// Model seconds between utilization samples.
+const SAMPLE_S: f64 = 1.0;
+
+/// Where the servers' time and memory went, over the whole run.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Utilization {
+    /// Iteration time spent on prefill (`prefill tokens / prefill rate`),
+    /// summed over servers, model s.
+    pub prefill_busy_s: f64,
+    /// The rest of the iteration time (the decode step), model s.
+    pub decode_busy_s: f64,
+    /// Sums over per-second samples of every server.
+    pub kv_usage_sum: f64,
+    pub waiting_sum: f64,
+    pub running_sum: f64,
+    pub samples: u64,
+}
+
+impl Utilization {
+    pub fn kv_usage_mean(&self) -> f64 {
+        self.kv_usage_sum / self.samples.max(1) as f64
+    }
+    pub fn waiting_mean(&self) -> f64 {
+        self.waiting_sum / self.samples.max(1) as f64
+    }
+    pub fn running_mean(&self) -> f64 {
+        self.running_sum / self.samples.max(1) as f64
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct SimReport {
     pub router: String,
@@ -153,6 +183,7 @@ pub struct SimReport {
     pub inflight_after: u64,
     /// Bytes the router's shared data holds after the run.
     pub shared_data_bytes: usize,
+    pub utilization: Utilization,
 }
 
 impl SimReport {
@@ -167,6 +198,8 @@ impl SimReport {
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Ev {
+    /// Utilization sample of every server.
+    Sample,
     StepEnd(usize),
     Scrape,
     Reap,
@@ -224,7 +257,7 @@ enum KvRouter {
         next: usize,
     },
     Kvroute {
-        router: Router,
+        router: Box<Router>,
         store: MemoryStore,
         rng: Rng,
         /// Endpoint address → fleet index.
@@ -264,6 +297,7 @@ pub struct Sim {
     reap_s: f64,
     /// Closed-loop clients whose request ended (concurrency stages).
     client_queue: Vec<usize>,
+    use_: Utilization,
 }
 
 impl Sim {
@@ -298,7 +332,7 @@ impl Sim {
                     .map(|_| c.metrics_poll_interval_ms as f64 / 1e3 * cfg.time_scale);
                 let reap_s = (c.reap_after_ms / 4).clamp(100, 1000) as f64 / 1e3 * cfg.time_scale;
                 let seed = config.routing.seed.unwrap_or(cfg.seed);
-                let router = Router::new(config);
+                let router = Box::new(Router::new(config));
                 let store = MemoryStore::new();
                 router
                     .collector_init(&store)
@@ -374,6 +408,7 @@ impl Sim {
             poll_s,
             reap_s,
             client_queue: Vec::new(),
+            use_: Utilization::default(),
             cfg,
         })
     }
@@ -402,6 +437,7 @@ impl Sim {
         if matches!(self.router, KvRouter::Kvroute { .. }) {
             self.push(self.reap_s, Ev::Reap);
         }
+        self.push(SAMPLE_S, Ev::Sample);
         let mut stages = Vec::new();
         match self.cfg.load.clone() {
             Load::Workload { stages: st, .. } => {
@@ -446,6 +482,7 @@ impl Sim {
             KvRouter::RoundRobin { .. } => (0, 0),
         };
         Ok(SimReport {
+            utilization: std::mem::take(&mut self.use_),
             inflight_after,
             shared_data_bytes,
             router,
@@ -715,6 +752,14 @@ impl Sim {
             return; // nothing schedulable; the next arrival restarts it
         }
         self.iterations += 1;
+        let prefill_s = if r.prefill_tokens > 0 {
+            (r.prefill_tokens as f64 / self.cfg.fleet.engine.step_cost.prefill_tokens_per_s)
+                .min(r.duration_s)
+        } else {
+            0.0
+        };
+        self.use_.prefill_busy_s += prefill_s;
+        self.use_.decode_busy_s += r.duration_s - prefill_s;
         let end = self.now + r.duration_s;
         s.pending = Some(r);
         self.push(end, Ev::StepEnd(e));
@@ -744,7 +789,7 @@ impl Sim {
                     inf.rec.cached_tokens = u64::from(o.cached_tokens);
                     if !o.finished {
                         if let Some(t) = &inf.ticket {
-                            release = Some((t.clone(), false, false));
+                            release = Some((*t, false, false));
                         }
                         inf.prompt_released = true;
                     }
@@ -752,7 +797,7 @@ impl Sim {
                 finished = o.finished;
                 if finished {
                     if let Some(t) = &inf.ticket {
-                        release = Some((t.clone(), true, inf.prompt_released));
+                        release = Some((*t, true, inf.prompt_released));
                     }
                     inf.rec.completion_tokens = u64::from(o.generated);
                 }
@@ -835,6 +880,15 @@ impl Sim {
             Ev::Reap => {
                 self.reap();
                 self.push(self.now + self.reap_s, Ev::Reap);
+            }
+            Ev::Sample => {
+                for sv in &self.servers {
+                    self.use_.kv_usage_sum += sv.model.cache().usage();
+                    self.use_.waiting_sum += sv.model.num_waiting() as f64;
+                    self.use_.running_sum += sv.model.num_running() as f64;
+                    self.use_.samples += 1;
+                }
+                self.push(self.now + SAMPLE_S, Ev::Sample);
             }
         }
         Ok(())
