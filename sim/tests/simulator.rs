@@ -56,6 +56,7 @@ fn cfg(arm: &str, stages: &str, seed: u64, exact: bool) -> SimConfig {
         seed,
         time_scale: 1.0,
         stop_after_ttft_p90_s: None,
+        envoy_workers: 1,
     }
 }
 

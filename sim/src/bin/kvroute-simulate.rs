@@ -45,6 +45,9 @@ Router:
   --metrics-poll-ms MS      the arms' collector poll period, router-clock ms [100]
   --time-scale X            model seconds per router-clock second, as an emulator run at
                             --time-scale X behind Envoy; 1 for real hardware [1]
+  --envoy-workers N         Envoy worker threads (--concurrency): each routes with its own
+                            engine and generator (the same routing.seed, when set) over
+                            the one shared store; a request lands on a random one [1]
 
 Output:
   --json PATH               the report (or the sweep's points) as JSON
@@ -78,6 +81,7 @@ fn flags() -> Vec<(&'static str, bool)> {
         ("affinity-threshold", true),
         ("metrics-poll-ms", true),
         ("time-scale", true),
+        ("envoy-workers", true),
         ("json", true),
         ("sweep", true),
         ("plot", true),
@@ -166,6 +170,7 @@ fn scenario(f: &Flags) -> Result<Scenario, String> {
         seed,
         time_scale: f.get("time-scale", 1.0)?,
         stop_after_ttft_p90_s: stop,
+        envoy_workers: f.get("envoy-workers", 1usize)?.max(1),
     };
     // Refuse a bad document now, with the filter's own error.
     s.sim_config().map_err(|e| format!("{P}: {e}"))?;

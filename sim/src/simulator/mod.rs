@@ -116,6 +116,9 @@ pub struct SimConfig {
     pub time_scale: f64,
     /// End after the first stage whose TTFT p90 is above this (model s).
     pub stop_after_ttft_p90_s: Option<f64>,
+    /// Envoy worker threads (`--concurrency`), each routing with its own
+    /// engine and generator over the one shared store.
+    pub envoy_workers: usize,
 }
 
 /// Totals of a run.
@@ -253,13 +256,21 @@ struct Inflight {
 }
 
 enum KvRouter {
+    /// One rotation per Envoy worker; a request lands on a random worker.
     RoundRobin {
-        next: usize,
+        next: Vec<usize>,
+        pick_worker: SeededRng,
     },
     Kvroute {
+        /// The collector's engine (and the releases').
         router: Box<Router>,
         store: MemoryStore,
-        rng: Rng,
+        /// Envoy's worker threads: each has its own engine (its own table
+        /// cache) and its own generator, seeded as the filter seeds it (every
+        /// worker the same `routing.seed`, when set).
+        workers: Vec<(Box<Router>, Rng)>,
+        /// Which worker a request lands on (the kernel's connection spread).
+        pick_worker: SeededRng,
         /// Endpoint address → fleet index.
         by_address: HashMap<String, usize>,
         /// Fleet index → (slot, generation).
@@ -312,7 +323,20 @@ impl Sim {
             .map(|i| format!("127.0.0.1:{}", 18000 + i))
             .collect();
         let (router, poll_s, reap_s) = match &cfg.router {
-            RouterSpec::RoundRobin => (KvRouter::RoundRobin { next: 0 }, None, 1.0),
+            RouterSpec::RoundRobin => (
+                KvRouter::RoundRobin {
+                    // Envoy starts each worker's rotation at a random host.
+                    next: {
+                        let mut r = SeededRng::derive(cfg.seed, 0xE0E1);
+                        (0..cfg.envoy_workers.max(1))
+                            .map(|_| r.below(cfg.fleet.endpoints as u64) as usize)
+                            .collect()
+                    },
+                    pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
+                },
+                None,
+                1.0,
+            ),
             RouterSpec::Kvroute(config) => {
                 let config = (**config).clone();
                 if let EndpointSource::Static(list) = &config.endpoints {
@@ -331,8 +355,14 @@ impl Sim {
                     .as_ref()
                     .map(|_| c.metrics_poll_interval_ms as f64 / 1e3 * cfg.time_scale);
                 let reap_s = (c.reap_after_ms / 4).clamp(100, 1000) as f64 / 1e3 * cfg.time_scale;
-                let seed = config.routing.seed.unwrap_or(cfg.seed);
+                let fixed_seed = config.routing.seed;
                 let router = Box::new(Router::new(config));
+                let workers = (0..cfg.envoy_workers.max(1))
+                    .map(|i| {
+                        let s = fixed_seed.unwrap_or(cfg.seed.wrapping_add(i as u64));
+                        (router.clone(), Rng::new(s))
+                    })
+                    .collect();
                 let store = MemoryStore::new();
                 router
                     .collector_init(&store)
@@ -358,7 +388,8 @@ impl Sim {
                     KvRouter::Kvroute {
                         router,
                         store,
-                        rng: Rng::new(seed),
+                        workers,
+                        pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
                         by_address,
                         slots,
                         fallback_next: 0,
@@ -592,9 +623,10 @@ impl Sim {
         let now_ms = self.now_ms();
         let n = self.servers.len();
         match &mut self.router {
-            KvRouter::RoundRobin { next } => {
-                let e = *next % n;
-                *next = (e + 1) % n;
+            KvRouter::RoundRobin { next, pick_worker } => {
+                let w = pick_worker.below(next.len() as u64) as usize;
+                let e = next[w] % n;
+                next[w] = (e + 1) % n;
                 Ok(Some(Routed {
                     endpoint: e,
                     ticket: None,
@@ -602,13 +634,17 @@ impl Sim {
                 }))
             }
             KvRouter::Kvroute {
-                router,
+                router: collector,
                 store,
-                rng,
+                workers,
+                pick_worker,
                 by_address,
                 fallback_next,
                 ..
             } => {
+                let w = pick_worker.below(workers.len() as u64) as usize;
+                let _ = collector;
+                let (router, rng) = &mut workers[w];
                 let outcome = match input {
                     RouterInput::Body { kind, body } => {
                         router.route(store, *kind, body, now_ms, rng)

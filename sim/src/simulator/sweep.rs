@@ -18,6 +18,7 @@ pub struct Scenario {
     pub seed: u64,
     pub time_scale: f64,
     pub stop_after_ttft_p90_s: Option<f64>,
+    pub envoy_workers: usize,
 }
 
 impl Scenario {
@@ -33,6 +34,7 @@ impl Scenario {
             seed: self.seed,
             time_scale: self.time_scale,
             stop_after_ttft_p90_s: self.stop_after_ttft_p90_s,
+            envoy_workers: self.envoy_workers,
         })
     }
 

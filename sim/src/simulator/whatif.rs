@@ -186,6 +186,7 @@ fn scenario(trace: &[TraceRequest], f: &Facts, doc: Option<serde_json::Value>) -
         seed: f.seed,
         time_scale: 1.0,
         stop_after_ttft_p90_s: None,
+        envoy_workers: 1,
     }
 }
 
