@@ -1,5 +1,5 @@
 //! A small SVG line chart: TTFT p90 (left axis, log scale) and hit ratio
-//! (right axis) against a swept parameter. Self-contained (no plotting
+//! (right axis) against a swept parameter (its values evenly spaced). Self-contained (no plotting
 //! library), so `kvroute-simulate` can draw without Python.
 
 use super::sweep::{Param, Point};
@@ -32,16 +32,9 @@ pub fn sweep_svg(title: &str, param: Param, points: &[Point]) -> String {
         W / 2.0,
         esc(title)
     );
-    let xs: Vec<f64> = points.iter().map(|p| p.value).collect();
-    let (x0, x1) = (
-        xs.iter().cloned().fold(f64::INFINITY, f64::min),
-        xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
-    );
-    let (x0, x1) = if x0.is_finite() && x1 > x0 {
-        (x0, x1)
-    } else {
-        (x0.min(0.0), x0.max(0.0) + 1.0)
-    };
+    // Categorical x axis: the swept values, evenly spaced in sweep order
+    // (τ grids are roughly geometric; a linear axis would crush them).
+    let n = points.len().max(2) as f64;
     let ttfts: Vec<f64> = points
         .iter()
         .filter_map(|p| p.ttft_p90_s)
@@ -56,7 +49,7 @@ pub fn sweep_svg(title: &str, param: Param, points: &[Point]) -> String {
     } else {
         (-1.0, 1.0)
     };
-    let px = |x: f64| L + (x - x0) / (x1 - x0) * (W - L - R);
+    let px = |i: usize| L + (i as f64 + 0.5) / n * (W - L - R);
     let py_t = |v: f64| T + (1.0 - (v.log10() - ly0) / (ly1 - ly0)) * (H - T - B);
     let py_h = |r: f64| T + (1.0 - r) * (H - T - B);
     // Axes and grid.
@@ -93,13 +86,13 @@ pub fn sweep_svg(title: &str, param: Param, points: &[Point]) -> String {
             r * 100.0
         );
     }
-    for &x in &xs {
+    for (i, p) in points.iter().enumerate() {
         let _ = write!(
             s,
             r##"<text x="{}" y="{}" text-anchor="middle">{}</text>"##,
-            px(x),
+            px(i),
             H - B + 18.0,
-            x
+            p.value
         );
     }
     let _ = write!(
@@ -141,11 +134,8 @@ pub fn sweep_svg(title: &str, param: Param, points: &[Point]) -> String {
     line(
         points
             .iter()
-            .filter_map(|p| {
-                p.ttft_p90_s
-                    .filter(|v| *v > 0.0)
-                    .map(|v| (px(p.value), py_t(v)))
-            })
+            .enumerate()
+            .filter_map(|(i, p)| p.ttft_p90_s.filter(|v| *v > 0.0).map(|v| (px(i), py_t(v))))
             .collect(),
         "#1f77b4",
         &mut s,
@@ -153,7 +143,8 @@ pub fn sweep_svg(title: &str, param: Param, points: &[Point]) -> String {
     line(
         points
             .iter()
-            .filter_map(|p| p.hit_ratio.map(|h| (px(p.value), py_h(h))))
+            .enumerate()
+            .filter_map(|(i, p)| p.hit_ratio.map(|h| (px(i), py_h(h))))
             .collect(),
         "#d62728",
         &mut s,

@@ -475,11 +475,21 @@ pub fn render(v: &Verdict, f: &Facts) -> String {
             pct(p.max_token_share)
         ));
     }
+    if let Some(share) = matched.max_token_share {
+        let fair = 1.0 / f.fleet.endpoints.max(1) as f64;
+        if share > 1.5 * fair && f.fleet.endpoints > 1 {
+            s.push_str(&format!(
+                "\nHot spot: under the matched configuration one endpoint served {:.0} % of the prompt tokens (a fair share is {:.0} %); it saturates first as load grows, which is what `maxTTFTPenaltyMs` is for.\n",
+                share * 100.0,
+                fair * 100.0
+            ));
+        }
+    }
     s.push_str(&format!(
         "\n## Bottleneck\n\n**{}**: {}.\n\n",
         v.bottleneck, v.bottleneck_why
     ));
-    s.push_str("## maxTTFTPenaltyMs (τ) on the matched configuration\n\n| τ (ms) | hit % | TTFT p90 (ms) |\n|---|---|---|\n");
+    s.push_str("## maxTTFTPenaltyMs (τ) on the matched configuration, at the trace's rate\n\n| τ (ms) | hit % | TTFT p90 (ms) |\n|---|---|---|\n");
     for p in &v.tau_sweep {
         s.push_str(&format!(
             "| {} | {} | {} |\n",
