@@ -96,6 +96,15 @@ fn every_request_finishes_or_is_counted_dropped_and_every_charge_is_released() {
         assert_eq!(r.inflight_after, 0, "{arm}: charges left in the load table");
         assert_eq!(t.reaped, 0, "{arm}: a charge had to be reaped");
     }
+    // A closed loop whose every request is refused ends (each client stops).
+    let mut c = cfg("kvroute", "concurrency:4@10s", 1, false);
+    if let Load::Workload { spec, .. } = &mut c.load {
+        spec.system_tokens = 50_000;
+    }
+    let r = simulate(c).unwrap();
+    assert_eq!(r.totals.arrived, 4);
+    assert_eq!(r.totals.dropped.get("http 400"), Some(&4), "{:?}", r.totals);
+    assert_eq!(r.inflight_after, 0);
     let trace = parse_trace(concat!(
         "{\"arrival_s\":0,\"segments\":[{\"id\":\"a\",\"tokens\":500}],\"output_tokens\":4}\n",
         "{\"arrival_s\":0.1,\"segments\":[{\"id\":\"huge\",\"tokens\":50000}],\"output_tokens\":4}\n",

@@ -734,8 +734,9 @@ impl Sim {
             ..Default::default()
         };
         let Some(routed) = self.route(&req.router)? else {
+            // A closed-loop client whose request is refused at once stops
+            // (in virtual time it would otherwise resend forever at one instant).
             self.drop_request(rec, "rejected by kvroute");
-            self.client_done(client, stage_t0);
             return Ok(());
         };
         if routed.unrouted {
@@ -771,8 +772,9 @@ impl Sim {
                 if let Some(t) = &routed.ticket {
                     self.release(t, true, false)?;
                 }
+                // As above: the refused client stops.
+                let _ = client;
                 self.drop_request(rec, "http 400");
-                self.client_done(client, stage_t0);
             }
         }
         Ok(())
