@@ -21,6 +21,8 @@ wrong. Every run is kvroute-simulate's (virtual time, kvroute's own routing).
   --trace FILE              the trace (required)
   --peak X                  calibrated peakPrefillThroughput, tok/s [--prefill-tps]
   --metrics-poll-ms MS      the collector's poll period [100]
+  --speed X                 play the trace X times faster (arrival times / X): the
+                            verdict for the traffic grown by X [1]
   --seed N                  routing randomness [1]
   --json PATH               also write the verdict as JSON
 
@@ -34,7 +36,14 @@ fn run(f: &Flags) -> Result<(), String> {
         .ok_or(format!("{P}: --trace FILE is required"))?;
     let text =
         std::fs::read_to_string(path).map_err(|e| format!("{P}: cannot read {path}: {e}"))?;
-    let trace = parse_trace(&text).map_err(|e| format!("{P}: {path}: {e}"))?;
+    let mut trace = parse_trace(&text).map_err(|e| format!("{P}: {path}: {e}"))?;
+    let speed: f64 = f.get("speed", 1.0)?;
+    if !(speed > 0.0 && speed.is_finite()) {
+        return Err(format!("{P}: --speed must be positive"));
+    }
+    for r in &mut trace {
+        r.arrival_s /= speed;
+    }
     let fleet = fleet_from_flags(f, P)?;
     let facts = Facts {
         peak_prefill_tps: f.get("peak", fleet.engine.step_cost.prefill_tokens_per_s)?,
@@ -61,6 +70,7 @@ fn main() {
         ("peak", true),
         ("metrics-poll-ms", true),
         ("seed", true),
+        ("speed", true),
         ("json", true),
     ];
     known.extend_from_slice(FLEET_FLAGS);

@@ -22,9 +22,15 @@
 //!    queue; else prefill or decode by which took more iteration time.
 //! 5. **τ**: a sweep of `maxTTFTPenaltyMs` on the matched configuration.
 //!    The cliff is the smallest τ from which every larger τ keeps ≥ 90 % of
-//!    the best hit ratio; the recommendation is the next τ above it (erring
-//!    high) with the lowest TTFT p90, and the cost of getting it wrong is
-//!    the run one step below the cliff and the never-release run.
+//!    the best hit ratio. From one step above it (the whole sweep when
+//!    nothing collapsed), the recommendation is the largest τ up to the
+//!    shipped 18000 ms whose TTFT p90 is within 25 % (or 100 ms) of the best
+//!    there: erring high. A sweep equal to the never-release run (the gate
+//!    never fired) keeps 18000 ms. The cost of getting it wrong is the run
+//!    one step below the cliff and the never-release run.
+//! 6. **Verdict**: affinity pays when the three conditions hold and, at the
+//!    recommended τ, the hit ratio beats round robin's by over 2 points with
+//!    a TTFT p90 at most 10 % above its.
 
 use super::arms::{arm_document, set_affinity_param, ArmParams};
 use super::prompt::{cacheable_tokens, piece_block_hashes};
@@ -242,9 +248,31 @@ pub fn what_if(trace: &[TraceRequest], f: &Facts, log: &dyn Fn(&str)) -> Result<
         sweep.push(summarize(tau, &r));
     }
     let never = arms[3].point.clone();
+    let (cliff, rec, note) = recommend_tau(&sweep, &never);
+    Ok(Verdict {
+        trace_seconds: trace.last().map_or(0.0, |r| r.arrival_s),
+        conditions,
+        arms,
+        bottleneck,
+        bottleneck_why: why,
+        profile: profile.into(),
+        tau_sweep: sweep,
+        never_release: never,
+        tau_cliff_ms: cliff,
+        tau_recommended_ms: rec,
+        tau_note: note,
+    })
+}
+
+/// The τ recommendation from a sweep (ascending τ) and the never-release
+/// run: `(cliff, recommended, why)` (see the module doc).
+pub fn recommend_tau(sweep: &[Point], never: &Point) -> (Option<f64>, f64, String) {
+    if sweep.is_empty() {
+        return (None, 18_000.0, "no sweep was run".into());
+    }
     let best_hit = sweep
         .iter()
-        .chain(std::iter::once(&never))
+        .chain(std::iter::once(never))
         .filter_map(|p| p.hit_ratio)
         .fold(0.0, f64::max);
     let ok = |p: &Point| p.hit_ratio.is_some_and(|h| h >= 0.9 * best_hit);
@@ -253,7 +281,7 @@ pub fn what_if(trace: &[TraceRequest], f: &Facts, log: &dyn Fn(&str)) -> Result<
     let all_same = sweep
         .iter()
         .all(|p| p.hit_ratio == never.hit_ratio && p.ttft_p90_s == never.ttft_p90_s);
-    let (cliff, rec, note) = if all_same {
+    if all_same {
         (
             None,
             18_000.0,
@@ -270,65 +298,45 @@ pub fn what_if(trace: &[TraceRequest], f: &Facts, log: &dyn Fn(&str)) -> Result<
                 "no τ in the sweep kept 90 % of the best hit ratio: the hit rate collapses whenever the gate releases; use the largest τ (or always-sticky) and add capacity".to_owned(),
             ),
             Some(i) => {
-                // Erring high: two grid steps above the cliff (the shipped
-                // 18000 ms when nothing collapsed), unless a larger τ has a
-                // TTFT p90 more than 5 % better.
-                let base = if i == 0 {
-                    sweep
-                        .iter()
-                        .position(|p| p.value >= 18_000.0)
-                        .unwrap_or(sweep.len() - 1)
-                } else {
-                    (i + 2).min(sweep.len() - 1)
-                };
+                // Candidates: one grid step above the cliff and up (all of
+                // the sweep when nothing collapsed). Among those whose TTFT
+                // p90 is near the best (within 25 % or 100 ms), the largest
+                // τ up to the shipped 18000 ms: erring high.
+                let from = if i == 0 { 0 } else { (i + 1).min(sweep.len() - 1) };
                 let ttft = |p: &Point| p.ttft_p90_s.unwrap_or(f64::INFINITY);
-                let best = (base..sweep.len())
-                    .min_by(|&a, &b| ttft(&sweep[a]).total_cmp(&ttft(&sweep[b])))
-                    .unwrap_or(base);
-                let pick = if ttft(&sweep[best]) < 0.95 * ttft(&sweep[base]) {
-                    sweep[best].value
-                } else {
-                    sweep[base].value
-                };
+                let t_best = sweep[from..]
+                    .iter()
+                    .map(ttft)
+                    .fold(f64::INFINITY, f64::min);
+                let near = (1.25 * t_best).max(t_best + 0.1);
+                let ok: Vec<&Point> = sweep[from..].iter().filter(|p| ttft(p) <= near).collect();
+                let pick = ok
+                    .iter()
+                    .rev()
+                    .find(|p| p.value <= 18_000.0)
+                    .or(ok.first())
+                    .map_or(sweep[from].value, |p| p.value);
                 let cliff_note = if i == 0 {
-                    let fastest = sweep
-                        .iter()
-                        .min_by(|a, b| ttft(a).total_cmp(&ttft(b)))
-                        .expect("the sweep has points");
                     format!(
-                        "the hit ratio held at every τ down to {} ms (no cliff in the sweep), so the shipped 18000 ms stands unless a larger τ was clearly faster (the fastest point of the sweep, τ = {} ms, had TTFT p90 {} ms and hit {} %; a τ that low risks the fleet-wide collapse at other loads)",
+                        "the hit ratio held at every τ down to {} ms (no cliff in the sweep); of the τ whose TTFT p90 is within 25 % (or 100 ms) of the sweep's best ({} ms), the largest up to 18000 ms",
                         TAU_GRID[0],
-                        fastest.value,
-                        ms(fastest.ttft_p90_s),
-                        pct(fastest.hit_ratio)
+                        ms(Some(t_best))
                     )
                 } else {
                     let below = &sweep[i - 1];
                     format!(
-                        "the hit ratio collapses below τ = {} ms (at {} ms: hit {} %, TTFT p90 {} ms); two steps above it, erring high",
+                        "the hit ratio collapses below τ = {} ms (at {} ms: hit {} %, TTFT p90 {} ms); from one step above it, the largest τ up to 18000 ms whose TTFT p90 is within 25 % (or 100 ms) of the best there ({} ms), erring high",
                         sweep[i].value,
                         below.value,
                         pct(below.hit_ratio),
-                        ms(below.ttft_p90_s)
+                        ms(below.ttft_p90_s),
+                        ms(Some(t_best))
                     )
                 };
                 (Some(sweep[i].value), pick, cliff_note)
             }
         }
-    };
-    Ok(Verdict {
-        trace_seconds: trace.last().map_or(0.0, |r| r.arrival_s),
-        conditions,
-        arms,
-        bottleneck,
-        bottleneck_why: why,
-        profile: profile.into(),
-        tau_sweep: sweep,
-        never_release: never,
-        tau_cliff_ms: cliff,
-        tau_recommended_ms: rec,
-        tau_note: note,
-    })
+    }
 }
 
 /// Trace speed-ups the bottleneck search tries under round robin.
@@ -401,6 +409,11 @@ pub fn render(v: &Verdict, f: &Facts) -> String {
         c.distinguishing_whole_blocks && c.working_set_exceeds_one_cache && c.several_candidates;
     let rr = &v.arms[0].point;
     let matched = &v.arms[1].point;
+    let rec_point = v
+        .tau_sweep
+        .iter()
+        .find(|p| p.value == v.tau_recommended_ms)
+        .unwrap_or(matched);
     s.push_str("# What-if: prefix-affinity routing for this trace\n\n");
     s.push_str(&format!(
         "Trace: {} requests over {:.0} s ({:.2} req/s), {:.0} prompt tokens per request. Fleet: {} endpoints × {} KV blocks of {} tokens ({} tokens each), peakPrefillThroughput {:.0} tok/s.\n\n",
@@ -414,23 +427,26 @@ pub fn render(v: &Verdict, f: &Facts) -> String {
         c.capacity_tokens,
         f.peak_prefill_tps
     ));
-    let gain = match (matched.hit_ratio, rr.hit_ratio) {
+    let gain = match (rec_point.hit_ratio, rr.hit_ratio) {
         (Some(a), Some(b)) => format!(
-            "hit ratio {} % vs round robin's {} %, TTFT p90 {} ms vs {} ms",
+            "at the recommended τ: hit ratio {} % vs round robin's {} %, TTFT p90 {} ms vs {} ms",
             pct(Some(a)),
             pct(Some(b)),
-            ms(matched.ttft_p90_s),
+            ms(rec_point.ttft_p90_s),
             ms(rr.ttft_p90_s)
         ),
         _ => "no hit ratio measured".into(),
     };
+    let inf = f64::INFINITY;
+    let faster = rec_point.ttft_p90_s.unwrap_or(inf) <= 1.1 * rr.ttft_p90_s.unwrap_or(inf);
+    let more_hits = rec_point.hit_ratio.unwrap_or(0.0) > rr.hit_ratio.unwrap_or(0.0) + 0.02;
+    let verdict = match (pays, faster && more_hits) {
+        (true, true) => "affinity routing pays",
+        (true, false) => "the conditions hold, but in simulation affinity does not beat round robin's TTFT p90 and hit ratio at this load",
+        (false, _) => "affinity routing is not expected to pay; round robin is as good and cheaper",
+    };
     s.push_str(&format!(
-        "**Verdict: {}** ({gain}). Bottleneck: **{}**; use {}. Recommended `maxTTFTPenaltyMs`: **{:.0}**.\n\n",
-        if pays {
-            "affinity routing pays"
-        } else {
-            "affinity routing is not expected to pay; round robin is as good and cheaper"
-        },
+        "**Verdict: {verdict}** ({gain}). Bottleneck: **{}**; use {}. Recommended `maxTTFTPenaltyMs`: **{:.0}**.\n\n",
         v.bottleneck,
         v.profile,
         v.tau_recommended_ms
@@ -545,6 +561,60 @@ pub fn render(v: &Verdict, f: &Facts) -> String {
 mod tests {
     use super::*;
     use crate::simulator::trace::parse_trace;
+
+    fn pt(tau: f64, hit: f64, ttft_s: f64) -> Point {
+        Point {
+            value: tau,
+            requests: 100,
+            error_rate: 0.0,
+            ttft_p50_s: Some(ttft_s / 2.0),
+            ttft_p90_s: Some(ttft_s),
+            tpot_p90_s: None,
+            input_tps: 0.0,
+            output_tps: 0.0,
+            hit_ratio: Some(hit),
+            max_token_share: None,
+            sim_s: 0.0,
+            wall_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn tau_recommendation_errs_high_of_the_cliff() {
+        // Hit collapses below 500 ms; from 1000 ms up TTFT grows (hot spot).
+        let sweep = vec![
+            pt(100.0, 0.60, 50.0),
+            pt(250.0, 0.62, 40.0),
+            pt(500.0, 0.90, 0.3),
+            pt(1000.0, 0.91, 0.32),
+            pt(2000.0, 0.91, 0.35),
+            pt(18000.0, 0.92, 6.0),
+        ];
+        let never = pt(0.0, 0.92, 6.0);
+        let (cliff, rec, why) = recommend_tau(&sweep, &never);
+        assert_eq!(cliff, Some(500.0));
+        // One step above the cliff and up, within 25 % / 100 ms of the best
+        // (0.32 s): 1000 and 2000; the larger wins.
+        assert_eq!(rec, 2000.0, "{why}");
+        // Nothing collapses, low τ is much faster: the largest near-best τ.
+        let sweep = vec![
+            pt(50.0, 0.90, 0.10),
+            pt(500.0, 0.91, 0.14),
+            pt(1000.0, 0.91, 0.25),
+            pt(18000.0, 0.91, 5.0),
+        ];
+        let (cliff, rec, _) = recommend_tau(&sweep, &pt(0.0, 0.91, 5.0));
+        assert_eq!((cliff, rec), (Some(50.0), 500.0));
+        // A flat sweep equal to never-release: the gate never fired.
+        let flat = vec![
+            pt(50.0, 0.9, 0.1),
+            pt(18000.0, 0.9, 0.1),
+            pt(36000.0, 0.9, 0.1),
+        ];
+        let (cliff, rec, why) = recommend_tau(&flat, &pt(0.0, 0.9, 0.1));
+        assert_eq!((cliff, rec), (None, 18000.0));
+        assert!(why.contains("never fired"), "{why}");
+    }
 
     #[test]
     fn ceilings_and_conditions_by_hand() {
