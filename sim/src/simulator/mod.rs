@@ -245,7 +245,6 @@ struct Inflight {
     rec: RequestRecord,
     /// Stage start, model s (the record's times are relative to it).
     stage_t0: f64,
-    endpoint: usize,
     ticket: Option<Ticket>,
     prompt_released: bool,
     first_at: Option<f64>,
@@ -634,7 +633,6 @@ impl Sim {
                 }))
             }
             KvRouter::Kvroute {
-                router: collector,
                 store,
                 workers,
                 pick_worker,
@@ -643,7 +641,6 @@ impl Sim {
                 ..
             } => {
                 let w = pick_worker.below(workers.len() as u64) as usize;
-                let _ = collector;
                 let (router, rng) = &mut workers[w];
                 let outcome = match input {
                     RouterInput::Body { kind, body } => {
@@ -753,7 +750,6 @@ impl Sim {
                         ..rec
                     },
                     stage_t0,
-                    endpoint: e,
                     ticket: routed.ticket,
                     prompt_released: false,
                     first_at: None,
@@ -773,7 +769,6 @@ impl Sim {
                     self.release(t, true, false)?;
                 }
                 // As above: the refused client stops.
-                let _ = client;
                 self.drop_request(rec, "http 400");
             }
         }
@@ -852,11 +847,10 @@ impl Sim {
                 rec.ttft_s = Some(first - inf.stage_t0 - rec.sent_at_s);
                 rec.decode_s = Some(inf.last_chunk_at - first);
                 rec.end_s = now - inf.stage_t0;
-                let _ = inf.endpoint;
                 self.done.push(rec);
                 self.totals.finished += 1;
                 self.outstanding -= 1;
-                self.client_done(inf.client, inf.stage_t0);
+                self.client_done(inf.client);
             }
         }
         self.start_step(e);
@@ -865,7 +859,7 @@ impl Sim {
 
     /// A closed-loop client's request ended: it sends the next one now if
     /// its stage is still on (see `run_stage`).
-    fn client_done(&mut self, client: Option<usize>, _stage_t0: f64) {
+    fn client_done(&mut self, client: Option<usize>) {
         if let Some(c) = client {
             self.client_queue.push(c);
         }
