@@ -1,19 +1,19 @@
 //! kvroute-sim: a model of vLLM with two drivers (the emulated fleet and the
 //! fleet simulator), the load generator and the what-if tool.
 //!
-//! - `engine`: the pure model of one vLLM server (timing, batching, prefix
+//! - `vllm_model`: the pure model of one vLLM server (timing, batching, prefix
 //!   cache), a state machine stepped with model time. No I/O, no clock. (Not
 //!   the router's `kvroute_core::engine`.)
 //! - `kv_events` (re-exported from `kvroute-kv-events`, shared with the
 //!   relay), `vllm_hash`, `prometheus`: vLLM's wire formats.
-//! - `emulator`: HTTP/ZMQ glue that serves an engine on a loopback port.
+//! - `emulator`: HTTP/ZMQ glue that serves a model on a loopback port.
 //! - `loadgen`: workloads, arrival stages and per-stage reports.
-//! - `simulator`: many engines in virtual time behind kvroute-core's own
+//! - `simulator`: many models in virtual time behind kvroute-core's own
 //!   routing engine; sweeps and the what-if analysis.
 
 pub mod cli;
 pub mod emulator;
-pub mod engine;
+pub mod vllm_model;
 pub use kvroute_kv_events as kv_events;
 pub mod loadgen;
 pub mod prometheus;

@@ -9,9 +9,9 @@
 //! model clock jumps to "now".
 
 use super::EmulatorConfig;
-use crate::engine::{AdmitError, Engine, EngineCounters, EngineRequest, Histogram, RequestId};
 use crate::kv_events::KvEvent;
 use crate::vllm_hash::VllmBlockHasher;
+use crate::vllm_model::{AdmitError, Engine, EngineCounters, EngineRequest, Histogram, RequestId};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

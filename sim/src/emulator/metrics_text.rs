@@ -3,8 +3,8 @@
 //! Latencies are in model seconds (the hardware being modelled).
 
 use super::endpoint::{Endpoint, Snapshot};
-use crate::engine::EngineConfig;
 use crate::prometheus::{format_value, Exposition};
+use crate::vllm_model::EngineConfig;
 
 pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
     render_parts(&ep.cfg.model, &ep.cfg.engine, ep.started_unix_s, s)

@@ -1,8 +1,8 @@
-//! The fleet simulator: N modelled vLLM servers ([`crate::engine`], the
+//! The fleet simulator: N modelled vLLM servers ([`crate::vllm_model`], the
 //! emulator's own model) behind the filter's own routing code, in virtual
 //! time (discrete events, no sockets, no sleeps).
 //!
-//! - **Servers.** Each is a [`crate::engine::Engine`]. An iteration starts
+//! - **Servers.** Each is a [`crate::vllm_model::Engine`]. An iteration starts
 //!   when the server has work and is idle (`step(now)`), and its outputs are
 //!   delivered at `now + duration`, exactly as the emulator's loop does in
 //!   scaled real time.
@@ -35,12 +35,12 @@ use crate::emulator::endpoint::Snapshot;
 use crate::emulator::metrics_text::render_parts;
 use crate::emulator::openai::engine_request;
 use crate::emulator::EmulatorConfig;
-use crate::engine::{Engine as Server, EngineConfig, RequestId, StepResult};
 use crate::loadgen::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
 use crate::loadgen::stages::{Stage, StageKind};
 use crate::loadgen::workload::{GenParts, Workload, WorkloadSpec};
 use crate::rng::SeededRng;
 use crate::vllm_hash::VllmBlockHasher;
+use crate::vllm_model::{Engine as Server, EngineConfig, RequestId, StepResult};
 use kvroute_core::config::{Config, EndpointSource};
 use kvroute_core::engine::{Engine as Router, Outcome};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
@@ -607,7 +607,7 @@ impl Sim {
             Ok(req) => engine_request(&req, &self.emu, &self.hasher, false),
             // The emulator would answer 400; an empty prompt makes the
             // server refuse it too (counted as dropped).
-            Err(_) => crate::engine::EngineRequest {
+            Err(_) => crate::vllm_model::EngineRequest {
                 prompt_tokens: u32::MAX,
                 ..Default::default()
             },
@@ -1106,7 +1106,7 @@ Fleet (each modelled server is the emulator's model; the emulator's flag names):
 pub fn fleet_from_flags(f: &crate::cli::Flags, program: &str) -> Result<FleetSpec, String> {
     let d = FleetSpec::default();
     let de = EngineConfig::default();
-    let ds = crate::engine::StepCost::default();
+    let ds = crate::vllm_model::StepCost::default();
     let fleet = FleetSpec {
         endpoints: f.get("endpoints", d.endpoints)?,
         model: f.get("model", d.model)?,
@@ -1118,7 +1118,7 @@ pub fn fleet_from_flags(f: &crate::cli::Flags, program: &str) -> Result<FleetSpe
             max_num_batched_tokens: f.get("max-num-batched-tokens", de.max_num_batched_tokens)?,
             max_num_seqs: f.get("max-num-seqs", de.max_num_seqs)?,
             max_model_len: f.get("max-model-len", de.max_model_len)?,
-            step_cost: crate::engine::StepCost {
+            step_cost: crate::vllm_model::StepCost {
                 prefill_tokens_per_s: f.get("prefill-tps", ds.prefill_tokens_per_s)?,
                 decode_step_ms: f.get("decode-step-ms", ds.decode_step_ms)?,
                 decode_ms_per_seq: f.get("decode-ms-per-seq", ds.decode_ms_per_seq)?,

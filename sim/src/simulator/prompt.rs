@@ -21,7 +21,7 @@
 //!   template's few tokens around each message and the router's
 //!   bytes-per-token estimate (both sides count tokens exactly).
 
-use crate::engine::EngineRequest;
+use crate::vllm_model::EngineRequest;
 use kvroute_core::blocks::{chain, chain_seed};
 
 /// One shared piece of a prompt.

@@ -1,10 +1,10 @@
 //! The timing and cache model of one emulated vLLM server, driven in model
 //! time without sleeping (a discrete-event loop over `Engine::step`).
 
-use kvroute_sim::engine::{
+use kvroute_sim::kv_events::KvEvent;
+use kvroute_sim::vllm_model::{
     AdmitError, Engine, EngineConfig, EngineRequest, RequestId, TokenOutput,
 };
-use kvroute_sim::kv_events::KvEvent;
 use std::collections::HashMap;
 
 const PEAK: f64 = 20_480.0;
