@@ -29,6 +29,36 @@ pub struct MetricsSnapshot {
     pub prefix_queries: f64,
     /// `vllm:prefix_cache_hits_total` (tokens)
     pub prefix_hits: f64,
+    /// The online prefill-throughput estimate and its window baseline
+    /// (`kvroute_core::collector::prefill_rate`).
+    pub prefill: PrefillRate,
+}
+
+/// The collector's prefill-throughput estimate for one endpoint, kept in
+/// shared data so a collector that takes over (lease mode) continues it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillRate {
+    /// Σ `vllm:request_prefill_kv_computed_tokens` (tokens) at the window start.
+    pub base_tokens: f64,
+    /// Σ `vllm:request_prefill_time_seconds` (s) at the window start.
+    pub base_seconds: f64,
+    /// Requests counted by both histograms at the window start.
+    pub base_count: f64,
+    /// ms; when the window started (0 = no baseline yet).
+    pub base_at_ms: u64,
+    /// The smoothed, bounded estimate, tokens/s (0 = none yet).
+    pub tokens_per_s: f64,
+    /// ms; when the estimate last changed (0 = never).
+    pub updated_at_ms: u64,
+    /// Windows that fed the estimate.
+    pub samples: u32,
+}
+
+impl PrefillRate {
+    /// The estimate, if at least one window fed it.
+    pub fn estimate(&self) -> Option<f64> {
+        (self.samples > 0 && self.tokens_per_s > 0.0).then_some(self.tokens_per_s)
+    }
 }
 
 impl MetricsSnapshot {
@@ -51,11 +81,12 @@ pub struct MetricsTable {
     pub slots: Vec<MetricsSnapshot>,
 }
 
-const MAGIC: u8 = 0x3E;
+/// Bumped when the layout changes, so a table of another layout reads as empty.
+const MAGIC: u8 = 0x3F;
 
 impl MetricsTable {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(3 + self.slots.len() * 90);
+        let mut w = Writer::with_capacity(3 + self.slots.len() * 126);
         w.u8(MAGIC);
         w.u16(self.slots.len() as u16);
         for m in &self.slots {
@@ -70,6 +101,14 @@ impl MetricsTable {
             w.u64(m.num_gpu_blocks);
             w.f64(m.prefix_queries);
             w.f64(m.prefix_hits);
+            let p = &m.prefill;
+            w.f64(p.base_tokens);
+            w.f64(p.base_seconds);
+            w.f64(p.base_count);
+            w.u64(p.base_at_ms);
+            w.f64(p.tokens_per_s);
+            w.u64(p.updated_at_ms);
+            w.u32(p.samples);
         }
         w.buf
     }
@@ -101,6 +140,15 @@ impl MetricsTable {
                 num_gpu_blocks: r.u64()?,
                 prefix_queries: r.f64()?,
                 prefix_hits: r.f64()?,
+                prefill: PrefillRate {
+                    base_tokens: r.f64()?,
+                    base_seconds: r.f64()?,
+                    base_count: r.f64()?,
+                    base_at_ms: r.u64()?,
+                    tokens_per_s: r.f64()?,
+                    updated_at_ms: r.u64()?,
+                    samples: r.u32()?,
+                },
             });
         }
         Some(MetricsTable { slots })
@@ -145,9 +193,21 @@ mod tests {
         m.ok_at_ms = 10;
         m.block_size = 16;
         m.num_gpu_blocks = 100;
+        m.prefill = PrefillRate {
+            base_tokens: 4096.0,
+            base_seconds: 0.2,
+            base_count: 1.0,
+            base_at_ms: 9,
+            tokens_per_s: 20480.0,
+            updated_at_ms: 10,
+            samples: 1,
+        };
         let enc = t.encode();
         let d = MetricsTable::decode(Some(&enc));
         assert_eq!(d, t);
+        assert_eq!(enc.len(), 3 + 3 * 126);
+        assert_eq!(d.get(2, 5).unwrap().prefill.estimate(), Some(20480.0));
+        assert_eq!(d.get(0, 0).unwrap().prefill.estimate(), None);
         assert_eq!(d.get(2, 5).unwrap().capacity_tokens(), Some(1600));
         assert!(d.get(2, 5).unwrap().is_fresh(1010, 1000));
         assert!(!d.get(2, 5).unwrap().is_fresh(1011, 1000));

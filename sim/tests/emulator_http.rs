@@ -5,10 +5,10 @@
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
-use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::loadgen::client::HttpClient;
 use kvroute_sim::prometheus::{find, parse};
 use kvroute_sim::rng::SeededRng;
+use kvroute_sim::vllm_model::EngineConfig;
 use kvroute_sim::words::text_of_bytes;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -275,6 +275,23 @@ async fn metrics_use_vllm_names_labels_and_agree_with_stats() {
         ),
         Some(3.0)
     );
+    // vLLM's per-request prefill histograms, observed at finish: computed
+    // tokens = 256 + 2 × (256 − 192); each prefill is one step at the 25 ms
+    // floor (256 tokens / 20480 tok/s is less), in model seconds.
+    assert_eq!(
+        find(&s, "vllm:request_prefill_kv_computed_tokens_sum", &lbl),
+        Some(384.0)
+    );
+    assert_eq!(
+        find(&s, "vllm:request_prefill_kv_computed_tokens_count", &lbl),
+        Some(3.0)
+    );
+    assert_eq!(
+        find(&s, "vllm:request_prefill_time_seconds_count", &lbl),
+        Some(3.0)
+    );
+    let prefill_s = find(&s, "vllm:request_prefill_time_seconds_sum", &lbl).unwrap();
+    assert!((prefill_s - 0.075).abs() < 1e-9, "{prefill_s}");
     let info = s
         .iter()
         .find(|x| x.name == "vllm:cache_config_info")
@@ -299,6 +316,16 @@ async fn metrics_use_vllm_names_labels_and_agree_with_stats() {
         v
     };
     assert_eq!(names(info), names(real_info));
+    // The prefill-time histogram has vLLM's buckets.
+    let les = |samples: &[kvroute_sim::prometheus::Sample]| -> Vec<String> {
+        samples
+            .iter()
+            .filter(|x| x.name == "vllm:request_prefill_time_seconds_bucket")
+            .filter_map(|x| x.label("le").map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(les(&s), les(&real));
+    assert!(text.contains("# TYPE vllm:request_prefill_time_seconds histogram\n"));
     assert!(text.contains("vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 0.0\n"));
     assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter\n"));
     let stats = c

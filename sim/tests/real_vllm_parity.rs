@@ -111,6 +111,17 @@ fn real_and_emulated_metrics_parse_alike() {
     ] {
         assert!(r > 0.0 && e > 0.0, "{name}: real {r}, emulator {e}");
     }
+    // The online prefill-rate estimate's inputs: both histograms, with work
+    // in them after the same prompts.
+    for (side, m) in [("real", &real), ("emulator", &emu)] {
+        let p = m
+            .prefill
+            .unwrap_or_else(|| panic!("{side}: no prefill histograms"));
+        assert!(
+            p.computed_tokens > 0.0 && p.seconds > 0.0 && p.requests > 0.0,
+            "{side}: {p:?}"
+        );
+    }
     for m in [&real, &emu] {
         assert!((0.0..=1.0).contains(&m.kv_cache_usage), "{m:?}");
         assert!(m.running >= 0.0 && m.waiting >= 0.0, "{m:?}");

@@ -93,6 +93,12 @@ KVROUTE_READS = {
     "vllm:prefix_cache_hits_total": {"engine", "model_name"},
     "vllm:cache_config_info": {"engine", "block_size", "num_gpu_blocks"},
 }
+# Histogram samples the online prefill-rate estimate reads
+# (filter/core/src/collector/prefill_rate.rs): family → samples.
+KVROUTE_READS_HISTOGRAMS = {
+    "vllm:request_prefill_time_seconds": ("_sum", "_count"),
+    "vllm:request_prefill_kv_computed_tokens": ("_sum",),
+}
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +179,14 @@ def test_metric_names_types_and_labels_alike(captures):
                 problems.append(f"{fam}: read by kvroute, not served by the {side}")
             elif needed - fams[fam][1].get(fam, frozenset()):
                 problems.append(f"{fam}: the {side} lacks labels {sorted(needed - fams[fam][1][fam])}")
+    for fam, suffixes in KVROUTE_READS_HISTOGRAMS.items():
+        for side, fams in (("emulator", emu_f), ("vLLM", real_f)):
+            if fams.get(fam, ("",))[0] != "histogram":
+                problems.append(f"{fam}: read by kvroute, not a histogram on the {side}")
+                continue
+            for suffix in suffixes:
+                if "engine" not in fams[fam][1].get(fam + suffix, frozenset()):
+                    problems.append(f"{fam}{suffix}: read by kvroute, missing (or no engine label) on the {side}")
     assert not problems, "\n".join(problems)
 
 

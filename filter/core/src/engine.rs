@@ -6,6 +6,7 @@
 //! as it runs in Envoy. The glue only moves bytes and headers.
 
 use crate::blocks::prompt_blocks;
+use crate::collector::prefill_rate::{self, PrefillRateParams};
 use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::precise::{Fallback, PreciseUse};
@@ -19,6 +20,24 @@ use kvroute_shared_state::metrics::MetricsTable;
 use kvroute_shared_state::{Store, StoreError, ENDPOINTS_KEY, LOAD_KEY, METRICS_KEY};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
+
+/// A candidate's rendezvous key: its `ip:port` hashed, so that every gateway
+/// replica gives an endpoint the same key whatever slot it has there.
+fn endpoint_key(address: &str) -> u64 {
+    xxhash_rust::xxh64::xxh64(address.as_bytes(), 0)
+}
+
+/// The request's tie key (see [`RequestView::tie_key`]).
+fn tie_key(hashes: &[u64], candidates: &[Candidate]) -> Option<u64> {
+    let longest = candidates
+        .iter()
+        .map(|c| c.matched_blocks)
+        .max()
+        .unwrap_or(0) as usize;
+    hashes
+        .get(longest.min(hashes.len().saturating_sub(1)))
+        .copied()
+}
 
 /// Why a request was not routed by kvroute.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -378,6 +397,8 @@ impl Engine {
                         kv_cache_usage: m.kv_cache_usage,
                     }),
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
+                    prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),
+                    key: endpoint_key(&e.address),
                 }
             })
             .collect();
@@ -386,6 +407,7 @@ impl Engine {
             total_blocks: hashes.len() as u32,
             block_size_tokens: self.config.prefix.blocks.block_size_tokens,
             max_output_tokens,
+            tie_key: tie_key(hashes, &candidates),
         };
         Ok(Some(Snapshot {
             endpoints,
@@ -454,7 +476,7 @@ impl Engine {
         if !m.iter().all(|x| x.fresh) {
             return Ok(None);
         }
-        let candidates = snap
+        let candidates: Vec<Candidate> = snap
             .candidates
             .iter()
             .zip(&m)
@@ -463,11 +485,14 @@ impl Engine {
                 ..*c
             })
             .collect();
+        // The tie key from vLLM's hashes and the held matches: gateway
+        // replicas with the same held view break ties alike.
         let view = RequestView {
             prompt_tokens,
             total_blocks: vllm_hashes.len().min(u32::MAX as usize) as u32,
             block_size_tokens: p.block_size,
             max_output_tokens: snap.view.max_output_tokens,
+            tie_key: tie_key(vllm_hashes, &candidates),
         };
         Ok(Some((candidates, view)))
     }
@@ -716,6 +741,7 @@ impl Engine {
         now_ms: u64,
     ) -> Result<Option<String>, StoreError> {
         let parsed = result.map(vllm_metrics::parse);
+        let prefill = self.prefill_rate_params();
         let mut problem = None;
         update(
             store,
@@ -736,6 +762,7 @@ impl Engine {
                         m.num_gpu_blocks = v.num_gpu_blocks.unwrap_or(m.num_gpu_blocks);
                         m.prefix_queries = v.prefix_queries;
                         m.prefix_hits = v.prefix_hits;
+                        prefill_rate::observe(&mut m.prefill, v.prefill, now_ms, &prefill);
                     }
                     Ok(Err(e)) => {
                         m.failures = m.failures.saturating_add(1);
@@ -748,6 +775,21 @@ impl Engine {
         )?;
         self.bump_epoch(store)?;
         Ok(problem)
+    }
+
+    /// The online prefill-rate estimator's knobs: the affinity filter's
+    /// `"auto"` settings, or defaults around its fixed value (the estimate is
+    /// kept and shown either way; the gate uses it only with `"auto"`).
+    pub fn prefill_rate_params(&self) -> PrefillRateParams {
+        let f = self.config.scheduler.filters.first();
+        match f.and_then(|f| f.prefill_auto) {
+            Some(p) => p,
+            None => PrefillRateParams::around(
+                f.map(|f| f.peak_prefill_throughput)
+                    .filter(|&r| r > 0.0)
+                    .unwrap_or(15_928.0),
+            ),
+        }
     }
 
     /// Reaps charges older than `collector.reapAfterMs`. Returns the requests reaped.
@@ -777,6 +819,15 @@ impl Engine {
             .map(|e| {
                 let rec = load.get(e.slot, e.generation);
                 let m = metrics.get(e.slot, e.generation);
+                // What the affinity filter's TTFT estimate divides by now.
+                let gate_rate = self.config.scheduler.filters.first().map(|f| {
+                    f.prefill_tokens_per_s(&Candidate {
+                        prefill_tokens_per_s: m
+                            .filter(|m| m.is_fresh(now_ms, stale_after))
+                            .and_then(|m| m.prefill.estimate()),
+                        ..Default::default()
+                    })
+                });
                 let kv_events = held
                     .as_ref()
                     .map(|h| h.endpoint_json(self, store, e, now_ms));
@@ -790,6 +841,7 @@ impl Engine {
                     "insertCounter": rec.map_or(0, |r| r.insert_counter),
                     "reapedRequests": rec.map_or(0, |r| r.reaped_requests),
                     "capacityBlocks": self.capacity_blocks(m),
+                    "gatePrefillTokensPerS": gate_rate,
                     "metrics": m.filter(|m| m.ok_at_ms != 0).map(|m| serde_json::json!({
                         "waiting": m.waiting,
                         "running": m.running,
@@ -798,6 +850,10 @@ impl Engine {
                         "numGpuBlocks": m.num_gpu_blocks,
                         "prefixCacheQueries": m.prefix_queries,
                         "prefixCacheHits": m.prefix_hits,
+                        "prefillTokensPerS": m.prefill.estimate(),
+                        "prefillSamples": m.prefill.samples,
+                        "prefillUpdatedAgeMs": (m.prefill.updated_at_ms != 0)
+                            .then(|| now_ms.saturating_sub(m.prefill.updated_at_ms)),
                         "ageMs": now_ms.saturating_sub(m.ok_at_ms),
                         "fresh": m.is_fresh(now_ms, stale_after),
                         "failures": m.failures,
@@ -807,10 +863,16 @@ impl Engine {
             })
             .collect();
         let index_bytes = self.geometry.max_bytes();
+        let held_geo = self.held_geometry();
         Ok(serde_json::json!({
             "endpointTableVersion": table.version,
             "endpoints": eps,
             "index": {"shards": self.geometry.shards, "maxBytes": index_bytes},
+            "kvEvents": self.config.kv_events.enabled.then(|| serde_json::json!({
+                "maxHeldBlocks": held_geo.max_blocks,
+                "shardsPerEndpoint": held_geo.shards,
+                "maxBytesPerEndpoint": held_geo.max_bytes_per_endpoint(),
+            })),
         })
         .to_string())
     }

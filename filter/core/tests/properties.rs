@@ -1,10 +1,12 @@
 //! Property tests of the scheduler, the charge and the hashing.
 
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
+use kvroute_core::collector::prefill_rate::PrefillRateParams;
 use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
 use kvroute_core::scheduling::active_request::ActiveRequestScorer;
 use kvroute_core::scheduling::affinity_filter::AffinityFilter;
 use kvroute_core::scheduling::charge::InflightConfig;
+use kvroute_core::scheduling::max_score::TieBreak;
 use kvroute_core::scheduling::prefix_cache::PrefixCacheScorer;
 use kvroute_core::scheduling::token_load::TokenLoadScorer;
 use kvroute_core::scheduling::{
@@ -19,8 +21,9 @@ fn candidate() -> impl Strategy<Value = Candidate> {
         0u64..500,
         proptest::option::of((0.0f64..50.0, 0.0f64..50.0, 0.0f64..1.0)),
         proptest::option::of(1u64..1000),
+        proptest::option::of(1.0f64..1e6),
     )
-        .prop_map(|(matched, tokens, requests, m, cold)| Candidate {
+        .prop_map(|(matched, tokens, requests, m, cold, rate)| Candidate {
             matched_blocks: matched,
             inflight_tokens: tokens,
             inflight_requests: requests,
@@ -30,6 +33,8 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                 kv_cache_usage: u,
             }),
             last_cold_pick: cold,
+            prefill_tokens_per_s: rate,
+            key: 0,
         })
 }
 
@@ -55,6 +60,8 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                         peak_prefill_throughput: tput,
                         exploration_probability: expl,
                         max_tokens_in_flight_penalty: 0,
+                        // Half the cases read each candidate's estimate.
+                        prefill_auto: (tput > 50_000.0).then(PrefillRateParams::default),
                     }]
                 } else {
                     vec![]
@@ -72,8 +79,11 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                 )],
                 picker: if weighted {
                     Picker::WeightedRandom
+                } else if fallbacks % 2 == 0 {
+                    // Both tie breaks, keyed off an unrelated draw.
+                    Picker::MaxScore(TieBreak::Prefix)
                 } else {
-                    Picker::MaxScore
+                    Picker::MaxScore(TieBreak::Random)
                 },
                 inflight: InflightConfig {
                     add_estimated_output_tokens: out,
@@ -91,7 +101,7 @@ proptest! {
     #[test]
     fn decisions_are_well_formed(s in scheduler(), cands in proptest::collection::vec(candidate(), 0..12),
                                  blocks in 0u32..200, extra in 0u64..64, max_out in proptest::option::of(0u64..5000), seed in any::<u64>()) {
-        let req = RequestView { prompt_tokens: u64::from(blocks) * 16 + extra, total_blocks: blocks, block_size_tokens: 16, max_output_tokens: max_out };
+        let req = RequestView { prompt_tokens: u64::from(blocks) * 16 + extra, total_blocks: blocks, block_size_tokens: 16, max_output_tokens: max_out, tie_key: if blocks > 0 { Some(u64::from(blocks) * 31 + extra) } else { None }, };
         let d = s.schedule(&req, &cands, &mut Rng::new(seed));
         if cands.is_empty() {
             prop_assert!(d.is_none());

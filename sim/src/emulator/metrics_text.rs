@@ -4,11 +4,18 @@
 
 use super::endpoint::{Endpoint, Snapshot};
 use crate::prometheus::{format_value, Exposition};
+use crate::vllm_model::EngineConfig;
+use crate::vllm_model::Histogram;
 
 pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
-    let model = ep.cfg.model.as_str();
+    render_parts(&ep.cfg.model, &ep.cfg.engine, ep.started_unix_s, s)
+}
+
+/// The page for a server of `model` with engine config `cfg`, started at
+/// Unix time `created`, in state `s` (the simulator renders its modelled
+/// servers' pages with this, and feeds them to the collector's parser).
+pub fn render_parts(model: &str, cfg: &EngineConfig, created: f64, s: &Snapshot) -> String {
     let base: [(&str, &str); 2] = [("engine", "0"), ("model_name", model)];
-    let created = ep.started_unix_s;
     let mut e = Exposition::new();
 
     e.family(
@@ -96,34 +103,26 @@ pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
         );
     }
 
-    let h = &s.ttft;
-    let name = "vllm:time_to_first_token_seconds";
-    e.family(name, "Time to first token, seconds.", "histogram");
-    let mut cumulative = 0u64;
-    for (i, bound) in h.bounds.iter().enumerate() {
-        cumulative += h.counts[i];
-        let le = format_value(*bound);
-        e.sample(
-            &format!("{name}_bucket"),
-            &[base[0], ("le", &le), base[1]],
-            cumulative as f64,
-        );
+    for (name, help, h) in [
+        (
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &s.ttft,
+        ),
+        (
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            &s.prefill_time,
+        ),
+        (
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            &s.prefill_kv_computed,
+        ),
+    ] {
+        histogram(&mut e, name, help, h, &base, created);
     }
-    e.sample(
-        &format!("{name}_bucket"),
-        &[base[0], ("le", "+Inf"), base[1]],
-        h.count as f64,
-    );
-    e.sample(&format!("{name}_count"), &base, h.count as f64);
-    e.sample(&format!("{name}_sum"), &base, h.sum);
-    e.family(
-        &format!("{name}_created"),
-        "Time to first token, seconds.",
-        "gauge",
-    );
-    e.sample(&format!("{name}_created"), &base, created);
 
-    let cfg = &ep.cfg.engine;
     let bs = cfg.block_size.to_string();
     let blocks = cfg.num_gpu_blocks.to_string();
     let size_tokens = (u64::from(cfg.block_size) * u64::from(cfg.num_gpu_blocks)).to_string();
@@ -195,4 +194,30 @@ pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
         s.host_lag_model_s,
     );
     e.finish()
+}
+
+/// One histogram family as vLLM writes it: cumulative `_bucket`s with `le`
+/// between vLLM's labels, `_count`, `_sum`, and `_created`.
+fn histogram(
+    e: &mut Exposition,
+    name: &str,
+    help: &str,
+    h: &Histogram,
+    base: &[(&str, &str); 2],
+    created: f64,
+) {
+    e.family(name, help, "histogram");
+    let bucket = format!("{name}_bucket");
+    let mut cumulative = 0u64;
+    for (i, bound) in h.bounds.iter().enumerate() {
+        cumulative += h.counts[i];
+        let le = format_value(*bound);
+        e.sample(&bucket, &[base[0], ("le", &le), base[1]], cumulative as f64);
+    }
+    e.sample(&bucket, &[base[0], ("le", "+Inf"), base[1]], h.count as f64);
+    e.sample(&format!("{name}_count"), base, h.count as f64);
+    e.sample(&format!("{name}_sum"), base, h.sum);
+    let c = format!("{name}_created");
+    e.family(&c, help, "gauge");
+    e.sample(&c, base, created);
 }

@@ -55,10 +55,10 @@ struct EventsAnswer {
     batches: Vec<Batch>,
 }
 
+/// One batch of an answer (its `seq` is not needed: the answer's `seq` is
+/// the cursor).
 #[derive(Debug, Deserialize)]
 struct Batch {
-    #[allow(dead_code)]
-    seq: u64,
     ops: Vec<Op>,
 }
 
@@ -217,6 +217,7 @@ impl Engine {
             return Ok(out);
         }
         let dropped_before = w.view.dropped;
+        let seq_before = w.view.relay_seq;
         for batch in &a.batches {
             for op in &batch.ops {
                 match op {
@@ -253,7 +254,10 @@ impl Engine {
         }
         out.dropped = w.view.dropped - dropped_before;
         out.blocks = w.view.blocks;
-        if a.more {
+        // The next page at once, if this one moved the cursor (a relay that
+        // says `more` without moving it is asked again on the next round,
+        // not in a loop).
+        if a.more && a.seq > seq_before {
             out.follow_up = Some(Ask::Events);
         }
         w.commit(store)?;
@@ -406,5 +410,37 @@ impl Engine {
         Ok(Some(HeldState {
             table: HeldTable::read(store)?,
         }))
+    }
+}
+
+impl Engine {
+    /// The request path's view of the held sets (`kvEvents`): for each of
+    /// `endpoints` (e.g. [`crate::engine::Snapshot::endpoints`]), the
+    /// leading hashes of `hashes` (vLLM block hashes, block 0 first) it
+    /// holds and whether its view is fresh (`kvEvents.staleMs`). With
+    /// `kvEvents` off, every endpoint is not fresh and nothing is read.
+    /// One read of `kvroute/held`, then [`kvroute_shared_state::held::longest_held`].
+    pub fn held_prefixes(
+        &self,
+        store: &dyn Store,
+        endpoints: &[kvroute_shared_state::endpoints::EndpointEntry],
+        hashes: &[u64],
+        now_ms: u64,
+    ) -> Result<Vec<kvroute_shared_state::held::HeldMatch>, StoreError> {
+        let kv = &self.config.kv_events;
+        if !kv.enabled {
+            return Ok(vec![Default::default(); endpoints.len()]);
+        }
+        let status = HeldTable::read(store)?;
+        let ids: Vec<(u16, u16)> = endpoints.iter().map(|e| (e.slot, e.generation)).collect();
+        kvroute_shared_state::held::longest_held(
+            store,
+            &self.held_geometry(),
+            &status,
+            &ids,
+            hashes,
+            now_ms,
+            kv.stale_ms,
+        )
     }
 }

@@ -24,6 +24,22 @@ pub struct VllmMetrics {
     pub prefix_queries: f64,
     /// `vllm:prefix_cache_hits_total` (tokens)
     pub prefix_hits: f64,
+    /// The two per-request prefill histograms, when the server exports both.
+    pub prefill: Option<PrefillTotals>,
+}
+
+/// Sums of vLLM's two prefill histograms, which it observes together for
+/// each finished request (see `super::prefill_rate`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillTotals {
+    /// `vllm:request_prefill_kv_computed_tokens_sum`: prompt tokens computed
+    /// (prompt − cached), tokens.
+    pub computed_tokens: f64,
+    /// `vllm:request_prefill_time_seconds_sum`: first token − first
+    /// scheduled, seconds.
+    pub seconds: f64,
+    /// `vllm:request_prefill_time_seconds_count`: requests.
+    pub requests: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,6 +66,9 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
     let text = String::from_utf8_lossy(text);
     let mut m = VllmMetrics::default();
     let (mut seen_load, mut usage_sum, mut usage_n) = (false, 0.0, 0u32);
+    let mut prefill = PrefillTotals::default();
+    // Which of computed-tokens sum, time sum, time count were seen.
+    let mut prefill_seen = [false; 3];
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -73,6 +92,18 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
             }
             "vllm:prefix_cache_queries_total" => m.prefix_queries += value,
             "vllm:prefix_cache_hits_total" => m.prefix_hits += value,
+            "vllm:request_prefill_kv_computed_tokens_sum" => {
+                prefill.computed_tokens += value;
+                prefill_seen[0] = true;
+            }
+            "vllm:request_prefill_time_seconds_sum" => {
+                prefill.seconds += value;
+                prefill_seen[1] = true;
+            }
+            "vllm:request_prefill_time_seconds_count" => {
+                prefill.requests += value;
+                prefill_seen[2] = true;
+            }
             "vllm:cache_config_info" => {
                 if let Some(bs) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
                     m.block_size = Some(bs);
@@ -96,6 +127,13 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
     m.running = sane(m.running);
     m.prefix_queries = sane(m.prefix_queries);
     m.prefix_hits = sane(m.prefix_hits);
+    if prefill_seen.iter().all(|&s| s) {
+        m.prefill = Some(PrefillTotals {
+            computed_tokens: sane(prefill.computed_tokens),
+            seconds: sane(prefill.seconds),
+            requests: sane(prefill.requests),
+        });
+    }
     Ok(m)
 }
 
@@ -175,6 +213,28 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(small.num_gpu_blocks, Some(256));
+        // The capture: 15 requests, 10093 computed tokens (= its
+        // prompt_tokens_by_source{local_compute}), 0.374 s of prefill.
+        let p = m.prefill.unwrap();
+        assert_eq!((p.computed_tokens, p.requests), (10093.0, 15.0));
+        assert!((p.seconds - 0.374_412_347).abs() < 1e-6, "{}", p.seconds);
+    }
+
+    #[test]
+    fn prefill_totals_need_both_histograms() {
+        let both = b"vllm:num_requests_running 0\n\
+vllm:request_prefill_time_seconds_sum{engine=\"0\"} 0.5\n\
+vllm:request_prefill_time_seconds_sum{engine=\"1\"} 0.25\n\
+vllm:request_prefill_time_seconds_count{engine=\"0\"} 3\n\
+vllm:request_prefill_time_seconds_bucket{engine=\"0\",le=\"+Inf\"} 3\n\
+vllm:request_prefill_kv_computed_tokens_sum{engine=\"0\"} 9000\n";
+        let p = parse(both).unwrap().prefill.unwrap();
+        assert_eq!(
+            (p.computed_tokens, p.seconds, p.requests),
+            (9000.0, 0.75, 3.0)
+        );
+        let time_only = b"vllm:num_requests_running 0\nvllm:request_prefill_time_seconds_sum 1\nvllm:request_prefill_time_seconds_count 1\n";
+        assert_eq!(parse(time_only).unwrap().prefill, None);
     }
 
     #[test]

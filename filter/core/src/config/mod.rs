@@ -10,10 +10,12 @@
 //! reference is `docs/configuration.md`.
 
 use crate::blocks::BlockConfig;
+use crate::collector::prefill_rate::PrefillRateParams;
 use crate::precise::{self, PreciseConfig, TokenizerConfig};
 use crate::scheduling::active_request::ActiveRequestScorer;
 use crate::scheduling::affinity_filter::AffinityFilter;
 use crate::scheduling::charge::InflightConfig;
+use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
 use crate::scheduling::token_load::TokenLoadScorer;
 use crate::scheduling::{Picker, Scheduler, Scorer};
@@ -446,11 +448,105 @@ struct AffinityParams {
     max_ttft_penalty_ms: Option<f64>,
     /// llm-d's earlier interface: τ in tokens.
     max_tokens_in_flight_penalty: Option<i64>,
-    peak_prefill_throughput: Option<f64>,
+    /// A number (tokens/s), `"auto"`, or an `{"auto": …}` object.
+    peak_prefill_throughput: Option<Value>,
     ttft_source: Option<String>,
     prefix_match_info_producer_name: Option<String>,
     in_flight_load_producer_name: Option<String>,
     latency_prediction_info_producer_name: Option<String>,
+}
+
+/// `peakPrefillThroughput: {"auto": true, …}`.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AutoPeakParams {
+    auto: Option<bool>,
+    initial: Option<f64>,
+    floor: Option<f64>,
+    ceiling: Option<f64>,
+    smoothing: Option<f64>,
+    min_tokens_per_request: Option<f64>,
+}
+
+/// `peakPrefillThroughput` → (the configured value, the online estimator's
+/// knobs when `"auto"`).
+fn compile_peak_prefill(
+    path: &str,
+    v: &Option<Value>,
+) -> Result<(f64, Option<PrefillRateParams>), ConfigError> {
+    const MAX_TPS: f64 = 1e12;
+    let tps = |p: &str, v: Option<f64>, default: f64, lo: f64| {
+        range_f64(p, v, default, lo, MAX_TPS, "must be ≥ 0 tokens/s")
+    };
+    match v {
+        None | Some(Value::Null) => Ok((15_928.0, None)),
+        Some(Value::Number(n)) => Ok((tps(path, n.as_f64(), 15_928.0, 0.0)?, None)),
+        Some(Value::String(s)) if s == "auto" => {
+            Ok((15_928.0, Some(PrefillRateParams::around(15_928.0))))
+        }
+        Some(Value::String(s)) => Err(err(
+            path,
+            format!("\"{s}\" is not allowed: give tokens/s, \"auto\", or {{\"auto\": true, \"initial\": …, \"floor\": …, \"ceiling\": …}}"),
+        )),
+        Some(obj @ Value::Object(_)) => {
+            let q: AutoPeakParams = strict_value_req(obj, path)?;
+            let initial = tps(&format!("{path}.initial"), q.initial, 15_928.0, 0.0)?;
+            if q.auto == Some(false) {
+                return Ok((initial, None));
+            }
+            if initial <= 0.0 {
+                return Err(err(
+                    format!("{path}.initial"),
+                    "must be > 0 tokens/s with \"auto\"",
+                ));
+            }
+            let d = PrefillRateParams::around(initial);
+            let floor = tps(&format!("{path}.floor"), q.floor, d.floor, 0.0)?;
+            let ceiling = tps(&format!("{path}.ceiling"), q.ceiling, d.ceiling, 0.0)?;
+            if floor <= 0.0 || !(floor <= initial && initial <= ceiling) {
+                return Err(err(
+                    path,
+                    format!("needs 0 < floor ≤ initial ≤ ceiling; got floor {floor}, initial {initial}, ceiling {ceiling} (tokens/s)"),
+                ));
+            }
+            let smoothing = range_f64(
+                &format!("{path}.smoothing"),
+                q.smoothing,
+                d.smoothing,
+                0.0,
+                1.0,
+                "must be in (0, 1] (the weight of each new measurement)",
+            )?;
+            if smoothing <= 0.0 {
+                return Err(err(
+                    format!("{path}.smoothing"),
+                    "0 is out of range: must be in (0, 1] (0 would never move)",
+                ));
+            }
+            let min_tokens_per_request = range_f64(
+                &format!("{path}.minTokensPerRequest"),
+                q.min_tokens_per_request,
+                d.min_tokens_per_request,
+                1.0,
+                1e9,
+                "must be ≥ 1 token",
+            )?;
+            Ok((
+                initial,
+                Some(PrefillRateParams {
+                    initial,
+                    floor,
+                    ceiling,
+                    smoothing,
+                    min_tokens_per_request,
+                }),
+            ))
+        }
+        Some(other) => Err(err(
+            path,
+            format!("{other} is not allowed: give tokens/s, \"auto\", or an {{\"auto\": true, …}} object"),
+        )),
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -497,6 +593,9 @@ struct NoParams {}
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct PickerParams {
     max_num_of_endpoints: Option<i64>,
+    /// `max-score-picker` only: `"random"` (llm-d's, the default) or
+    /// `"prefix"` (rendezvous on the request's blocks).
+    tie_break: Option<String>,
 }
 
 /// Deserialises with unknown-field rejection and a path in the error.
@@ -857,6 +956,10 @@ fn compile_plugin(
                     ));
                 }
             }
+            let (peak, prefill_auto) = compile_peak_prefill(
+                &format!("{ppath}.peakPrefillThroughput"),
+                &q.peak_prefill_throughput,
+            )?;
             let f = AffinityFilter {
                 affinity_threshold: range_f64(
                     &format!("{ppath}.affinityThreshold"),
@@ -882,15 +985,9 @@ fn compile_plugin(
                     86_400_000.0,
                     "must be ≥ 0 ms (0 = always stick)",
                 )?,
-                peak_prefill_throughput: range_f64(
-                    &format!("{ppath}.peakPrefillThroughput"),
-                    q.peak_prefill_throughput,
-                    15_928.0,
-                    0.0,
-                    1e12,
-                    "must be ≥ 0 tokens/s",
-                )?,
+                peak_prefill_throughput: peak,
                 max_tokens_in_flight_penalty: token_penalty,
+                prefill_auto,
             };
             if f.max_ttft_penalty_ms > 0.0 && f.peak_prefill_throughput <= 0.0 {
                 return Err(err(
@@ -1026,8 +1123,22 @@ fn compile_plugin(
                     ));
                 }
             }
+            let tie = match q.tie_break.as_deref() {
+                None | Some("random") => TieBreak::Random,
+                Some("prefix") if kind == "max-score-picker" => TieBreak::Prefix,
+                Some(other) => {
+                    return Err(err(
+                        format!("{ppath}.tieBreak"),
+                        if kind == "max-score-picker" {
+                            format!("\"{other}\" is not a tie break; use \"random\" or \"prefix\"")
+                        } else {
+                            "weighted-random-picker draws at random; only \"random\" applies".into()
+                        },
+                    ))
+                }
+            };
             Compiled::Picker(if kind == "max-score-picker" {
-                Picker::MaxScore
+                Picker::MaxScore(tie)
             } else {
                 Picker::WeightedRandom
             })
@@ -1233,7 +1344,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let scheduler = Scheduler {
         filters,
         scorers,
-        picker: picker.unwrap_or(Picker::MaxScore),
+        picker: picker.unwrap_or(Picker::MaxScore(TieBreak::Random)),
         inflight: inflight.unwrap_or_default(),
         max_fallbacks: routing.max_fallbacks,
     };

@@ -1,4 +1,5 @@
 use super::*;
+use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
 
 const BASELINE: &str = r#"{"plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":64,"maxPrefixTokensToMatch":131072}},
@@ -178,7 +179,7 @@ fn guide_optimized_baseline_loads_with_the_token_gap_gate() {
     assert_eq!(f.max_tokens_in_flight_penalty, 286_720);
     assert_eq!(f.max_ttft_penalty_ms, 0.0);
     assert_eq!(f.affinity_threshold, 0.8);
-    assert_eq!(c.scheduler.picker, Picker::MaxScore);
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Random));
     assert_eq!(c.prefix.blocks.max_prefix_tokens, 40_960);
     assert_eq!(c.scheduler.inflight.output_ratio, 1.5);
 }
@@ -537,7 +538,7 @@ fn old_plugin_type_names_are_aliases() {
             "kv-cache-utilization-scorer"
         ]
     );
-    assert_eq!(c.scheduler.picker, Picker::MaxScore);
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Random));
 }
 
 #[test]
@@ -778,4 +779,124 @@ fn collector_mode_and_lease_are_checked() {
     ))
     .to_string();
     assert!(e.contains("collector.leaseMs"), "{e}");
+}
+
+#[test]
+fn peak_prefill_throughput_auto() {
+    let f = |params: &str| {
+        accept(&one_plugin("prefix-cache-affinity-filter", params))
+            .scheduler
+            .filters[0]
+            .clone()
+    };
+    let peak = |v: &str| format!(r#"{{"peakPrefillThroughput":{v}}}"#);
+    // A number is fixed, as before.
+    let g = f(&peak("20480"));
+    assert_eq!(
+        (g.peak_prefill_throughput, g.prefill_auto),
+        (20_480.0, None)
+    );
+    // "auto": estimated, starting from (and falling back to) the default.
+    let g = f(&peak(r#""auto""#));
+    assert_eq!(g.peak_prefill_throughput, 15_928.0);
+    assert_eq!(g.prefill_auto, Some(PrefillRateParams::around(15_928.0)));
+    // The object form sets the bounds and knobs.
+    let g = f(&peak(
+        r#"{"auto":true,"initial":10000,"floor":2000,"ceiling":50000,"smoothing":0.5,"minTokensPerRequest":1024}"#,
+    ));
+    assert_eq!(g.peak_prefill_throughput, 10_000.0);
+    assert_eq!(
+        g.prefill_auto,
+        Some(PrefillRateParams {
+            initial: 10_000.0,
+            floor: 2_000.0,
+            ceiling: 50_000.0,
+            smoothing: 0.5,
+            min_tokens_per_request: 1024.0,
+        })
+    );
+    // Omitted bounds are ÷8 and ×8 around initial; auto defaults to true.
+    let g = f(&peak(r#"{"initial":8000}"#));
+    assert_eq!(
+        g.prefill_auto.map(|p| (p.floor, p.ceiling)),
+        Some((1000.0, 64_000.0))
+    );
+    // "auto": false is the fixed initial value.
+    let g = f(&peak(r#"{"auto":false,"initial":8000}"#));
+    assert_eq!((g.peak_prefill_throughput, g.prefill_auto), (8000.0, None));
+
+    let path = "plugins[0].parameters.peakPrefillThroughput";
+    let bad = |v: &str| reject(&one_plugin("prefix-cache-affinity-filter", &peak(v)));
+    let e = bad(r#""automatic""#);
+    assert_eq!(e.path, path);
+    assert!(e.message.contains("\"auto\""), "{e}");
+    let e = bad(r#"{"auto":true,"flor":1}"#);
+    assert_eq!(e.path, format!("{path}.flor"));
+    let e = bad(r#"{"initial":1000,"floor":2000}"#);
+    assert_eq!(e.path, path);
+    assert!(e.message.contains("floor ≤ initial ≤ ceiling"), "{e}");
+    let e = bad(r#"{"initial":0}"#);
+    assert_eq!(e.path, format!("{path}.initial"));
+    let e = bad(r#"{"smoothing":0}"#);
+    assert_eq!(e.path, format!("{path}.smoothing"));
+    let e = bad(r#"{"smoothing":1.5}"#);
+    assert_eq!(e.path, format!("{path}.smoothing"));
+    let e = bad(r#"{"minTokensPerRequest":0}"#);
+    assert_eq!(e.path, format!("{path}.minTokensPerRequest"));
+    let e = bad("-1");
+    assert_eq!(e.path, path);
+    let e = bad("true");
+    assert_eq!(e.path, path);
+    assert!(e.message.contains("not allowed"), "{e}");
+}
+
+#[test]
+fn fuzz_seed_with_auto_peak_prefill_loads() {
+    let doc = include_str!("../../../../fuzz/seeds/config/peak-prefill-auto.json");
+    let c = Config::from_json(doc.as_bytes()).unwrap();
+    let p = c.scheduler.filters[0].prefill_auto.unwrap();
+    assert_eq!(
+        (p.initial, p.floor, p.ceiling),
+        (20_480.0, 2_560.0, 163_840.0)
+    );
+}
+
+#[test]
+fn max_score_picker_tie_break() {
+    let doc = |picker: &str| {
+        format!(
+            r#"{{"endpoints":{{"static":["127.0.0.1:1"]}},"plugins":[{{"type":"token-load-scorer"}},{picker}],
+                "schedulingProfiles":[{{"name":"d","plugins":[{{"pluginRef":"token-load-scorer"}},{{"pluginRef":"p"}}]}}]}}"#
+        )
+    };
+    let c = Config::from_json(
+        doc(r#"{"type":"max-score-picker","name":"p","parameters":{"tieBreak":"prefix"}}"#)
+            .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Prefix));
+    let c = Config::from_json(doc(r#"{"type":"max-score-picker","name":"p"}"#).as_bytes()).unwrap();
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Random));
+    let e = Config::from_json(
+        doc(r#"{"type":"max-score-picker","name":"p","parameters":{"tieBreak":"first"}}"#)
+            .as_bytes(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("tieBreak"), "{e}");
+    let e = Config::from_json(
+        doc(r#"{"type":"weighted-random-picker","name":"p","parameters":{"tieBreak":"prefix"}}"#)
+            .as_bytes(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("tieBreak"), "{e}");
+}
+
+#[test]
+fn shipped_config_breaks_ties_by_prefix() {
+    // The shipped file leaves `endpoints` to the deployment (render.py adds them).
+    let mut v: Value =
+        serde_json::from_slice(include_bytes!("../../../../envoy/kvroute-config.json")).unwrap();
+    v["endpoints"] = serde_json::json!({"static": ["127.0.0.1:1"]});
+    let c = Config::from_json(v.to_string().as_bytes()).unwrap();
+    assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Prefix));
 }

@@ -604,3 +604,150 @@ fn precise_mode_computes_vllm_hashes_and_falls_back_counted_by_reason() {
     let r = routed(a.route(&s2, ApiKind::Completions, ids, 0, &mut rng));
     assert_eq!(r.precise, None);
 }
+
+/// `/metrics` with the two prefill histograms' sums (tokens, seconds, requests).
+fn prefill_metrics(tokens: f64, seconds: f64, requests: f64) -> Vec<u8> {
+    format!(
+        "vllm:num_requests_running{{engine=\"0\"}} 0\n\
+         vllm:num_requests_waiting{{engine=\"0\"}} 0\n\
+         vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} {seconds}\n\
+         vllm:request_prefill_time_seconds_count{{engine=\"0\"}} {requests}\n\
+         vllm:request_prefill_kv_computed_tokens_sum{{engine=\"0\"}} {tokens}\n\
+         vllm:request_prefill_kv_computed_tokens_count{{engine=\"0\"}} {requests}\n"
+    )
+    .into_bytes()
+}
+
+#[test]
+fn online_prefill_estimate_reaches_the_gate_while_fresh() {
+    let doc = serde_json::to_string(&serde_json::json!({
+        "endpoints": {"static": ["127.0.0.1:1", "127.0.0.1:2"]},
+        "plugins": [
+            {"type": "prefix-cache-affinity-filter",
+             "parameters": {"peakPrefillThroughput": {"auto": true, "initial": 10000}}},
+            {"type": "token-load-scorer"}],
+        "schedulingProfiles": [{"name": "d", "plugins": [
+            {"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"}]}],
+        "collector": {"metricsStaleAfterMs": 3000}
+    }))
+    .unwrap();
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let table = e.endpoint_table(&s).unwrap();
+    let ep = &table.endpoints[0];
+    let (slot, generation) = (ep.slot, ep.generation);
+    // A baseline, then 8000 computed tokens in 0.5 s of prefill.
+    e.record_metrics(
+        &s,
+        slot,
+        generation,
+        Ok(&prefill_metrics(50.0, 0.1, 1.0)),
+        1000,
+    )
+    .unwrap();
+    e.record_metrics(
+        &s,
+        slot,
+        generation,
+        Ok(&prefill_metrics(8050.0, 0.6, 3.0)),
+        2000,
+    )
+    .unwrap();
+    let snap = e.snapshot(&s, &[], 10, None, 2500).unwrap().unwrap();
+    let rates: Vec<_> = snap
+        .candidates
+        .iter()
+        .map(|c| c.prefill_tokens_per_s)
+        .collect();
+    assert_eq!(rates, vec![Some(16_000.0), None]);
+    let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 2500).unwrap()).unwrap();
+    assert_eq!(v["endpoints"][0]["metrics"]["prefillTokensPerS"], 16_000.0);
+    assert_eq!(v["endpoints"][0]["metrics"]["prefillSamples"], 1);
+    assert_eq!(v["endpoints"][0]["gatePrefillTokensPerS"], 16_000.0);
+    assert_eq!(v["endpoints"][1]["gatePrefillTokensPerS"], 10_000.0);
+    // Polls fail from here: once the metrics are stale the gate falls back
+    // to the configured value; the estimate itself is kept for later.
+    e.record_metrics(&s, slot, generation, Err(()), 4000)
+        .unwrap();
+    let snap = e.snapshot(&s, &[], 10, None, 5001).unwrap().unwrap();
+    assert_eq!(snap.candidates[0].prefill_tokens_per_s, None);
+    let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 5001).unwrap()).unwrap();
+    assert_eq!(v["endpoints"][0]["gatePrefillTokensPerS"], 10_000.0);
+    assert_eq!(v["endpoints"][0]["metrics"]["prefillTokensPerS"], 16_000.0);
+    assert_eq!(v["endpoints"][0]["metrics"]["fresh"], false);
+}
+
+fn prefix_tie_config(endpoints: &str) -> Config {
+    let doc = format!(
+        r#"{{"endpoints":{{"static":[{endpoints}]}},
+            "plugins":[{{"type":"approx-prefix-cache-producer","parameters":{{"blockSizeTokens":16}}}},
+                       {{"type":"active-request-scorer"}},{{"type":"max-score-picker","parameters":{{"tieBreak":"prefix"}}}}],
+            "schedulingProfiles":[{{"name":"d","plugins":[{{"pluginRef":"active-request-scorer"}},{{"pluginRef":"max-score-picker"}}]}}]}}"#
+    );
+    Config::from_json(doc.as_bytes()).unwrap()
+}
+
+/// Issue 17 part 5: two gateway replicas (two stores, different RNG seeds,
+/// endpoints listed in different orders so their slots differ) place the
+/// same cold prompts on the same endpoints.
+#[test]
+fn prefix_tie_break_places_cold_prompts_alike_in_two_replicas() {
+    let a = Engine::new(prefix_tie_config(
+        r#""127.0.0.1:1","127.0.0.1:2","127.0.0.1:3","127.0.0.1:4""#,
+    ));
+    let b = Engine::new(prefix_tie_config(
+        r#""127.0.0.1:4","127.0.0.1:3","127.0.0.1:2","127.0.0.1:1""#,
+    ));
+    let (sa, sb) = (MemoryStore::new(), MemoryStore::new());
+    a.collector_init(&sa).unwrap();
+    b.collector_init(&sb).unwrap();
+    let (mut ra, mut rb) = (Rng::new(1), Rng::new(987_654));
+    let sys = "Shared system prompt for every session. ".repeat(30);
+    let mut used = std::collections::BTreeMap::new();
+    for i in 0..40 {
+        let body = chat(
+            &sys,
+            &format!("session {i}: {}", "private context ".repeat(20)),
+        );
+        let pa = routed(a.route(&sa, ApiKind::ChatCompletions, &body, i, &mut ra));
+        let pb = routed(b.route(&sb, ApiKind::ChatCompletions, &body, i, &mut rb));
+        assert_eq!(primary(&pa), primary(&pb), "session {i}");
+        *used.entry(primary(&pa).to_string()).or_insert(0) += 1;
+        // Finished before the next arrives: every endpoint has no request
+        // in flight, so each placement is a tie on the request-count score.
+        a.release_rest(&sa, &pa.ticket.unwrap(), false).unwrap();
+        b.release_rest(&sb, &pb.ticket.unwrap(), false).unwrap();
+    }
+    // Sessions share only the system prompt, which the fleet holds: the tie
+    // key is their first private block, so they still spread.
+    assert_eq!(used.len(), 4, "{used:?}");
+    assert!(used.values().all(|&n| n >= 4), "{used:?}");
+}
+
+/// Without `tieBreak`, llm-d's random tie break is kept: replicas with
+/// different seeds disagree on some cold placements.
+#[test]
+fn random_tie_break_is_the_llm_d_default() {
+    let mk = || {
+        let mut c = prefix_tie_config(r#""127.0.0.1:1","127.0.0.1:2","127.0.0.1:3""#);
+        c.scheduler.picker =
+            crate::scheduling::Picker::MaxScore(crate::scheduling::max_score::TieBreak::Random);
+        Engine::new(c)
+    };
+    let (a, b) = (mk(), mk());
+    let (sa, sb) = (MemoryStore::new(), MemoryStore::new());
+    a.collector_init(&sa).unwrap();
+    b.collector_init(&sb).unwrap();
+    let (mut ra, mut rb) = (Rng::new(1), Rng::new(2));
+    let mut differ = 0;
+    for i in 0..30 {
+        let body = chat(&format!("prompt {i} ").repeat(30), "q");
+        let pa = routed(a.route(&sa, ApiKind::ChatCompletions, &body, i, &mut ra));
+        let pb = routed(b.route(&sb, ApiKind::ChatCompletions, &body, i, &mut rb));
+        differ += usize::from(primary(&pa) != primary(&pb));
+        a.release_rest(&sa, &pa.ticket.unwrap(), false).unwrap();
+        b.release_rest(&sb, &pb.ticket.unwrap(), false).unwrap();
+    }
+    assert!(differ > 5, "{differ}");
+}

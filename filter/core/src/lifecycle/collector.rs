@@ -91,6 +91,9 @@ enum Pending {
         generation: u16,
         ask: Ask,
         relay: String,
+        /// The view's consecutive failures when the call was made: only the
+        /// first of a run is logged as a warning.
+        failures: u32,
     },
 }
 
@@ -423,6 +426,7 @@ impl Collector {
             return self.relay_failed(host, slot, generation, now);
         };
         let path = ask_path(ask, view, kv.max_hashes_per_poll);
+        let failures = view.map_or(0, |v| v.failures);
         let headers = [
             (":method", "GET"),
             (":path", path.as_str()),
@@ -439,12 +443,13 @@ impl Collector {
                         generation,
                         ask,
                         relay,
+                        failures,
                     },
                 );
             }
             Err(err) => {
                 host.log(
-                    Level::Warn,
+                    first_of_run(failures),
                     &format!(
                         "kvroute collector: relay call to {relay} (cluster {}): {err}",
                         kv.cluster
@@ -456,6 +461,7 @@ impl Collector {
     }
 
     fn relay_failed(&self, host: &dyn Host, slot: u16, generation: u16, now: u64) {
+        // (Logged by the caller, at Warn only for the first of a run.)
         self.counts.inc(host, Counter::KvEventsPollFailures);
         if let Err(e) = self
             .engine
@@ -475,13 +481,14 @@ impl Collector {
         generation: u16,
         ask: Ask,
         relay: &str,
+        failures: u32,
         status: Option<&str>,
         body: Option<Vec<u8>>,
         now: u64,
     ) {
         let Some(body) = body else {
             host.log(
-                Level::Debug,
+                first_of_run(failures),
                 &format!(
                     "kvroute collector: relay {relay} answered {}",
                     status.unwrap_or("nothing (timeout or reset)")
@@ -498,7 +505,7 @@ impl Collector {
                 Err(crate::collector::kv_events::ApplyError::Garbage(m)) => {
                     self.counts.inc(host, Counter::KvEventsBadAnswers);
                     host.log(
-                        Level::Warn,
+                        first_of_run(failures),
                         &format!("kvroute collector: relay {relay}: {m}"),
                     );
                     return self.relay_failed(host, slot, generation, now);
@@ -602,16 +609,28 @@ impl Collector {
                 generation,
                 ask,
                 relay,
+                failures,
             } => self.on_relay_answer(
                 host,
                 slot,
                 generation,
                 ask,
                 &relay,
+                failures,
                 status.as_deref(),
                 body,
                 now,
             ),
         }
+    }
+}
+
+/// A relay that stays down is logged once as a warning, then at debug
+/// level on every poll until it answers again (the counters count them all).
+fn first_of_run(failures: u32) -> Level {
+    if failures == 0 {
+        Level::Warn
+    } else {
+        Level::Debug
     }
 }

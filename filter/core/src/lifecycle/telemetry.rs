@@ -15,7 +15,7 @@
 //! *slot*, not address: `kvroute_endpoint_inflight_tokens.slot.3`. Slots
 //! are reused lowest-free and bounded by the endpoint table
 //! ([`kvroute_shared_state::MAX_ENDPOINTS`]), so a fleet that churns through
-//! many addresses still defines at most (peak fleet size × 3) stats. The
+//! many addresses still defines at most (peak fleet size × 4) stats. The
 //! slot's address is in the state (`routing.statePath`). Envoy turns
 //! `.slot.<n>` into a Prometheus label `slot="<n>"` when the bootstrap has
 //! the `stats_tags` rule `envoy/render.py` adds ([`SLOT_TAG_REGEX`]);
@@ -238,7 +238,7 @@ impl Gauge {
 }
 
 /// The per-slot gauges, in this order.
-pub const SLOT_GAUGES: [&str; 3] = [
+pub const SLOT_GAUGES: [&str; 4] = [
     // Σ in-flight (uncached prompt + expected output) tokens charged, tokens.
     "kvroute_endpoint_inflight_tokens",
     // In-flight requests charged.
@@ -246,6 +246,9 @@ pub const SLOT_GAUGES: [&str; 3] = [
     // now − last successful /metrics poll, ms (since the collector started
     // when no poll ever succeeded; 0 for a free slot).
     "kvroute_endpoint_metrics_age_ms",
+    // The collector's online prefill-throughput estimate
+    // (collector::prefill_rate), tokens/s, rounded; 0 until one exists.
+    "kvroute_endpoint_prefill_tokens_per_s",
 ];
 
 /// The collector-wide gauges, in this order.
@@ -276,7 +279,7 @@ pub fn slot_stat_name(base: &str, slot: u16) -> String {
 pub struct CollectorStats {
     global: Vec<Gauge>,
     /// By slot, defined the first time the slot is used.
-    slots: Vec<Option<[Gauge; 3]>>,
+    slots: Vec<Option<[Gauge; 4]>>,
     /// Used entries per index shard, as last read.
     shard_used: Vec<u16>,
     next_shard: u32,
@@ -366,6 +369,8 @@ impl CollectorStats {
             g[0].set(host, rec.map_or(0, |r| r.inflight_tokens()));
             g[1].set(host, rec.map_or(0, |r| r.inflight_requests()));
             g[2].set(host, age);
+            let rate = m.and_then(|m| m.prefill.estimate()).unwrap_or(0.0);
+            g[3].set(host, rate.round() as u64);
         }
         // A slot whose endpoint left reads 0.
         for (s, g) in self.slots.iter_mut().enumerate() {

@@ -908,6 +908,42 @@ fn the_collector_leader_gauge_is_set_by_the_role() {
     assert_eq!(host.gauge(LEADER_GAUGE), Some(1));
 }
 
+#[test]
+fn collector_gauges_show_the_prefill_estimate() {
+    use telemetry::{slot_stat_name, GAUGE_PERIOD_MS};
+    let (host, _w, mut c) = filter_and_collector();
+    let gauge = |s: u16| host.gauge(&slot_stat_name("kvroute_endpoint_prefill_tokens_per_s", s));
+    c.on_tick(&host);
+    assert_eq!(gauge(0), Some(0), "no estimate yet");
+    // Two polls of slot 0: 6000 computed tokens in 0.25 s of prefill.
+    let engine = Engine::new(Config::from_json(&host.config.borrow()).unwrap());
+    let text = |tokens: f64, seconds: f64, n: f64| {
+        format!(
+            "vllm:num_requests_running 0\nvllm:request_prefill_time_seconds_sum {seconds}\n\
+             vllm:request_prefill_time_seconds_count {n}\nvllm:request_prefill_kv_computed_tokens_sum {tokens}\n"
+        )
+    };
+    let now_ms = host.now_ns.get() / 1_000_000;
+    let store = host.store();
+    engine
+        .record_metrics(store, 0, 1, Ok(text(0.0, 0.0, 0.0).as_bytes()), now_ms)
+        .unwrap();
+    engine
+        .record_metrics(
+            store,
+            0,
+            1,
+            Ok(text(6000.0, 0.25, 2.0).as_bytes()),
+            now_ms + 1,
+        )
+        .unwrap();
+    host.now_ns
+        .set(host.now_ns.get() + GAUGE_PERIOD_MS * 1_000_000);
+    c.on_tick(&host);
+    assert_eq!(gauge(0), Some(24_000));
+    assert_eq!(gauge(1), Some(0));
+}
+
 // ---------------------------------------------------------------------------
 // kvEvents: the collector polls each endpoint's relay.
 
@@ -989,6 +1025,20 @@ mod kv_events {
         )
         .unwrap_err();
         assert!(e.to_string().contains("kvEvents.relays"), "{e}");
+        // The fuzz seed with every section sets every kvEvents field.
+        let seed = include_str!("../../../../fuzz/seeds/config/every-section.json");
+        let kv = crate::config::Config::from_json(seed.as_bytes())
+            .unwrap()
+            .kv_events;
+        assert!(kv.enabled);
+        assert_eq!(
+            kv.relay_for("10.0.0.7:8000").as_deref(),
+            Some("10.0.0.7:9158")
+        );
+        assert_eq!(
+            kv.relay_for("10.0.0.8:8000").as_deref(),
+            Some("10.0.0.8:9157")
+        );
     }
 
     #[test]
@@ -1061,6 +1111,15 @@ mod kv_events {
             "/kv/events?after=7&epoch=77&limit=4096"
         );
         assert_eq!(host.counter(Counter::KvEventsPolls), 4);
+        // `more` without progress is not followed at once (no call loop).
+        answer(
+            &host,
+            &mut c,
+            4,
+            r#"{"epoch":77,"seq":7,"more":true,"batches":[]}"#,
+        );
+        assert_eq!(host.calls.borrow().len(), 4);
+        assert_eq!(held_of(&host, &e, 0).1, [11, 12, 13, 14]);
         // The state view shows the set.
         let state: serde_json::Value =
             serde_json::from_str(&e.state_json(&host.store, 1400).unwrap()).unwrap();
@@ -1070,6 +1129,7 @@ mod kv_events {
         assert_eq!(kv["fresh"], true);
         assert_eq!(kv["hashes"], serde_json::json!([11, 12, 13, 14]));
         assert_eq!(state["endpoints"][1]["kvEvents"]["fresh"], false);
+        assert_eq!(state["kvEvents"]["maxBytesPerEndpoint"], 512 * 2048);
     }
 
     #[test]
@@ -1119,6 +1179,14 @@ mod kv_events {
         host.now_ns.set(3_400_000_000);
         c.on_tick(&host);
         assert_eq!(host.counter(Counter::KvEventsPollFailures), 7);
+        // A relay that stays down is warned about once per run of failures.
+        let warns = host
+            .logs
+            .borrow()
+            .iter()
+            .filter(|(l, m)| *l == Level::Warn && m.contains("relay"))
+            .count();
+        assert_eq!(warns, 1, "{:?}", host.logs.borrow());
     }
 
     #[test]
@@ -1293,6 +1361,18 @@ mod kv_events {
         assert!(lookup(1000)
             .iter()
             .all(|m| m.fresh && m.matched_blocks == 1));
+        // The engine's request-path helper says the same.
+        let table = e.endpoint_table(&host.store).unwrap();
+        let m = e
+            .held_prefixes(&host.store, &table.endpoints, &[42, 43], 1000)
+            .unwrap();
+        assert!(m.iter().all(|m| m.fresh && m.matched_blocks == 1), "{m:?}");
+        let off_json = config("").replace(r#""enabled":true"#, r#""enabled":false"#);
+        let off = Engine::new(crate::config::Config::from_json(off_json.as_bytes()).unwrap());
+        let m = off
+            .held_prefixes(&host.store, &table.endpoints, &[42], 1000)
+            .unwrap();
+        assert!(m.iter().all(|m| !m.fresh), "kvEvents off: never fresh");
         // The relays stop answering: every poll times out.
         for i in 1..=12u64 {
             host.now_ns.set(1_000_000_000 + i * 200_000_000);

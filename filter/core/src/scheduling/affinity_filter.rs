@@ -2,7 +2,10 @@
 //!
 //! - affinity(e) = matched blocks / request blocks.
 //! - sticky = { e : affinity(e) ≥ affinityThreshold }.
-//! - ttft(e) ms = inflight_tokens(e) / peakPrefillThroughput × 1000.
+//! - ttft(e) ms = inflight_tokens(e) / peakPrefillThroughput × 1000. With
+//!   `peakPrefillThroughput: "auto"`, each endpoint's own online estimate
+//!   (`collector::prefill_rate`) replaces it while that endpoint's metrics are
+//!   fresh; otherwise the configured (`initial`) value is used.
 //! - If sticky is empty: every candidate passes (`no-affinity`).
 //! - If `maxTTFTPenaltyMs` > 0, some candidate is not sticky, and
 //!   min_sticky ttft − min_nonsticky ttft > maxTTFTPenaltyMs (strictly):
@@ -22,6 +25,7 @@
 //! Both penalties 0 means "always stick" (the hot-spotting baseline).
 
 use super::{Candidate, RequestView, Rng};
+use crate::collector::prefill_rate::PrefillRateParams;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct AffinityFilter {
@@ -32,6 +36,9 @@ pub struct AffinityFilter {
     pub exploration_probability: f64,
     /// tokens; the token-gap gate, τ given directly (0 = this gate is off)
     pub max_tokens_in_flight_penalty: u64,
+    /// `peakPrefillThroughput: "auto"`: use each candidate's estimate
+    /// ([`Candidate::prefill_tokens_per_s`]) when it has one.
+    pub prefill_auto: Option<PrefillRateParams>,
 }
 
 impl Default for AffinityFilter {
@@ -42,6 +49,7 @@ impl Default for AffinityFilter {
             peak_prefill_throughput: 15_928.0,
             exploration_probability: 0.0,
             max_tokens_in_flight_penalty: 0,
+            prefill_auto: None,
         }
     }
 }
@@ -57,10 +65,20 @@ pub enum FilterBranch {
 }
 
 impl AffinityFilter {
+    /// The prefill rate the gate assumes for `c`, tokens/s: its online
+    /// estimate with `"auto"` when it has one, else the configured value.
+    pub fn prefill_tokens_per_s(&self, c: &Candidate) -> f64 {
+        match (self.prefill_auto, c.prefill_tokens_per_s) {
+            (Some(_), Some(r)) if r > 0.0 => r,
+            _ => self.peak_prefill_throughput,
+        }
+    }
+
     /// Estimated TTFT in ms from in-flight tokens.
     pub fn ttft_ms(&self, c: &Candidate) -> f64 {
-        if self.peak_prefill_throughput > 0.0 {
-            c.inflight_tokens as f64 / self.peak_prefill_throughput * 1000.0
+        let rate = self.prefill_tokens_per_s(c);
+        if rate > 0.0 {
+            c.inflight_tokens as f64 / rate * 1000.0
         } else {
             0.0
         }
@@ -128,6 +146,7 @@ mod tests {
             total_blocks: blocks,
             block_size_tokens: 10,
             max_output_tokens: None,
+            tie_key: None,
         }
     }
 
@@ -303,5 +322,42 @@ mod tests {
             }
         }
         assert!((2200..2800).contains(&explored), "{explored}");
+    }
+
+    #[test]
+    fn auto_gate_uses_each_endpoints_estimate() {
+        // Fixed 1000 tok/s, τ 2 s: the warm endpoint's 2500 in-flight tokens
+        // are 2.5 s, the cold one's 0 — 2.5 s > 2 s releases.
+        let fixed = AffinityFilter {
+            max_ttft_penalty_ms: 2000.0,
+            peak_prefill_throughput: 1000.0,
+            ..Default::default()
+        };
+        let warm = Candidate {
+            prefill_tokens_per_s: Some(5000.0),
+            ..cand(10, 2500)
+        };
+        let cold = cand(0, 0);
+        let r = req(10);
+        assert_eq!(
+            run(&fixed, &r, &[warm, cold]).0,
+            FilterBranch::SaturationRelease,
+            "without auto the estimate is ignored"
+        );
+        // With auto the warm endpoint prefills at its measured 5000 tok/s:
+        // 0.5 s, so it stays sticky.
+        let auto = AffinityFilter {
+            prefill_auto: Some(PrefillRateParams::around(1000.0)),
+            ..fixed.clone()
+        };
+        assert_eq!(auto.ttft_ms(&warm), 500.0);
+        assert_eq!(run(&auto, &r, &[warm, cold]).0, FilterBranch::Sticky);
+        // No estimate (stale or none yet): the configured value.
+        let unknown = cand(10, 2500);
+        assert_eq!(auto.ttft_ms(&unknown), 2500.0);
+        assert_eq!(
+            run(&auto, &r, &[unknown, cold]).0,
+            FilterBranch::SaturationRelease
+        );
     }
 }

@@ -81,6 +81,7 @@ mod tests {
             total_blocks: 15,
             block_size_tokens: 64,
             max_output_tokens: Some(300),
+            tie_key: None,
         };
         let warm = Candidate {
             matched_blocks: 10,

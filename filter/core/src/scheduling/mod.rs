@@ -40,6 +40,13 @@ pub struct RequestView {
     pub block_size_tokens: u32,
     /// The client's output cap (`max_tokens` and friends), if any.
     pub max_output_tokens: Option<u64>,
+    /// What `max-score-picker`'s `tieBreak: prefix` hashes: the request's
+    /// block hash at index `min(m, blocks − 1)`, where `m` is the longest
+    /// match any candidate has. It is the first block past what the fleet
+    /// holds, so requests that share only a common prefix (a system
+    /// prompt) still spread, while identical prompts get the same key.
+    /// `None` without a full block.
+    pub tie_key: Option<u64>,
 }
 
 /// Polled vLLM metrics of one endpoint. The host passes `None` when it has
@@ -69,6 +76,13 @@ pub struct Candidate {
     /// When this endpoint last received a cold request (a monotone stamp,
     /// larger = more recent), for `no-hit-lru-scorer`; `None` if never.
     pub last_cold_pick: Option<u64>,
+    /// The collector's prefill-throughput estimate for this endpoint,
+    /// tokens/s, while its metrics are fresh (`collector::prefill_rate`);
+    /// the affinity filter uses it with `peakPrefillThroughput: "auto"`.
+    pub prefill_tokens_per_s: Option<f64>,
+    /// A stable hash of the endpoint's `ip:port` (the same in every gateway
+    /// replica), for rendezvous tie-breaking.
+    pub key: u64,
 }
 
 impl Candidate {

@@ -41,7 +41,7 @@ impl Scorer {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Picker {
-    MaxScore,
+    MaxScore(max_score::TieBreak),
     WeightedRandom,
 }
 
@@ -116,7 +116,7 @@ impl Default for Scheduler {
         Scheduler {
             filters: vec![AffinityFilter::default()],
             scorers: vec![(Scorer::TokenLoad(TokenLoadScorer::default()), 1.0)],
-            picker: Picker::MaxScore,
+            picker: Picker::MaxScore(max_score::TieBreak::Random),
             inflight: InflightConfig::default(),
             max_fallbacks: 2,
         }
@@ -187,7 +187,10 @@ impl Scheduler {
             *t = 0.0;
         }
         let order = match self.picker {
-            Picker::MaxScore => max_score::rank(&totals, rng),
+            Picker::MaxScore(tie) => {
+                let keys: Vec<u64> = passing.iter().map(|&i| cands[i].key).collect();
+                max_score::rank(&totals, tie, req.tie_key, &keys, rng)
+            }
             Picker::WeightedRandom => weighted_random::rank(&totals, rng),
         };
         let primary = passing[order[0]];
@@ -235,6 +238,7 @@ mod tests {
             total_blocks: blocks,
             block_size_tokens: 64,
             max_output_tokens: None,
+            tie_key: None,
         }
     }
 

@@ -1,10 +1,10 @@
 //! The timing and cache model of one emulated vLLM server, driven in model
 //! time without sleeping (a discrete-event loop over `Engine::step`).
 
-use kvroute_sim::engine::{
+use kvroute_sim::kv_events::KvEvent;
+use kvroute_sim::vllm_model::{
     AdmitError, Engine, EngineConfig, EngineRequest, RequestId, TokenOutput,
 };
-use kvroute_sim::kv_events::KvEvent;
 use std::collections::HashMap;
 
 const PEAK: f64 = 20_480.0;
@@ -355,4 +355,44 @@ fn same_inputs_same_timeline() {
         (now, outs, e.counters.clone())
     };
     assert_eq!(go(), go());
+}
+
+#[test]
+fn prefill_histograms_give_computed_tokens_over_prefill_time() {
+    // vLLM's two per-request prefill histograms, observed at finish:
+    // a cold 20480-token prompt is 8192 + 8192 + 4096 tokens of chunked
+    // prefill at 20480 tok/s = 1.0 s after it is first scheduled (queueing
+    // excluded); its warm repeat computes only the last block.
+    let mut e = Engine::new(big_cache(), false);
+    let mut now = 0.0;
+    e.add_request(prompt(1, 20_480, 64, 3), now).unwrap();
+    run(&mut e, &mut now);
+    assert_eq!(e.prefill_time.count, 1);
+    assert!(
+        (e.prefill_time.sum - 1.0).abs() < 1e-9,
+        "{}",
+        e.prefill_time.sum
+    );
+    assert_eq!(e.prefill_kv_computed.sum, 20_480.0);
+    assert!((e.prefill_kv_computed.sum / e.prefill_time.sum - PEAK).abs() < 1e-6);
+    // Two requests at once: the second waits for the first's chunks (queue
+    // time, not prefill time), then takes one step of its own.
+    let t0 = now;
+    e.add_request(prompt(10_000, 8192, 64, 1), t0).unwrap();
+    e.add_request(prompt(20_000, 8192, 64, 1), t0).unwrap();
+    run(&mut e, &mut now);
+    assert_eq!(e.prefill_time.count, 3);
+    assert!(
+        (e.prefill_time.sum - 1.8).abs() < 1e-9,
+        "{}",
+        e.prefill_time.sum
+    );
+    e.add_request(prompt(1, 20_480, 64, 1), now).unwrap();
+    run(&mut e, &mut now);
+    assert_eq!(e.prefill_kv_computed.sum, 20_480.0 + 2.0 * 8192.0 + 64.0);
+    // vLLM's 1-2-5 token buckets up to max_model_len.
+    assert_eq!(
+        &kvroute_sim::vllm_model::buckets_1_2_5(4096)[..],
+        &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]
+    );
 }

@@ -129,6 +129,31 @@ pub const TTFT_BUCKETS_S: [f64; 22] = [
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
 
+/// vLLM's `vllm:request_prefill_time_seconds` buckets, seconds (its
+/// request-latency buckets).
+pub const REQUEST_LATENCY_BUCKETS_S: [f64; 21] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// vLLM's 1-2-5 buckets up to `max` (`build_1_2_5_buckets`), used for
+/// token-count histograms: 1, 2, 5, 10, 20, 50, … ≤ max.
+pub fn buckets_1_2_5(max: u64) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut scale = 1u64;
+    'outer: loop {
+        for m in [1u64, 2, 5] {
+            let v = m.saturating_mul(scale);
+            if v > max {
+                break 'outer;
+            }
+            out.push(v as f64);
+        }
+        scale = scale.saturating_mul(10);
+    }
+    out
+}
+
 /// A cumulative histogram with fixed upper bounds.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Histogram {
@@ -194,6 +219,10 @@ struct RequestState {
     /// Prompt tokens hit in the cache at first admission.
     cached_tokens: u32,
     ever_admitted: bool,
+    /// Model seconds; start of the iteration that first scheduled it.
+    scheduled_s: f64,
+    /// Model seconds; end of the iteration that produced its first token.
+    first_token_s: f64,
 }
 
 impl RequestState {
@@ -214,10 +243,17 @@ pub struct Engine {
     pub counters: EngineCounters,
     /// Time to first token, model seconds.
     pub ttft: Histogram,
+    /// `vllm:request_prefill_time_seconds`: first token − first scheduled,
+    /// model seconds; observed when a request finishes, as vLLM does.
+    pub prefill_time: Histogram,
+    /// `vllm:request_prefill_kv_computed_tokens`: prompt − cached tokens;
+    /// observed with `prefill_time`.
+    pub prefill_kv_computed: Histogram,
 }
 
 impl Engine {
     pub fn new(cfg: EngineConfig, kv_events: bool) -> Engine {
+        let kv_buckets = buckets_1_2_5(cfg.max_model_len.into());
         Engine {
             cache: PrefixCache::new(cfg.num_gpu_blocks, cfg.block_size, kv_events),
             cfg,
@@ -227,6 +263,8 @@ impl Engine {
             next_id: 1,
             counters: EngineCounters::default(),
             ttft: Histogram::new(&TTFT_BUCKETS_S),
+            prefill_time: Histogram::new(&REQUEST_LATENCY_BUCKETS_S),
+            prefill_kv_computed: Histogram::new(&kv_buckets),
         }
     }
 
@@ -275,6 +313,8 @@ impl Engine {
                 stored_blocks: 0,
                 cached_tokens: 0,
                 ever_admitted: false,
+                scheduled_s: now_s,
+                first_token_s: now_s,
             },
         );
         self.waiting.push_back(id);
@@ -297,6 +337,8 @@ impl Engine {
         self.cache.clear();
         self.counters = EngineCounters::default();
         self.ttft = Histogram::new(&TTFT_BUCKETS_S);
+        self.prefill_time = Histogram::new(&REQUEST_LATENCY_BUCKETS_S);
+        self.prefill_kv_computed = Histogram::new(&self.prefill_kv_computed.bounds.clone());
     }
 
     /// Events not yet handed out by `step` (e.g. from a reset).
@@ -423,6 +465,7 @@ impl Engine {
             if !st.ever_admitted {
                 st.cached_tokens = computed0;
                 st.ever_admitted = true;
+                st.scheduled_s = now_s;
             }
             st.stored_blocks = hits.len();
             st.blocks = hits;
@@ -467,6 +510,7 @@ impl Engine {
             st.generated += 1;
             let first = st.generated == 1;
             if first {
+                st.first_token_s = end_s;
                 self.ttft.observe((end_s - st.arrival_s).max(0.0));
                 self.counters.prompt_tokens += u64::from(st.req.prompt_tokens);
             }
@@ -480,6 +524,11 @@ impl Engine {
                 finished,
             });
             if finished {
+                self.prefill_time
+                    .observe((st.first_token_s - st.scheduled_s).max(0.0));
+                self.prefill_kv_computed.observe(f64::from(
+                    st.req.prompt_tokens.saturating_sub(st.cached_tokens),
+                ));
                 let blocks = std::mem::take(&mut st.blocks);
                 self.cache.free(&blocks);
                 self.requests.remove(&id);

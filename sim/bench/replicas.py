@@ -1,0 +1,452 @@
+#!/usr/bin/env python3
+"""Gateway replicas in front of one emulated fleet (issue 17, part 5).
+
+    python3 sim/bench/replicas.py                     # full: G = 1, 2, 4 x every arm x 3 seeds
+    python3 sim/bench/replicas.py --smoke             # CI: G = 2, every arm, one short seed
+    python3 sim/bench/replicas.py --gateways 2 --arms approx,precise --seeds 1
+
+What it measures: several Envoy processes, each with its own kvroute (its own
+shared data, its own collector), route to the same emulated vLLM fleet. A
+multi-turn workload sends turn k of conversation c through gateway
+(c + k) mod G, so consecutive turns of one conversation alternate between
+gateways, and each gateway has routed only some of a conversation's turns.
+Reported per arm: the fleet's prefix-cache hit ratio (the emulators' own
+`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` deltas, not kvroute's
+view), its ceiling for this workload, TTFT p50/p90 (model time), and how often
+a conversation's turn landed on the endpoint that served its previous turn.
+
+Arms (kvroute's shipped profile: affinity filter, token-load scorer,
+max-score picker with `tieBreak: prefix`; 16-token blocks everywhere):
+
+  round-robin     Envoy without kvroute, for reference
+  approx          the approximate index, learnt from each gateway's own routing
+  approx-events   the same, with the collector reading each server's relay
+                  (`kvEvents`): restarts and clears drop the server's entries
+  precise         `precise-prefix-cache-producer`: vLLM's own block hashes of the
+                  token-ID prompt, matched against the blocks each server's KV
+                  events say it holds (every gateway reads the same relays)
+
+Prompts are token IDs (`/v1/completions`, `prompt: [ids]`), so the emulator
+hashes them with vLLM's sha256_cbor and precise mode needs no tokenizer.
+
+Only the Python standard library. Everything listens on 127.0.0.1; every
+process started here is stopped here by PID (process group), also on failure.
+"""
+
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import quality  # noqa: E402  (Procs, free_port, http_req, wait_until, find_envoy, git_commit)
+
+SECTION = "## Gateway replicas"
+ALL_ARMS = ["round-robin", "approx", "approx-events", "precise"]
+
+FLEET = {
+    "endpoints": 4,
+    "block_size": 16,
+    # 2048 x 16 = 32,768 tokens per server: the working set below (~150k
+    # tokens) needs every server, and no server holds it all.
+    "num_gpu_blocks": 2048,
+    "max_num_batched_tokens": 8192,
+    "prefill_tps": 20480,
+    "hash_seed": "0",
+}
+
+WORKLOAD = {
+    "conversations": 32,
+    "turns": 6,
+    "system_tokens": 512,      # shared by every conversation
+    "context_tokens": 2048,    # private, sent on turn 1
+    "user_tokens": 256,        # appended every turn
+    "answer_tokens": 64,       # max_tokens; replayed as new ids next turn
+    "think_s": 4.0,            # model seconds between a turn's end and the next turn
+    "start_spread_s": 20.0,    # conversations start uniformly over this (model s)
+    "time_scale": 5.0,
+}
+SMOKE = {"conversations": 8, "turns": 3, "context_tokens": 512, "start_spread_s": 4.0, "think_s": 1.0}
+
+
+def log(msg):
+    print(f"[replicas {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The workload: token-ID conversations
+# ---------------------------------------------------------------------------
+
+class Conversation:
+    def __init__(self, cid, w, rng, system):
+        self.cid = cid
+        self.w = w
+        self.ids = list(system) + [rng.randrange(1000, 50000) for _ in range(w["context_tokens"])]
+        self.rng = rng
+        self.start_s = rng.uniform(0, w["start_spread_s"])
+
+    def turn_prompt(self, k):
+        if k > 0:
+            # the previous answer (replayed) and a new user turn
+            self.ids += [self.rng.randrange(1000, 50000)
+                         for _ in range(self.w["answer_tokens"] + self.w["user_tokens"])]
+        else:
+            self.ids += [self.rng.randrange(1000, 50000) for _ in range(self.w["user_tokens"])]
+        return list(self.ids)
+
+
+def ceiling(w, block):
+    """Hit-ratio ceiling: every turn reuses the previous turn's whole blocks,
+    and turn 1 reuses the system prompt's whole blocks (once some server
+    holds it); the first request of all cannot hit."""
+    hits = queries = 0
+    n = w["system_tokens"] + w["context_tokens"]
+    prev = w["system_tokens"]
+    for k in range(w["turns"]):
+        n += w["user_tokens"] + (w["answer_tokens"] if k else 0)
+        # vLLM looks up at most (n - 1) // block blocks: the last token is always computed
+        hits += min(prev // block, (n - 1) // block) * block
+        queries += n
+        prev = n
+    return hits / queries
+
+
+def post_stream(port, body, timeout):
+    """One streaming completion; returns (ttft_wall_s, total_wall_s, endpoint or None, status)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.time()
+    try:
+        c.request("POST", "/v1/completions", body=body, headers={"content-type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            r.read()
+            return None, None, None, r.status
+        ttft = None
+        served_by = r.getheader("x-kvroute-served-by")
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            if ttft is None and line.startswith(b"data: ") and b'"text"' in line:
+                ttft = time.time() - t0
+        return ttft, time.time() - t0, served_by, 200
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.procs = quality.Procs()
+        self.work = args.work_dir or tempfile.mkdtemp(prefix="kvroute-replicas.")
+        os.makedirs(self.work, exist_ok=True)
+        td = args.target_dir
+        self.emulator = os.path.join(td, args.bin_profile, "kvroute-emulator")
+        self.relay = os.path.join(td, args.bin_profile, "kvroute-relay")
+        self.wasm = os.path.join(td, "wasm32-wasip1", "release", "kvroute_wasm.wasm")
+        self.envoy = quality.find_envoy()
+
+    def start_fleet(self, tag, w):
+        n = FLEET["endpoints"]
+        kv_base = self.free_range(n)
+        argv = [self.emulator, "--ports", ",".join(["0"] * n), "--accept-any-model",
+                "--num-gpu-blocks", str(FLEET["num_gpu_blocks"]), "--block-size", str(FLEET["block_size"]),
+                "--max-num-batched-tokens", str(FLEET["max_num_batched_tokens"]),
+                "--prefill-tps", str(FLEET["prefill_tps"]), "--time-scale", str(w["time_scale"]),
+                "--stream-interval", "8", "--kv-events-port-base", str(kv_base),
+                "--python-hash-seed", FLEET["hash_seed"]]
+        logp = os.path.join(self.work, f"{tag}.emulator.log")
+        p = self.procs.start("emulator", argv, logp)
+        endpoints = []
+
+        def ready():
+            nonlocal endpoints
+            for line in open(logp):
+                if line.startswith("READY "):
+                    endpoints = line.split()[1].split(",")
+                    return True
+            return False
+
+        quality.wait_until("emulator fleet", ready, 30, p)
+        return p, endpoints, [kv_base + i for i in range(n)]
+
+    def free_range(self, n):
+        """A base port P with P..P+n-1 free (best effort, loopback)."""
+        import socket
+        for _ in range(50):
+            base = random.randrange(20000, 60000 - n)
+            socks = []
+            try:
+                for i in range(n):
+                    s = socket.socket()
+                    s.bind(("127.0.0.1", base + i))
+                    socks.append(s)
+                return base
+            except OSError:
+                continue
+            finally:
+                for s in socks:
+                    s.close()
+        raise RuntimeError("no free port range")
+
+    def start_relays(self, tag, kv_ports):
+        relays = []
+        for i, kp in enumerate(kv_ports):
+            port = quality.free_port()
+            argv = [self.relay, "--sub", f"tcp://127.0.0.1:{kp}", "--listen", f"127.0.0.1:{port}",
+                    "--max-blocks", str(FLEET["num_gpu_blocks"])]
+            p = self.procs.start(f"relay {i}", argv, os.path.join(self.work, f"{tag}.relay{i}.log"))
+            quality.wait_until(f"relay {i}", lambda: quality.http_req("GET", port, "/healthz")[0] == 200, 20, p)
+            relays.append((p, port))
+        return relays
+
+    def plugin_config(self, arm, endpoints, relay_ports):
+        block = FLEET["block_size"]
+        if arm == "precise":
+            producer = {"type": "precise-prefix-cache-producer",
+                        "parameters": {"tokenProcessorConfig": {"blockSize": block,
+                                                                "hashSeed": FLEET["hash_seed"]}}}
+        else:
+            producer = {"type": "approx-prefix-cache-producer", "parameters": {"blockSizeTokens": block}}
+        cfg = {
+            "plugins": [
+                producer,
+                {"type": "inflight-load-producer"},
+                {"type": "prefix-cache-affinity-filter",
+                 "parameters": {"affinityThreshold": 0.8, "maxTTFTPenaltyMs": 18000,
+                                "peakPrefillThroughput": FLEET["prefill_tps"]}},
+                {"type": "token-load-scorer"},
+                {"type": "max-score-picker", "parameters": {"tieBreak": "prefix"}},
+            ],
+            "schedulingProfiles": [{"name": "default", "plugins": [
+                {"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},
+                {"pluginRef": "max-score-picker"}]}],
+            "routing": {"failureMode": "open", "statePath": "/kvroute/state", "seed": 1},
+            "collector": {"metricsCluster": "vllm", "metricsPollIntervalMs": 500, "metricsTimeoutMs": 300},
+        }
+        if arm in ("approx-events", "precise"):
+            cfg["kvEvents"] = events_section(endpoints, relay_ports)
+        return cfg
+
+    def start_envoy(self, tag, arm, endpoints, relay_ports):
+        listen, admin = quality.free_port(), quality.free_port()
+        argv = ["bash", os.path.join(REPO, "envoy", "run.sh"), "--endpoints", ",".join(endpoints),
+                "--listen-port", str(listen), "--admin-port", str(admin), "--wasm", self.wasm,
+                "--log-level", "warning", "--concurrency", "1",
+                "--config-out", os.path.join(self.work, f"{tag}.envoy.yaml")]
+        if arm == "round-robin":
+            argv.append("--baseline")
+        else:
+            cfg_path = os.path.join(self.work, f"{tag}.plugin.json")
+            with open(cfg_path, "w") as f:
+                json.dump(self.plugin_config(arm, endpoints, relay_ports), f, indent=1)
+            argv += ["--plugin-config", cfg_path]
+        env = dict(os.environ, PATH=os.path.dirname(self.envoy) + os.pathsep + os.environ.get("PATH", ""))
+        p = self.procs.start(f"envoy {tag}", argv, os.path.join(self.work, f"{tag}.envoy.log"), env=env)
+
+        def ready():
+            st, body = quality.http_req("GET", admin, "/ready")
+            if st != 200 or body.strip() != b"LIVE":
+                return False
+            if arm == "round-robin":
+                return True
+            st, body = quality.http_req("GET", listen, "/kvroute/state")
+            eps = json.loads(body).get("endpoints", [])
+            return len(eps) == len(endpoints) and all((e.get("metrics") or {}).get("fresh") for e in eps)
+
+        quality.wait_until(f"envoy {tag}", ready, 60, p)
+        return p, listen, admin
+
+    # -- measurement ---------------------------------------------------------
+    def fleet_counters(self, endpoints):
+        hits = queries = 0.0
+        for e in endpoints:
+            st, body = quality.http_req("GET", int(e.rsplit(":", 1)[1]), "/metrics")
+            for line in body.decode().splitlines():
+                if line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+        return hits, queries
+
+    def reset_fleet(self, endpoints):
+        for e in endpoints:
+            st, _ = quality.http_req("POST", int(e.rsplit(":", 1)[1]), "/emulator/reset")
+            if st != 200:
+                raise RuntimeError(f"reset {e}: {st}")
+
+    def run_workload(self, w, seed, ports):
+        rng = random.Random(seed)
+        system = [rng.randrange(1000, 50000) for _ in range(w["system_tokens"])]
+        convs = [Conversation(c, w, random.Random(seed * 1000 + c), system) for c in range(w["conversations"])]
+        scale = w["time_scale"]
+        results = []
+        lock = threading.Lock()
+        t_start = time.time()
+
+        def run(conv):
+            time.sleep(conv.start_s / scale)
+            prev = None
+            for k in range(w["turns"]):
+                g = (conv.cid + k) % len(ports)
+                body = json.dumps({"model": "tiny", "prompt": conv.turn_prompt(k), "max_tokens": w["answer_tokens"],
+                                   "stream": True, "ignore_eos": True})
+                ttft, total, served, status = post_stream(ports[g], body, self.args.request_timeout_s)
+                with lock:
+                    results.append({"conv": conv.cid, "turn": k, "gateway": g, "status": status,
+                                    "ttft_s": ttft * scale if ttft is not None else None,
+                                    "served": served, "same_as_prev": (served == prev) if k and served else None})
+                prev = served
+                # exponential think time, so the gateways' request orders do not fall
+                # into a period that round robin would follow by accident
+                time.sleep(conv.rng.expovariate(1.0 / w["think_s"]) / scale)
+
+        threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in convs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results, time.time() - t_start
+
+    def run_arm(self, arm, g, seed, w, endpoints, relay_ports):
+        tag = f"{arm}.g{g}.s{seed}"
+        gws = [self.start_envoy(f"{tag}.gw{i}", arm, endpoints, relay_ports) for i in range(g)]
+        try:
+            self.reset_fleet(endpoints)
+            time.sleep(1.0)  # the reset's AllBlocksCleared reaches the relays and collectors
+            h0, q0 = self.fleet_counters(endpoints)
+            res, wall = self.run_workload(w, seed, [p[1] for p in gws])
+            h1, q1 = self.fleet_counters(endpoints)
+            for p, _, _ in gws:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{tag}: an Envoy exited; see {p._kv_log}")
+        finally:
+            for p, _, _ in gws:
+                self.procs.stop(p)
+        ok = [r for r in res if r["status"] == 200 and r["ttft_s"] is not None]
+        ttfts = sorted(r["ttft_s"] for r in ok)
+        follow = [r["same_as_prev"] for r in ok if r["same_as_prev"] is not None]
+
+        def pct(p):
+            return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else None
+
+        return {"requests": len(res), "ok": len(ok), "errors": len(res) - len(ok),
+                "hit_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
+                "ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9),
+                "followed_prev_turn": (sum(follow) / len(follow)) if follow else None,
+                "wall_s": wall}
+
+    def run(self):
+        a = self.args
+        w = dict(WORKLOAD)
+        if a.smoke:
+            w.update(SMOKE)
+        out = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": quality.git_commit(),
+               "fleet": FLEET, "workload": w, "ceiling": ceiling(w, FLEET["block_size"]),
+               "command": "python3 sim/bench/replicas.py " + " ".join(sys.argv[1:]), "runs": []}
+        failures = []
+        try:
+            fleet, endpoints, kv_ports = self.start_fleet("fleet", w)
+            relays = self.start_relays("fleet", kv_ports)
+            relay_ports = [r[1] for r in relays]
+            for g in a.gateways:
+                for arm in a.arms:
+                    for seed in a.seeds:
+                        log(f"G={g} arm={arm} seed={seed}")
+                        try:
+                            r = self.run_arm(arm, g, seed, w, endpoints, relay_ports)
+                        except Exception as e:  # noqa: BLE001 -- reported, the rest run
+                            failures.append(f"G={g} {arm} seed {seed}: {e}")
+                            log(f"FAILED: {e}")
+                            continue
+                        r.update({"gateways": g, "arm": arm, "seed": seed})
+                        out["runs"].append(r)
+                        log(f"  hit {fmt(r['hit_ratio'], '.3f')} (ceiling {out['ceiling']:.3f}), "
+                            f"TTFT p90 {fmt(r['ttft_p90_s'], '.3f')} s, followed {fmt(r['followed_prev_turn'], '.2f')}, "
+                            f"errors {r['errors']}")
+                        if r["errors"] or r["ok"] == 0:
+                            failures.append(f"G={g} {arm} seed {seed}: {r['errors']} errors")
+        finally:
+            self.procs.stop_all()
+        out["failures"] = failures
+        with open(os.path.join(self.work, "replicas.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        return out, failures
+
+
+def events_section(endpoints, relay_ports):
+    """The collector's `kvEvents` section: each endpoint's relay address."""
+    return {"enabled": True, "pollMs": 200,
+            "relays": {e: f"127.0.0.1:{p}" for e, p in zip(endpoints, relay_ports)}}
+
+
+def fmt(v, spec):
+    return "–" if v is None else format(v, spec)
+
+
+def markdown(out):
+    rows = {}
+    for r in out["runs"]:
+        rows.setdefault((r["gateways"], r["arm"]), []).append(r)
+    lines = [f"Ceiling of the hit ratio for this workload: {out['ceiling']:.3f}.", "",
+             "| gateways | arm | hit ratio, median (worst) | TTFT p90 s, median (worst) | turn followed its previous turn | seeds |",
+             "|---|---|---|---|---|---|"]
+    for (g, arm), rs in sorted(rows.items(), key=lambda kv: (kv[0][0], ALL_ARMS.index(kv[0][1]))):
+        hit = [r["hit_ratio"] for r in rs if r["hit_ratio"] is not None]
+        p90 = [r["ttft_p90_s"] for r in rs if r["ttft_p90_s"] is not None]
+        fol = [r["followed_prev_turn"] for r in rs if r["followed_prev_turn"] is not None]
+        lines.append(f"| {g} | {arm} | {fmt(statistics.median(hit) if hit else None, '.3f')} "
+                     f"({fmt(min(hit) if hit else None, '.3f')}) | "
+                     f"{fmt(statistics.median(p90) if p90 else None, '.3f')} ({fmt(max(p90) if p90 else None, '.3f')}) | "
+                     f"{fmt(statistics.median(fol) if fol else None, '.2f')} | {len(rs)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="one short seed at G=2, every arm; exit 1 on failure")
+    ap.add_argument("--gateways", default=None, help="comma list of gateway counts [1,2,4; smoke: 2]")
+    ap.add_argument("--arms", default=",".join(ALL_ARMS))
+    ap.add_argument("--seeds", default=None, help="comma list [1,2,3; smoke: 1]")
+    ap.add_argument("--target-dir", default=os.path.join(REPO, "target"))
+    ap.add_argument("--bin-profile", default="release", choices=["release", "debug"])
+    ap.add_argument("--work-dir", default=None)
+    ap.add_argument("--request-timeout-s", type=float, default=120)
+    ap.add_argument("--no-build", action="store_true")
+    a = ap.parse_args(argv)
+    a.gateways = [int(x) for x in (a.gateways or ("2" if a.smoke else "1,2,4")).split(",")]
+    a.seeds = [int(x) for x in (a.seeds or ("1" if a.smoke else "1,2,3")).split(",")]
+    a.arms = [x for x in a.arms.split(",") if x]
+    for arm in a.arms:
+        if arm not in ALL_ARMS:
+            ap.error(f"unknown arm {arm}; arms: {','.join(ALL_ARMS)}")
+    if not a.no_build:
+        env = dict(os.environ, CARGO_TARGET_DIR=a.target_dir)
+        prof = ["--release"] if a.bin_profile == "release" else []
+        for argv_ in (["cargo", "build", "-p", "kvroute-sim", "-p", "kvroute-relay", "--bins"] + prof,
+                      ["cargo", "build", "--release", "--target", "wasm32-wasip1", "-p", "kvroute-wasm"]):
+            log("building: " + " ".join(argv_))
+            subprocess.run(argv_, cwd=REPO, env=env, check=True)
+    out, failures = Bench(a).run()
+    print(markdown(out))
+    if failures:
+        print("\nFAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
