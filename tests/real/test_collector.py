@@ -49,7 +49,9 @@ def _equal_now(e, addresses):
 
 def test_collector_view_matches_real_metrics(real_fleet, envoy):
     addrs = real_fleet.addresses
-    e = envoy(config=real_plugin_config(), endpoints=addrs)
+    cfg = real_plugin_config()
+    timeout_s = cfg["collector"]["metricsTimeoutMs"] / 1000.0
+    e = envoy(config=cfg, endpoints=addrs)
     e2e.wait_until(lambda: _fresh_metrics(e, addrs), timeout=60, what="fresh metrics for both servers")
 
     # Traffic through Envoy so that the counters are not zero: a shared
@@ -97,15 +99,19 @@ def test_collector_view_matches_real_metrics(real_fleet, envoy):
 
                 def polled_after_t0():
                     # The state is made after t_req, so the poll's answer
-                    # arrived at or after t_req - ageMs. The server made that
-                    # answer up to one poll's latency earlier: 250 ms margin
-                    # (a loaded 2-core machine; a smaller one failed in CI).
+                    # arrived at or after t_req - ageMs. Its request left at
+                    # most metricsTimeoutMs before that (a later answer is a
+                    # failure, not a value), so an answer recorded after
+                    # t0 + timeout + 250 ms of slack was asked for after t0,
+                    # and the server counted it after `before`. A margin of
+                    # 250 ms alone failed twice in CI on the loaded 2-core
+                    # machine: a poll sent before t0 was answered late.
                     t_req = time.time()
                     m = _fresh_metrics(e, [a])
                     if not m:
                         return None
                     m = m[a]
-                    return m if t_req - m["ageMs"] / 1000.0 > t0 + 0.25 else None
+                    return m if t_req - m["ageMs"] / 1000.0 > t0 + timeout_s + 0.25 else None
 
                 m = e2e.wait_until(polled_after_t0, timeout=30, interval=0.1, what=f"a poll of {a} after t0")
                 _, after, _ = scrape(a)
