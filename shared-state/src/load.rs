@@ -78,6 +78,20 @@ impl LoadRecord {
     pub fn inflight_requests(&self) -> u64 {
         self.buckets.iter().map(|b| u64::from(b.requests)).sum()
     }
+    /// The prompt parts of `inflight_tokens` (prefill not yet done).
+    pub fn inflight_prompt_tokens(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| b.prompt_tokens)
+            .fold(0, u64::saturating_add)
+    }
+    /// The output parts of `inflight_tokens` (held until the stream ends).
+    pub fn inflight_output_tokens(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| b.output_tokens)
+            .fold(0, u64::saturating_add)
+    }
 }
 
 /// What a request keeps to release its charge later.

@@ -362,7 +362,8 @@ impl Engine {
         let candidates: Vec<Candidate> = endpoints
             .iter()
             .zip(&matches.matched_blocks)
-            .map(|(e, &matched)| {
+            .zip(&holders)
+            .map(|((e, &matched), h)| {
                 let rec = load.get(e.slot, e.generation);
                 let m = metrics
                     .get(e.slot, e.generation)
@@ -371,10 +372,15 @@ impl Engine {
                     matched_blocks: matched,
                     inflight_tokens: rec.map_or(0, |r| r.inflight_tokens()),
                     inflight_requests: rec.map_or(0, |r| r.inflight_requests()),
+                    inflight_prefill_tokens: rec.map_or(0, |r| r.inflight_prompt_tokens()),
+                    inflight_held_tokens: rec.map_or(0, |r| r.inflight_output_tokens()),
+                    inserted_blocks: h.insert_counter,
+                    capacity_blocks: h.capacity_blocks,
                     metrics: m.map(|m| EndpointMetrics {
                         waiting_requests: m.waiting,
                         running_requests: m.running,
                         kv_cache_usage: m.kv_cache_usage,
+                        kv_capacity_tokens: m.capacity_tokens().unwrap_or(0),
                     }),
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
                     prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),

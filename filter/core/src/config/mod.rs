@@ -12,10 +12,11 @@
 use crate::blocks::BlockConfig;
 use crate::collector::prefill_rate::PrefillRateParams;
 use crate::scheduling::active_request::ActiveRequestScorer;
-use crate::scheduling::affinity_filter::AffinityFilter;
+use crate::scheduling::affinity_filter::{AffinityFilter, LoadSignal};
 use crate::scheduling::charge::InflightConfig;
 use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
+use crate::scheduling::saturation::KvrouteLoadScorer;
 use crate::scheduling::token_load::TokenLoadScorer;
 use crate::scheduling::{Picker, Scheduler, Scorer};
 use serde::de::DeserializeOwned;
@@ -315,6 +316,9 @@ struct InflightParams {
     /// Only acts with llm-d's cross-replica syncer, which kvroute does not
     /// have; either value means "local to this gateway".
     sync_cross_replica_state: Option<bool>,
+    /// kvroute: the output part holds the whole prompt until the stream
+    /// ends (`scheduling::charge`).
+    hold_kv_until_end: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -332,6 +336,8 @@ struct AffinityParams {
     prefix_match_info_producer_name: Option<String>,
     in_flight_load_producer_name: Option<String>,
     latency_prediction_info_producer_name: Option<String>,
+    /// kvroute: `"inflight"` (llm-d's) or `"saturation"`.
+    load_signal: Option<String>,
 }
 
 /// `peakPrefillThroughput: {"auto": true, …}`.
@@ -436,6 +442,13 @@ struct TokenLoadParams {
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct KvrouteLoadParams {
+    queue_threshold_tokens: Option<u64>,
+    kv_capacity_tokens: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ActiveRequestParams {
     idle_threshold: Option<i64>,
     max_busy_score: Option<f64>,
@@ -521,7 +534,7 @@ fn join_path(base: &str, inner: &str) -> String {
 const SUPPORTED_TYPES: &str = "approx-prefix-cache-producer, inflight-load-producer, \
 prefix-cache-affinity-filter, token-load-scorer, active-request-scorer, queue-scorer, \
 kv-cache-utilization-scorer, prefix-cache-scorer, no-hit-lru-scorer, max-score-picker, \
-weighted-random-picker (and, accepted with nothing to do: single-profile-handler, \
+weighted-random-picker, kvroute's kvroute-load-scorer and cache-balance-scorer (and, accepted with nothing to do: single-profile-handler, \
 decode-filter, utilization-detector, concurrency-detector, openai-parser, llm-d's data-layer \
 sources and extractors)";
 
@@ -665,6 +678,7 @@ fn compile_plugin(
                 add_estimated_output_tokens: q.add_estimated_output_tokens.unwrap_or(false),
                 output_ratio: ratio,
                 max_estimated_output_tokens: cap,
+                hold_kv_until_end: q.hold_kv_until_end.unwrap_or(false),
             })
         }
         "prefix-cache-affinity-filter" => {
@@ -734,6 +748,16 @@ fn compile_plugin(
                 peak_prefill_throughput: peak,
                 max_tokens_in_flight_penalty: token_penalty,
                 prefill_auto,
+                load_signal: match q.load_signal.as_deref() {
+                    None | Some("inflight") => LoadSignal::Inflight,
+                    Some("saturation") => LoadSignal::Saturation,
+                    Some(other) => {
+                        return Err(err(
+                            format!("{ppath}.loadSignal"),
+                            format!("\"{other}\" is not a load signal; use \"inflight\" (llm-d's) or \"saturation\""),
+                        ))
+                    }
+                },
             };
             if f.max_ttft_penalty_ms > 0.0 && f.peak_prefill_throughput <= 0.0 {
                 return Err(err(
@@ -785,6 +809,32 @@ fn compile_plugin(
                     "must be in [0, 1]",
                 )?,
             }))
+        }
+        "kvroute-load-scorer" => {
+            let q: KvrouteLoadParams = strict_value(&p.parameters, &ppath)?;
+            let d = KvrouteLoadScorer::default();
+            Compiled::Scorer(Scorer::KvrouteLoad(KvrouteLoadScorer {
+                queue_threshold_tokens: range_u64(
+                    &format!("{ppath}.queueThresholdTokens"),
+                    q.queue_threshold_tokens,
+                    d.queue_threshold_tokens as u64,
+                    1,
+                    1 << 40,
+                    "tokens",
+                )? as f64,
+                kv_capacity_tokens: range_u64(
+                    &format!("{ppath}.kvCapacityTokens"),
+                    q.kv_capacity_tokens,
+                    d.kv_capacity_tokens as u64,
+                    1,
+                    1 << 40,
+                    "tokens",
+                )? as f64,
+            }))
+        }
+        "cache-balance-scorer" => {
+            strict_value::<NoParams>(&p.parameters, &ppath)?;
+            Compiled::Scorer(Scorer::CacheBalance)
         }
         "queue-scorer" => {
             strict_value::<NoParams>(&p.parameters, &ppath)?;

@@ -5,6 +5,15 @@
 //! output part (only with `addEstimatedOutputTokens`) =
 //! min(round(prompt_tokens × outputRatio), max_output_tokens, maxEstimatedOutputTokens),
 //! released with the request count at the end of the stream.
+//!
+//! With `holdKvUntilEnd` (kvroute's parameter, off in llm-d's profile) the
+//! output part also holds the request's whole prompt, so it becomes the KV
+//! the request occupies on the server until its stream ends:
+//! held = prompt_tokens + output estimate (0 without
+//! `addEstimatedOutputTokens`). Between the first token and the end of the
+//! stream a request then still counts, as it does in vLLM's KV cache; the
+//! prompt part (uncached tokens, the prefill in flight) is released at the
+//! first token as before.
 
 use super::{Candidate, RequestView};
 
@@ -15,6 +24,9 @@ pub struct InflightConfig {
     pub output_ratio: f64,
     /// tokens; `None` = no cap
     pub max_estimated_output_tokens: Option<u64>,
+    /// kvroute: the output part holds the whole prompt as well (the KV the
+    /// request occupies until its stream ends).
+    pub hold_kv_until_end: bool,
 }
 
 impl Default for InflightConfig {
@@ -24,6 +36,7 @@ impl Default for InflightConfig {
             // llm-d's DefaultOutputRatio (inflightload/token_estimator.go)
             output_ratio: 1.5,
             max_estimated_output_tokens: None,
+            hold_kv_until_end: false,
         }
     }
 }
@@ -63,6 +76,11 @@ impl InflightConfig {
         } else {
             0
         };
+        let output_tokens = if self.hold_kv_until_end {
+            output_tokens.saturating_add(req.prompt_tokens)
+        } else {
+            output_tokens
+        };
         Charge {
             prompt_tokens,
             output_tokens,
@@ -99,6 +117,7 @@ mod tests {
             add_estimated_output_tokens: true,
             output_ratio: 0.5,
             max_estimated_output_tokens: None,
+            hold_kv_until_end: false,
         };
         assert_eq!(
             on.charge(&r, &Candidate::default()),
@@ -112,5 +131,38 @@ mod tests {
             ..on
         };
         assert_eq!(capped.charge(&r, &warm).output_tokens, 10);
+    }
+
+    #[test]
+    fn hold_kv_keeps_the_whole_prompt_until_the_end() {
+        let r = RequestView {
+            prompt_tokens: 1000,
+            total_blocks: 15,
+            block_size_tokens: 64,
+            max_output_tokens: Some(300),
+            tie_key: None,
+        };
+        let warm = Candidate {
+            matched_blocks: 10,
+            ..Default::default()
+        };
+        let hold = InflightConfig {
+            hold_kv_until_end: true,
+            ..Default::default()
+        };
+        // Prefill part: the 360 uncached tokens; held: the whole prompt.
+        assert_eq!(
+            hold.charge(&r, &warm),
+            Charge {
+                prompt_tokens: 360,
+                output_tokens: 1000
+            }
+        );
+        let both = InflightConfig {
+            add_estimated_output_tokens: true,
+            ..hold
+        };
+        // + min(1000 × 1.5, max_tokens 300).
+        assert_eq!(both.charge(&r, &warm).output_tokens, 1300);
     }
 }
