@@ -142,8 +142,8 @@ proptest! {
         // The charge never exceeds prompt tokens plus the output estimate.
         let c = s.inflight.charge(&req, &cands[d.primary]);
         prop_assert!(c.prompt_tokens <= req.prompt_tokens);
-        // With holdKvUntilEnd the held part also carries the whole prompt.
-        let held_prompt = if s.inflight.hold_kv_until_end { req.prompt_tokens } else { 0 };
+        // With holdKvUntilEnd the held part also carries the uncached prompt.
+        let held_prompt = if s.inflight.hold_kv_until_end { c.prompt_tokens } else { 0 };
         if !s.inflight.add_estimated_output_tokens {
             prop_assert_eq!(c.output_tokens, held_prompt);
         }

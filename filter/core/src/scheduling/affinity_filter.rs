@@ -442,11 +442,13 @@ mod tests {
                         assert_eq!(fired(&ttft), want, "ttft gate, τ {tau}, gap {gap}");
                     }
                     assert_eq!(fired(&tokens), want, "token gate, τ {tau}, gap {gap}");
-                    // Own counts only and every in-flight token in prefill:
-                    // the saturation signal decides exactly as llm-d's.
+                    // Own counts only (one gateway, no fresh metrics), in
+                    // flight split between prefill and held: the saturation
+                    // signal decides exactly as llm-d's.
                     let llm_d = fired(&ttft);
                     let c = c.map(|x| Candidate {
-                        inflight_prefill_tokens: x.inflight_tokens,
+                        inflight_prefill_tokens: x.inflight_tokens / 3,
+                        inflight_held_tokens: x.inflight_tokens - x.inflight_tokens / 3,
                         ..x
                     });
                     assert_eq!(
@@ -460,11 +462,13 @@ mod tests {
         }
     }
 
-    /// A warm server whose KV is full (decoding requests; no prefill in
-    /// flight, so llm-d's gate sees 0 tokens) releases under
-    /// `loadSignal: "saturation"`; with stale metrics (`None`) it does not.
+    /// A warm server full of another gateway's decoding requests, with its
+    /// KV full and a queue: llm-d's gate sees only our 500 held tokens
+    /// (0.5 s) and sticks; under `loadSignal: "saturation"` the server's
+    /// counts show the queue and it releases. With stale metrics (`None`)
+    /// only our counts remain, and it sticks.
     #[test]
-    fn saturation_gate_sees_full_kv_and_waiting_requests() {
+    fn saturation_gate_sees_other_gateways_and_full_kv() {
         use crate::scheduling::EndpointMetrics;
         let inflight = AffinityFilter {
             max_ttft_penalty_ms: 1000.0,
@@ -476,13 +480,15 @@ mod tests {
             ..inflight.clone()
         };
         let full = Candidate {
+            inflight_requests: 2,
+            inflight_held_tokens: 500,
             metrics: Some(EndpointMetrics {
                 waiting_requests: 8.0,
                 running_requests: 32.0,
                 kv_cache_usage: 1.0,
                 kv_capacity_tokens: 50_000,
             }),
-            ..cand(10, 0)
+            ..cand(8, 500)
         };
         let r = req(10);
         assert_eq!(
@@ -493,9 +499,9 @@ mod tests {
             run(&saturation, &r, &[full, cand(0, 0)]).0,
             FilterBranch::SaturationRelease
         );
-        // 8 waiting × 100 tokens + the overflow 50000 + 800 + 0 − 50000,
-        // at 1000 tok/s.
-        assert_eq!(saturation.gate_ttft_ms(&r, &full), 1600.0);
+        // Ours 500 + (40 − 2.5 − 1) foreign × 250 each, plus the KV
+        // overflow 50000 + 9 × 20 uncached − 50000, at 1000 tok/s.
+        assert_eq!(saturation.gate_ttft_ms(&r, &full), 9805.0);
         let stale = Candidate {
             metrics: None,
             ..full

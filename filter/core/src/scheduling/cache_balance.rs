@@ -13,8 +13,11 @@
 //!
 //! `cap(e) = 0` (unbounded index) uses the passing set's spread
 //! `max I − min I` instead. The least-given endpoint scores 1; one a whole
-//! cache ahead scores 0. Only the passing set is scored, so among sticky
-//! endpoints it prefers the one with the more even share.
+//! cache ahead scores 0. It scores only requests with no sticky endpoint
+//! (the filter's `no-affinity` branch, or no filter): a sticky request
+//! stays where its cache is, and one the gate released is placed by load
+//! (measured: balancing released requests too cost shared-prefix and skew
+//! throughput); every candidate then scores 1.
 //!
 //! Exact ties (a fresh fleet) are left to the picker's `tieBreak`; after
 //! each placement the chosen endpoint's counter moves on, so the next cold
@@ -25,7 +28,12 @@
 
 use super::Candidate;
 
-pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
+/// `cold`: the request has no sticky endpoint (else every score is 1).
+pub fn score(cands: &[Candidate], idx: &[usize], cold: bool, out: &mut [f64]) {
+    if !cold {
+        out.iter_mut().for_each(|o| *o = 1.0);
+        return;
+    }
     let min = idx
         .iter()
         .map(|&i| cands[i].inserted_blocks)
@@ -68,11 +76,14 @@ mod tests {
     fn least_given_scores_one_and_a_cache_ahead_scores_zero() {
         let c = [cand(500, 1000), cand(1000, 1000), cand(2500, 1000)];
         let mut out = [0.0; 3];
-        score(&c, &[0, 1, 2], &mut out);
+        score(&c, &[0, 1, 2], true, &mut out);
         assert_eq!(out, [1.0, 0.5, 0.0]);
+        // A sticky or released request: neutral.
+        score(&c, &[0, 1, 2], false, &mut out);
+        assert_eq!(out, [1.0; 3]);
         // Only the passing set counts: without endpoint 0, 1 is least given.
         let mut out = [0.0; 2];
-        score(&c, &[1, 2], &mut out);
+        score(&c, &[1, 2], true, &mut out);
         assert_eq!(out, [1.0, 0.0]);
     }
 
@@ -80,11 +91,11 @@ mod tests {
     fn unbounded_capacity_uses_the_spread_and_equal_is_a_tie() {
         let c = [cand(10, 0), cand(30, 0), cand(20, 0)];
         let mut out = [0.0; 3];
-        score(&c, &[0, 1, 2], &mut out);
+        score(&c, &[0, 1, 2], true, &mut out);
         assert_eq!(out, [1.0, 0.0, 0.5]);
         let fresh = [cand(0, 0), cand(0, 100)];
         let mut out = [0.0; 2];
-        score(&fresh, &[0, 1], &mut out);
+        score(&fresh, &[0, 1], true, &mut out);
         assert_eq!(out, [1.0, 1.0]);
     }
 }

@@ -7,13 +7,16 @@
 //! released with the request count at the end of the stream.
 //!
 //! With `holdKvUntilEnd` (kvroute's parameter, off in llm-d's profile) the
-//! output part also holds the request's whole prompt, so it becomes the KV
-//! the request occupies on the server until its stream ends:
-//! held = prompt_tokens + output estimate (0 without
+//! output part also holds the request's uncached prompt tokens, so it
+//! becomes the new KV the request occupies on the server until its stream
+//! ends: held = uncached prompt tokens + output estimate (0 without
 //! `addEstimatedOutputTokens`). Between the first token and the end of the
 //! stream a request then still counts, as it does in vLLM's KV cache; the
-//! prompt part (uncached tokens, the prefill in flight) is released at the
-//! first token as before.
+//! prompt part (the prefill in flight) is released at the first token as
+//! before. The cached part is left out on purpose: the server holds a
+//! shared prefix once however many requests read it, and counting it per
+//! request overstates KV use many times over on shared-prefix traffic
+//! (measured: the gate then saw KV admission waits that were not there).
 
 use super::{Candidate, RequestView};
 
@@ -24,8 +27,8 @@ pub struct InflightConfig {
     pub output_ratio: f64,
     /// tokens; `None` = no cap
     pub max_estimated_output_tokens: Option<u64>,
-    /// kvroute: the output part holds the whole prompt as well (the KV the
-    /// request occupies until its stream ends).
+    /// kvroute: the output part holds the uncached prompt tokens as well
+    /// (the new KV the request occupies until its stream ends).
     pub hold_kv_until_end: bool,
 }
 
@@ -77,7 +80,7 @@ impl InflightConfig {
             0
         };
         let output_tokens = if self.hold_kv_until_end {
-            output_tokens.saturating_add(req.prompt_tokens)
+            output_tokens.saturating_add(prompt_tokens)
         } else {
             output_tokens
         };
@@ -134,7 +137,7 @@ mod tests {
     }
 
     #[test]
-    fn hold_kv_keeps_the_whole_prompt_until_the_end() {
+    fn hold_kv_keeps_the_uncached_prompt_until_the_end() {
         let r = RequestView {
             prompt_tokens: 1000,
             total_blocks: 15,
@@ -150,12 +153,13 @@ mod tests {
             hold_kv_until_end: true,
             ..Default::default()
         };
-        // Prefill part: the 360 uncached tokens; held: the whole prompt.
+        // Prefill part and held part: the 360 uncached tokens (the 640
+        // cached ones are on the server already, shared).
         assert_eq!(
             hold.charge(&r, &warm),
             Charge {
                 prompt_tokens: 360,
-                output_tokens: 1000
+                output_tokens: 360
             }
         );
         let both = InflightConfig {
@@ -163,6 +167,6 @@ mod tests {
             ..hold
         };
         // + min(1000 × 1.5, max_tokens 300).
-        assert_eq!(both.charge(&r, &warm).output_tokens, 1300);
+        assert_eq!(both.charge(&r, &warm).output_tokens, 660);
     }
 }

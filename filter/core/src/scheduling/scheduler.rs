@@ -174,7 +174,7 @@ impl Scheduler {
             Vec::new()
         };
         // The KV this request would hold on each candidate, for
-        // kvroute-load-scorer: its prompt plus any output estimate.
+        // kvroute-load-scorer: its uncached tokens there plus any output estimate.
         let held: Vec<u64> = if self
             .scorers
             .iter()
@@ -202,7 +202,12 @@ impl Scheduler {
                 Scorer::PrefixCache(s) => s.score(req, cands, &passing, &mut buf),
                 Scorer::NoHitLru => no_hit_lru::score(req, cands, &passing, &mut buf),
                 Scorer::KvrouteLoad(s) => s.score(req, cands, &held, &passing, &mut buf),
-                Scorer::CacheBalance => cache_balance::score(cands, &passing, &mut buf),
+                Scorer::CacheBalance => {
+                    // Only for a request with no sticky endpoint: a warm or
+                    // released one is the load scorer's to place.
+                    let cold = !matches!(branch, Branch::Sticky | Branch::SaturationRelease);
+                    cache_balance::score(cands, &passing, cold, &mut buf)
+                }
             }
             for (t, s) in totals.iter_mut().zip(&buf) {
                 *t += weight * s;
