@@ -29,6 +29,11 @@ VLLM_CLUSTER = "vllm"
 # read /clusters?format=json (membership + health of the vllm cluster).
 ADMIN_CLUSTER = "envoy_admin"
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+# kvEvents: the collector calls each endpoint's KV-event relay (relay/) through
+# this ORIGINAL_DST cluster, naming the relay's ip:port in RELAY_HOST_HEADER.
+# No route points at it, so clients cannot reach it.
+RELAY_CLUSTER = "kvroute_relays"
+RELAY_HOST_HEADER = "x-envoy-original-dst-host"
 # Where --state-listener serves the shared state (routing.statePath there).
 DEFAULT_STATE_PATH = "/kvroute/state"
 
@@ -331,6 +336,21 @@ def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
     return head + membership + override_host
 
 
+def relay_cluster_yaml(name=RELAY_CLUSTER):
+    """The cluster the collector reaches KV-event relays through (kvEvents)."""
+    return f"""  # kvEvents: the collector's calls to each endpoint's KV-event relay. The
+  # relay's ip:port comes from the {RELAY_HOST_HEADER} header the collector
+  # sets; no route uses this cluster, so a client cannot reach it.
+  - name: {name}
+    connect_timeout: 1s
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: {RELAY_HOST_HEADER}
+"""
+
+
 def render(
     *,
     listen_address="127.0.0.1",
@@ -406,11 +426,14 @@ bootstrap_extensions:
         state += _debug_listener_yaml(host, port, wasm, debug_plugin_config(config), buffer_limit)
     stats_config = STATS_CONFIG_YAML
     title = "Envoy 1.40 bootstrap for kvroute"
+    kv_events = config.get("kvEvents") or {}
+    relays = relay_cluster_yaml(kv_events.get("cluster", RELAY_CLUSTER)) if kv_events.get("enabled") else ""
     if baseline:
         collector = ""
         routing_filter = ""
         state = ""
         stats_config = ""
+        relays = ""
         title = "Envoy 1.40 baseline bootstrap WITHOUT kvroute (round robin)"
 
     client_listener = _routing_listener_yaml(
@@ -437,7 +460,7 @@ static_resources:
       endpoints:
       - lb_endpoints:
         - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}}}
-"""
+{relays}"""
 
 
 def eds_document(endpoints, version="1", cluster=VLLM_CLUSTER):

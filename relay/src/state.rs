@@ -175,6 +175,11 @@ pub struct EventsPage {
     pub resync: bool,
     /// More batches after `seq` than fit in `limit`.
     pub more: bool,
+    /// The snapshot's completeness now (as `/kv/snapshot` would say): a
+    /// collector that is caught up (`seq == last`) holds what the snapshot
+    /// holds, so it may take this flag over. It turns true on a clean
+    /// start (vLLM seq 0 as the first batch seen) or `AllBlocksCleared`.
+    pub complete: bool,
     pub batches: Vec<PageBatch>,
 }
 
@@ -456,6 +461,7 @@ impl Relay {
                 last: self.seq,
                 resync: true,
                 more: false,
+                complete: self.complete,
                 batches: Vec::new(),
             };
         }
@@ -485,6 +491,7 @@ impl Relay {
             last: self.seq,
             resync: false,
             more,
+            complete: self.complete,
             batches,
         }
     }

@@ -12,6 +12,7 @@
 //! | `kvroute/load` | workers (and the collector: reaper, state epoch) | [`load::LoadTable`]: per-slot in-flight tokens/requests in time buckets, insert counter; the state epoch |
 //! | `kvroute/metrics` | collector | [`metrics::MetricsTable`]: last polled vLLM metrics per slot, with age, and the online prefill-rate estimate |
 //! | `kvroute/ix/<n>` | workers | [`index::PrefixIndex`] shards: fixed-size tables of block entries |
+//! | `kvroute/held`, `kvroute/held/<slot>/<n>` | collector (`kvEvents`) | [`held`]: the vLLM block hashes each endpoint holds, from its KV events, with relay epoch/seq and freshness |
 //!
 //! The crate knows nothing of proxy-wasm: the [`Store`] trait is implemented
 //! over the host in `kvroute-wasm`, in the wasmtime harness, and in memory
@@ -20,6 +21,7 @@
 pub mod cas;
 pub mod codec;
 pub mod endpoints;
+pub mod held;
 pub mod index;
 pub mod load;
 pub mod memory;

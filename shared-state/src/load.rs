@@ -230,6 +230,21 @@ impl LoadTable {
         Some(rec)
     }
 
+    /// Advances an endpoint's eviction clock by `blocks` without a request:
+    /// with `blocks` ≥ its capacity, every index entry written for it so
+    /// far counts as evicted (`index::Holder::holds`). The collector uses
+    /// it when KV events say the server lost its cache. False if the slot
+    /// is out of range.
+    pub fn advance_insert_counter(&mut self, slot: u16, generation: u16, blocks: u64) -> bool {
+        match self.record_mut(slot, generation) {
+            Some(rec) => {
+                rec.insert_counter = rec.insert_counter.saturating_add(blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Charges a picked endpoint. `new_blocks` advances its eviction clock;
     /// `cold_stamp` (non-zero) records a cold pick. Returns the ticket and
     /// the insert counter after the charge.

@@ -13,7 +13,7 @@
 use kvroute_core::config::Config;
 use kvroute_sim::calibrate::{self, CalibrateConfig};
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
-use kvroute_sim::engine::{EngineConfig, StepCost};
+use kvroute_sim::vllm_model::{EngineConfig, StepCost};
 
 const RATE: f64 = 12_000.0;
 const SCALE: f64 = 1.0;

@@ -5,10 +5,10 @@
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
-use kvroute_sim::engine::EngineConfig;
 use kvroute_sim::loadgen::client::HttpClient;
 use kvroute_sim::prometheus::{find, parse};
 use kvroute_sim::rng::SeededRng;
+use kvroute_sim::vllm_model::EngineConfig;
 use kvroute_sim::words::text_of_bytes;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};

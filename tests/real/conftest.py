@@ -19,7 +19,9 @@ import base64
 import importlib.util
 import json
 import os
+import shutil
 import signal
+import tempfile
 import sys
 import threading
 import time
@@ -128,6 +130,42 @@ class EventSink:
         self.ctx.term()
 
 
+RELAY = Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target") / "debug" / "kvroute-relay"
+
+
+class RelayProcess:
+    """kvroute-relay (target/debug, built by scripts/real-vllm.sh test)
+    subscribed to one server's events, serving HTTP on 127.0.0.1:port. Not
+    started (proc None) when the binary is missing; test_kv_events.py then
+    fails with that reason."""
+
+    def __init__(self, endpoint, topic, port, log_path):
+        import subprocess
+
+        self.endpoint = endpoint
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc = None
+        if not RELAY.exists():
+            return
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [str(RELAY), "--sub", endpoint, "--topic", topic, "--listen", self.address,
+             "--max-blocks", str(NUM_BLOCKS)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            self._log.close()
+
+
 def write_frames_jsonl(path, messages):
     """The capture format of ../shared/vllm: one message per line,
     {"frames_b64": [topic, seq, payload]}."""
@@ -149,12 +187,23 @@ def real_fleet(tmp_path_factory):
         pytest.skip(f"the real-vLLM venv cannot be built here ({ex}); see tests/real/README.md")
     log_dir = tmp_path_factory.mktemp("vllm")
     ports = vllm_tier.free_ports(4)
+    # vLLM binds its PUB on a local socket file (nothing on the network);
+    # the sink and the KV-event relay (test_kv_events.py) both connect, from
+    # before the first event, so both see every batch from seq 0.
+    ipc_dir = tempfile.mkdtemp(prefix="kvr-ev-")
+    endpoints = [f"ipc://{ipc_dir}/vllm{i}.sock" for i in range(2)]
     sinks = []
-    for p in ports[2:]:
-        s = EventSink(p)
+    for ep in endpoints:
+        s = EventSink(connect=ep)
         sinks.append(s)
         _LIVE.append(s)
-    f = vllm_tier.Fleet(2, log_dir=log_dir, blocks=NUM_BLOCKS, ports=ports[:2], event_ports=ports[2:],
+    relays = []
+    for i, ep in enumerate(endpoints):
+        r = RelayProcess(ep, f"kv@real{i}", ports[2 + i], log_dir / f"relay{i}.log")
+        if r.proc is not None:
+            relays.append(r)
+            _LIVE.append(r)
+    f = vllm_tier.Fleet(2, log_dir=log_dir, blocks=NUM_BLOCKS, ports=ports[:2], event_ports=endpoints,
                         pidfile=os.environ.get("KVROUTE_REAL_PIDFILE"))
     _LIVE.append(f)
     t0 = time.monotonic()
@@ -162,14 +211,17 @@ def real_fleet(tmp_path_factory):
     f.startup_seconds = time.monotonic() - t0
     print(f"\n[real] 2 vLLM servers healthy in {f.startup_seconds:.0f} s: {f.addresses}; logs in {log_dir}")
     f.sinks = sinks
+    f.relays = relays
+    f.event_endpoints = endpoints
     f.log_dir = log_dir
     try:
         yield f
     finally:
         f.stop()
-        for s in sinks:
+        for s in sinks + relays:
             s.stop()
-        for obj in [f] + sinks:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        for obj in [f] + sinks + relays:
             if obj in _LIVE:
                 _LIVE.remove(obj)
 

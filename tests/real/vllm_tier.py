@@ -329,11 +329,15 @@ class Server:
                # identical prompts give identical KV-event hashes.
                "--prefix-caching-hash-algo", "sha256_cbor"]
         if self.event_port is not None:
-            # A concrete address: vLLM's PUB socket *connects* to it, and the
-            # subscriber binds on 127.0.0.1 (a wildcard would make vLLM bind
-            # on every interface).
+            # A port: vLLM's PUB socket *connects* to tcp://127.0.0.1:PORT,
+            # and the subscriber binds there (a wildcard would make vLLM bind
+            # on every interface). A string is the endpoint itself: an
+            # `ipc://PATH` makes vLLM bind a local socket file, which any
+            # number of subscribers (the tests' sink, a relay) connect to.
+            endpoint = (self.event_port if isinstance(self.event_port, str)
+                        else f"tcp://127.0.0.1:{self.event_port}")
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
-                   "endpoint": f"tcp://127.0.0.1:{self.event_port}", "topic": self.topic}
+                   "endpoint": endpoint, "topic": self.topic}
             cmd += ["--kv-events-config", json.dumps(cfg)]
         return cmd
 

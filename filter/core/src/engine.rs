@@ -280,7 +280,7 @@ impl Engine {
     }
 
     /// Capacity of an endpoint in index blocks.
-    fn capacity_blocks(
+    pub(crate) fn capacity_blocks(
         &self,
         metrics: Option<&kvroute_shared_state::metrics::MetricsSnapshot>,
     ) -> u64 {
@@ -685,6 +685,7 @@ impl Engine {
         let metrics =
             MetricsTable::decode(store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
         let stale_after = self.config.collector.metrics_stale_after_ms;
+        let held = self.held_state(store)?;
         let eps: Vec<serde_json::Value> = table
             .endpoints
             .iter()
@@ -700,6 +701,9 @@ impl Engine {
                         ..Default::default()
                     })
                 });
+                let kv_events = held
+                    .as_ref()
+                    .map(|h| h.endpoint_json(self, store, e, now_ms));
                 serde_json::json!({
                     "address": e.address,
                     "slot": e.slot,
@@ -727,14 +731,21 @@ impl Engine {
                         "fresh": m.is_fresh(now_ms, stale_after),
                         "failures": m.failures,
                     })),
+                    "kvEvents": kv_events,
                 })
             })
             .collect();
         let index_bytes = self.geometry.max_bytes();
+        let held_geo = self.held_geometry();
         Ok(serde_json::json!({
             "endpointTableVersion": table.version,
             "endpoints": eps,
             "index": {"shards": self.geometry.shards, "maxBytes": index_bytes},
+            "kvEvents": self.config.kv_events.enabled.then(|| serde_json::json!({
+                "maxHeldBlocks": held_geo.max_blocks,
+                "shardsPerEndpoint": held_geo.shards,
+                "maxBytesPerEndpoint": held_geo.max_bytes_per_endpoint(),
+            })),
         })
         .to_string())
     }

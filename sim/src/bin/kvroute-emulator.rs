@@ -6,7 +6,7 @@
 
 use kvroute_sim::cli::Flags;
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
-use kvroute_sim::engine::{EngineConfig, StepCost};
+use kvroute_sim::vllm_model::{EngineConfig, StepCost};
 use std::io::Write;
 
 const USAGE: &str = "\

@@ -9,9 +9,9 @@
 //! model clock jumps to "now".
 
 use super::EmulatorConfig;
-use crate::engine::{AdmitError, Engine, EngineCounters, EngineRequest, Histogram, RequestId};
 use crate::kv_events::KvEvent;
 use crate::vllm_hash::VllmBlockHasher;
+use crate::vllm_model::{AdmitError, Engine, EngineCounters, EngineRequest, Histogram, RequestId};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -112,6 +112,25 @@ pub struct Snapshot {
     pub fault_responses: u64,
     /// Model seconds lost to host lag since start (never reset).
     pub host_lag_model_s: f64,
+}
+
+impl Snapshot {
+    /// The model's state (no faults, no host lag: those belong to the glue).
+    pub fn of(engine: &Engine) -> Snapshot {
+        Snapshot {
+            running: engine.num_running(),
+            waiting: engine.num_waiting(),
+            kv_cache_usage: engine.cache().usage(),
+            cached_blocks: engine.cache().num_cached(),
+            evicted_blocks: engine.cache().evictions,
+            counters: engine.counters.clone(),
+            ttft: engine.ttft.clone(),
+            prefill_time: engine.prefill_time.clone(),
+            prefill_kv_computed: engine.prefill_kv_computed.clone(),
+            fault_responses: 0,
+            host_lag_model_s: 0.0,
+        }
+    }
 }
 
 /// One emulated vLLM server.
@@ -240,17 +259,9 @@ impl Endpoint {
     pub fn snapshot(&self) -> Snapshot {
         let engine = lock(&self.engine);
         Snapshot {
-            running: engine.num_running(),
-            waiting: engine.num_waiting(),
-            kv_cache_usage: engine.cache().usage(),
-            cached_blocks: engine.cache().num_cached(),
-            evicted_blocks: engine.cache().evictions,
-            counters: engine.counters.clone(),
-            ttft: engine.ttft.clone(),
-            prefill_time: engine.prefill_time.clone(),
-            prefill_kv_computed: engine.prefill_kv_computed.clone(),
             fault_responses: self.fault_responses.load(Ordering::Relaxed),
             host_lag_model_s: self.host_lag_model_us.load(Ordering::Relaxed) as f64 / 1e6,
+            ..Snapshot::of(&engine)
         }
     }
 

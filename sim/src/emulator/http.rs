@@ -17,7 +17,7 @@
 use super::endpoint::{Endpoint, MetricsMode, Progress};
 use super::metrics_text;
 use super::openai::{engine_request, error_body, models_body, ResponseShape};
-use crate::engine::{AdmitError, RequestId};
+use crate::vllm_model::{AdmitError, RequestId};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};

@@ -3,13 +3,19 @@
 //! Latencies are in model seconds (the hardware being modelled).
 
 use super::endpoint::{Endpoint, Snapshot};
-use crate::engine::Histogram;
 use crate::prometheus::{format_value, Exposition};
+use crate::vllm_model::EngineConfig;
+use crate::vllm_model::Histogram;
 
 pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
-    let model = ep.cfg.model.as_str();
+    render_parts(&ep.cfg.model, &ep.cfg.engine, ep.started_unix_s, s)
+}
+
+/// The page for a server of `model` with engine config `cfg`, started at
+/// Unix time `created`, in state `s` (the simulator renders its modelled
+/// servers' pages with this, and feeds them to the collector's parser).
+pub fn render_parts(model: &str, cfg: &EngineConfig, created: f64, s: &Snapshot) -> String {
     let base: [(&str, &str); 2] = [("engine", "0"), ("model_name", model)];
-    let created = ep.started_unix_s;
     let mut e = Exposition::new();
 
     e.family(
@@ -117,7 +123,6 @@ pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
         histogram(&mut e, name, help, h, &base, created);
     }
 
-    let cfg = &ep.cfg.engine;
     let bs = cfg.block_size.to_string();
     let blocks = cfg.num_gpu_blocks.to_string();
     let size_tokens = (u64::from(cfg.block_size) * u64::from(cfg.num_gpu_blocks)).to_string();

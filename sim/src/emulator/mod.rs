@@ -1,5 +1,5 @@
 //! Serves emulated vLLM endpoints on loopback ports: the HTTP/ZMQ glue
-//! around [`crate::engine::Engine`]. One [`Fleet`] hosts N endpoints, each
+//! around [`crate::vllm_model::Engine`]. One [`Fleet`] hosts N endpoints, each
 //! with its own engine, port and (optionally) KV-event publisher.
 
 pub mod endpoint;
@@ -8,7 +8,7 @@ pub mod kv_publisher;
 pub mod metrics_text;
 pub mod openai;
 
-use crate::engine::EngineConfig;
+use crate::vllm_model::EngineConfig;
 use endpoint::Endpoint;
 use std::net::SocketAddr;
 use std::sync::Arc;

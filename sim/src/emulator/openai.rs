@@ -2,8 +2,8 @@
 //! into engine input, and the JSON bodies and SSE chunks of the answers.
 
 use super::EmulatorConfig;
-use crate::engine::EngineRequest;
 use crate::vllm_hash::VllmBlockHasher;
+use crate::vllm_model::EngineRequest;
 use crate::words::output_word;
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};

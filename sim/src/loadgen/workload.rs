@@ -152,6 +152,31 @@ pub struct Workload {
     /// conversation that finished all its turns starts over as a new one).
     next_turn: Vec<u32>,
     generation: Vec<u32>,
+    /// Fresh (never repeated) texts handed out so far.
+    fresh: u64,
+}
+
+/// Sub-stream of the fresh texts (`SeededRng::derive(seed, FRESH_STREAM ^ n)`).
+const FRESH_STREAM: u64 = 0xF2E5_0000_0000_0000;
+
+/// One piece of a message's text: the deterministic text `(kind, a, b)` of
+/// `tokens` tokens, or (`fresh: Some(n)`) the workload's n-th unique text.
+/// Pieces of one message are joined by a newline.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Segment {
+    pub kind: u8,
+    pub a: u32,
+    pub b: u32,
+    pub tokens: u32,
+    pub fresh: Option<u64>,
+}
+
+/// A request's structure: its messages as segments.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenParts {
+    pub group: u32,
+    pub messages: Vec<(&'static str, Vec<Segment>)>,
+    pub output_tokens: u32,
 }
 
 impl Workload {
@@ -164,6 +189,7 @@ impl Workload {
             texts: HashMap::new(),
             next_turn: vec![0; n],
             generation: vec![0; n],
+            fresh: 0,
         }
     }
 
@@ -188,37 +214,83 @@ impl Workload {
             .clone()
     }
 
-    fn fresh_text(&mut self, tokens: u32) -> String {
-        let bytes = self.bytes(tokens);
-        text_of_bytes(bytes, &mut self.rng)
+    /// The text of a segment (fresh text is not cached: it is never reused).
+    fn segment_text(&mut self, seg: Segment) -> String {
+        match seg.fresh {
+            Some(n) => {
+                let bytes = self.bytes(seg.tokens);
+                text_of_bytes(bytes, &mut SeededRng::derive(self.seed, FRESH_STREAM ^ n))
+            }
+            None => self.text(seg.kind, seg.a, seg.b, seg.tokens),
+        }
     }
 
     /// The next request.
     pub fn next_request(&mut self) -> GenRequest {
+        let parts = self.next_parts();
+        let mut messages = Vec::with_capacity(parts.messages.len());
+        for (role, segs) in parts.messages {
+            let mut text = String::new();
+            for (i, seg) in segs.into_iter().enumerate() {
+                if i > 0 {
+                    text.push('\n');
+                }
+                text.push_str(&self.segment_text(seg));
+            }
+            messages.push((role, text));
+        }
+        self.build(messages, parts.group)
+    }
+
+    /// The next request as its structure (which texts, how long, in which
+    /// message), without building any text: the simulator's fast path. The
+    /// sequence of requests is the one [`next_request`](Self::next_request)
+    /// gives for the same seed.
+    pub fn next_parts(&mut self) -> GenParts {
         let s = self.spec.clone();
+        let seg = |kind: u8, a: u32, b: u32, tokens: u32| Segment {
+            kind,
+            a,
+            b,
+            tokens,
+            fresh: None,
+        };
         match s.kind {
             WorkloadKind::SharedPrefix => {
                 let g = self.rng.below(u64::from(s.groups.max(1))) as u32;
                 let q = self.rng.below(u64::from(s.prompts_per_group.max(1))) as u32;
-                let system = self.text(1, g, 0, s.system_tokens);
-                let question = self.text(2, g, q, s.question_tokens);
-                self.single_turn(&system, &question, g)
+                GenParts {
+                    group: g,
+                    messages: vec![
+                        ("system", vec![seg(1, g, 0, s.system_tokens)]),
+                        ("user", vec![seg(2, g, q, s.question_tokens)]),
+                    ],
+                    output_tokens: s.output_tokens,
+                }
             }
             WorkloadKind::Reasoning => {
-                let system = self.text(1, 0, 0, s.system_tokens);
-                let question = self.fresh_text(s.question_tokens);
-                self.single_turn(&system, &question, 0)
+                let n = self.fresh;
+                self.fresh += 1;
+                GenParts {
+                    group: 0,
+                    messages: vec![
+                        ("system", vec![seg(1, 0, 0, s.system_tokens)]),
+                        (
+                            "user",
+                            vec![Segment {
+                                fresh: Some(n),
+                                ..seg(0, 0, 0, s.question_tokens)
+                            }],
+                        ),
+                    ],
+                    output_tokens: s.output_tokens,
+                }
             }
             WorkloadKind::CodeGeneration | WorkloadKind::ChatLab => self.next_turn(),
         }
     }
 
-    fn single_turn(&mut self, system: &str, question: &str, group: u32) -> GenRequest {
-        let messages = vec![("system", system.to_owned()), ("user", question.to_owned())];
-        self.build(messages, group)
-    }
-
-    fn next_turn(&mut self) -> GenRequest {
+    fn next_turn(&mut self) -> GenParts {
         let s = self.spec.clone();
         let c = self.rng.below(u64::from(s.groups.max(1))) as u32;
         let turn = self.next_turn[c as usize];
@@ -232,23 +304,33 @@ impl Workload {
         }
         // Conversation identity across restarts.
         let conv = c + generation * s.groups.max(1);
-        let mut system = match s.kind {
-            // chat-lab: one system prompt for everyone, then the user's persona.
-            WorkloadKind::ChatLab => self.text(1, 0, 0, s.system_tokens),
-            _ => self.text(1, conv, 0, s.system_tokens),
+        let seg = |kind: u8, a: u32, b: u32, tokens: u32| Segment {
+            kind,
+            a,
+            b,
+            tokens,
+            fresh: None,
         };
+        let mut system = vec![match s.kind {
+            // chat-lab: one system prompt for everyone, then the user's persona.
+            WorkloadKind::ChatLab => seg(1, 0, 0, s.system_tokens),
+            _ => seg(1, conv, 0, s.system_tokens),
+        }];
         if s.persona_tokens > 0 {
-            system.push('\n');
-            system.push_str(&self.text(3, conv, 0, s.persona_tokens));
+            system.push(seg(3, conv, 0, s.persona_tokens));
         }
         let mut messages = vec![("system", system)];
         for t in 0..=turn {
-            messages.push(("user", self.text(2, conv, t, s.question_tokens)));
+            messages.push(("user", vec![seg(2, conv, t, s.question_tokens)]));
             if t < turn {
-                messages.push(("assistant", self.text(4, conv, t, s.output_tokens)));
+                messages.push(("assistant", vec![seg(4, conv, t, s.output_tokens)]));
             }
         }
-        self.build(messages, c)
+        GenParts {
+            group: c,
+            messages,
+            output_tokens: s.output_tokens,
+        }
     }
 
     fn build(&mut self, messages: Vec<(&'static str, String)>, group: u32) -> GenRequest {

@@ -1,7 +1,7 @@
 //! The plugin configuration: llm-d's `EndpointPickerConfig` shape
 //! (`plugins`, `schedulingProfiles`, and the other llm-d sections, see
 //! [`llm_d`]) plus kvroute's own sections (`endpoints`, `routing`,
-//! `collector`, `sharedState`).
+//! `collector`, `kvEvents`, `sharedState`).
 //!
 //! Strict: unknown fields and out-of-range values are errors that name the
 //! field path (`plugins[2].parameters.affinityThreshold`) and say what is
@@ -132,6 +132,49 @@ pub enum CollectorMode {
     Lease,
 }
 
+/// kvroute's `kvEvents` section: the collector polls each endpoint's KV-event
+/// relay (`relay/`) and keeps the blocks it holds in shared data
+/// (`kvroute_shared_state::held`). Off by default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEventsConfig {
+    pub enabled: bool,
+    /// Envoy cluster the relay calls go through: an `ORIGINAL_DST` cluster
+    /// that takes the relay's `ip:port` from [`RELAY_HOST_HEADER`].
+    pub cluster: String,
+    /// The relay's port on the endpoint's IP, unless `relays` names it.
+    pub relay_port: u16,
+    /// Per-endpoint relay address overrides: endpoint `ip:port` → relay
+    /// `ip:port`.
+    pub relays: std::collections::BTreeMap<String, String>,
+    /// ms between polls of one relay.
+    pub poll_ms: u64,
+    /// ms; a relay call's timeout.
+    pub timeout_ms: u64,
+    /// ms; an endpoint whose relay gave no good answer for this long is
+    /// stale: routing uses the approximate index for it.
+    pub stale_ms: u64,
+    /// Most block hashes kept per endpoint (`held.rs` bound).
+    pub max_held_blocks: u32,
+    /// `limit` of one `/kv/events` call (hashes).
+    pub max_hashes_per_poll: u32,
+}
+
+/// The header that names the relay's `ip:port` to the `ORIGINAL_DST`
+/// relay cluster (Envoy's default for `use_http_header`).
+pub const RELAY_HOST_HEADER: &str = "x-envoy-original-dst-host";
+
+impl KvEventsConfig {
+    /// The relay of the endpoint at `address` (`ip:port`): the override, or
+    /// the endpoint's IP at `relayPort`. `None` if the address has no port.
+    pub fn relay_for(&self, address: &str) -> Option<String> {
+        if let Some(r) = self.relays.get(address) {
+            return Some(r.clone());
+        }
+        let (host, _port) = address.rsplit_once(':')?;
+        Some(format!("{host}:{}", self.relay_port))
+    }
+}
+
 /// kvroute's `sharedState` section.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedStateConfig {
@@ -158,6 +201,7 @@ pub struct Config {
     pub endpoints: EndpointSource,
     pub routing: RoutingConfig,
     pub collector: CollectorConfig,
+    pub kv_events: KvEventsConfig,
     pub shared_state: SharedStateConfig,
 }
 
@@ -201,6 +245,8 @@ struct RawConfig {
     routing: RawRouting,
     #[serde(default)]
     collector: RawCollector,
+    #[serde(default)]
+    kv_events: RawKvEvents,
     #[serde(default)]
     shared_state: RawSharedState,
 }
@@ -281,6 +327,21 @@ struct RawCollector {
     reap_after_ms: Option<u64>,
     mode: Option<String>,
     lease_ms: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct RawKvEvents {
+    enabled: Option<bool>,
+    cluster: Option<String>,
+    relay_port: Option<u64>,
+    #[serde(default)]
+    relays: std::collections::BTreeMap<String, String>,
+    poll_ms: Option<u64>,
+    timeout_ms: Option<u64>,
+    stale_ms: Option<u64>,
+    max_held_blocks: Option<u64>,
+    max_hashes_per_poll: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1227,6 +1288,8 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         )?,
     };
 
+    let kv_events = compile_kv_events(raw.kv_events)?;
+
     let shared_state = SharedStateConfig {
         index_budget_bytes: range_u64(
             "sharedState.indexBudgetBytes",
@@ -1244,7 +1307,60 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         endpoints,
         routing,
         collector,
+        kv_events,
         shared_state,
+    })
+}
+
+fn compile_kv_events(k: RawKvEvents) -> Result<KvEventsConfig, ConfigError> {
+    let poll_ms = range_u64("kvEvents.pollMs", k.poll_ms, 250, 20, 600_000, "ms")?;
+    for (endpoint, relay) in &k.relays {
+        for (what, v) in [("endpoint", endpoint), ("relay", relay)] {
+            if v.parse::<SocketAddr>().is_err() {
+                return Err(err(
+                    format!("kvEvents.relays.{endpoint}"),
+                    format!(
+                        "{what} address \"{v}\" is not ip:port (for example \"10.0.0.7:9157\")"
+                    ),
+                ));
+            }
+        }
+    }
+    let cluster = k.cluster.unwrap_or_else(|| "kvroute_relays".into());
+    if cluster.is_empty() {
+        return Err(err("kvEvents.cluster", "must not be empty"));
+    }
+    Ok(KvEventsConfig {
+        enabled: k.enabled.unwrap_or(false),
+        cluster,
+        relay_port: range_u64("kvEvents.relayPort", k.relay_port, 9157, 1, 65_535, "")? as u16,
+        relays: k.relays,
+        poll_ms,
+        timeout_ms: range_u64("kvEvents.timeoutMs", k.timeout_ms, 1000, 10, 60_000, "ms")?,
+        stale_ms: range_u64(
+            "kvEvents.staleMs",
+            k.stale_ms,
+            (8 * poll_ms).max(2000),
+            poll_ms,
+            86_400_000,
+            "ms (at least kvEvents.pollMs)",
+        )?,
+        max_held_blocks: range_u64(
+            "kvEvents.maxHeldBlocks",
+            k.max_held_blocks,
+            65_536,
+            1,
+            4_194_304,
+            "blocks",
+        )? as u32,
+        max_hashes_per_poll: range_u64(
+            "kvEvents.maxHashesPerPoll",
+            k.max_hashes_per_poll,
+            4096,
+            1,
+            65_536,
+            "hashes",
+        )? as u32,
     })
 }
 

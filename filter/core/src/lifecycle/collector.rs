@@ -8,14 +8,24 @@
 //! call per target is in flight; a call that times out comes back with no
 //! headers and counts as a failed poll.
 //!
+//! With `kvEvents.enabled`, every `kvEvents.pollMs` it also calls each
+//! endpoint's KV-event relay (`kvEvents.relays`, else the endpoint's IP at
+//! `kvEvents.relayPort`) through the `ORIGINAL_DST` cluster `kvEvents.cluster`
+//! (the relay's `ip:port` in [`RELAY_HOST_HEADER`]), and applies the answer
+//! to the endpoint's held set (`collector::kv_events`). The relay position
+//! (epoch, seq) lives in shared data with the set, so in `lease` mode a new
+//! leader carries on where the last one stopped.
+//!
 //! With `collector.mode: lease` every worker VM has a collector and only
 //! the one holding the lease ([`super::lease`]) does this work each tick.
 
 use super::lease::{Lease, Schedule, Standing};
 use super::telemetry::{self, CollectorStats};
 use super::{Counter, Counts, Host, Level};
-use crate::config::{CollectorMode, EndpointSource};
+use crate::collector::kv_events::{ask_path, next_ask, Ask};
+use crate::config::{CollectorMode, EndpointSource, RELAY_HOST_HEADER};
 use crate::engine::Engine;
+use kvroute_shared_state::held::HeldTable;
 use std::collections::HashMap;
 
 /// The collector's timers, in ms, all derived from the configuration here
@@ -35,6 +45,10 @@ pub struct Timers {
     /// How often orphaned charges are looked for: a quarter of
     /// `collector.reapAfterMs`, within 100..=1000 ms.
     pub reap_every_ms: u64,
+    /// `kvEvents.pollMs`, when `kvEvents.enabled`.
+    pub kv_events_poll_ms: Option<u64>,
+    /// `kvEvents.timeoutMs`.
+    pub kv_events_timeout_ms: u32,
 }
 
 /// Timeout of the admin `/clusters` call, ms: the admin listener is local.
@@ -47,9 +61,12 @@ impl Timers {
             EndpointSource::FromCluster { refresh_ms, .. } => Some(*refresh_ms),
             _ => None,
         };
-        let shortest = admin_refresh_ms.map_or(c.metrics_poll_interval_ms, |r| {
-            r.min(c.metrics_poll_interval_ms)
-        });
+        let kv = &engine.config.kv_events;
+        let kv_events_poll_ms = kv.enabled.then_some(kv.poll_ms);
+        let shortest = admin_refresh_ms
+            .into_iter()
+            .chain(kv_events_poll_ms)
+            .fold(c.metrics_poll_interval_ms, u64::min);
         Timers {
             tick_ms: (shortest / 2).clamp(25, 1000) as u32,
             admin_refresh_ms,
@@ -57,13 +74,27 @@ impl Timers {
             metrics_poll_ms: c.metrics_poll_interval_ms,
             metrics_timeout_ms: c.metrics_timeout_ms.min(u64::from(u32::MAX)) as u32,
             reap_every_ms: (c.reap_after_ms / 4).clamp(100, 1000),
+            kv_events_poll_ms,
+            kv_events_timeout_ms: kv.timeout_ms.min(u64::from(u32::MAX)) as u32,
         }
     }
 }
 
 enum Pending {
     Admin,
-    Metrics { slot: u16, generation: u16 },
+    Metrics {
+        slot: u16,
+        generation: u16,
+    },
+    Relay {
+        slot: u16,
+        generation: u16,
+        ask: Ask,
+        relay: String,
+        /// The view's consecutive failures when the call was made: only the
+        /// first of a run is logged as a warning.
+        failures: u32,
+    },
 }
 
 pub struct Collector {
@@ -74,6 +105,7 @@ pub struct Collector {
     next_refresh_ms: u64,
     next_poll_ms: u64,
     next_reap_ms: u64,
+    next_kv_events_ms: u64,
     /// The last time the clock answered (see [`Collector::now_ms`]).
     last_now_ms: u64,
     /// `lease` mode: this VM's part in the election.
@@ -108,6 +140,7 @@ impl Collector {
             next_refresh_ms: 0,
             next_poll_ms: 0,
             next_reap_ms: 0,
+            next_kv_events_ms: 0,
             last_now_ms: 0,
             stats: telemetry::start_collector_stats(host, lease.is_none()),
             lease,
@@ -244,6 +277,12 @@ impl Collector {
             self.next_poll_ms = now + self.timers.metrics_poll_ms;
             self.poll_metrics(host, now);
         }
+        if let Some(every) = self.timers.kv_events_poll_ms {
+            if now >= self.next_kv_events_ms {
+                self.next_kv_events_ms = now + every;
+                self.poll_relays(host, now);
+            }
+        }
         if now >= self.next_reap_ms {
             self.next_reap_ms = now + self.timers.reap_every_ms;
             match self.engine.reap(host.store(), now) {
@@ -333,6 +372,189 @@ impl Collector {
         }
     }
 
+    /// One round of relay calls: one per endpoint with none in flight.
+    fn poll_relays(&mut self, host: &dyn Host, now: u64) {
+        let table = match self.engine.endpoint_table(host.store()) {
+            Ok(t) => t,
+            Err(e) => return self.host_error(host, "reading endpoints", e),
+        };
+        let held = match HeldTable::read(host.store()) {
+            Ok(t) => t,
+            Err(e) => return self.host_error(host, "reading held blocks", e),
+        };
+        for e in &table.endpoints {
+            let busy = self
+                .pending
+                .values()
+                .any(|p| matches!(p, Pending::Relay { slot, .. } if *slot == e.slot));
+            if busy {
+                continue;
+            }
+            let view = held.get(e.slot, e.generation);
+            self.call_relay(
+                host,
+                e.slot,
+                e.generation,
+                &e.address,
+                next_ask(view),
+                view,
+                now,
+            );
+        }
+    }
+
+    /// Dispatches one relay call; a failure to dispatch is a failed poll.
+    #[allow(clippy::too_many_arguments)]
+    fn call_relay(
+        &mut self,
+        host: &dyn Host,
+        slot: u16,
+        generation: u16,
+        address: &str,
+        ask: Ask,
+        view: Option<&kvroute_shared_state::held::EndpointHeld>,
+        now: u64,
+    ) {
+        let kv = &self.engine.config.kv_events;
+        let Some(relay) = kv.relay_for(address) else {
+            host.log(
+                Level::Warn,
+                &format!(
+                    "kvroute collector: endpoint {address} has no port; no KV-event relay for it"
+                ),
+            );
+            return self.relay_failed(host, slot, generation, now);
+        };
+        let path = ask_path(ask, view, kv.max_hashes_per_poll);
+        let failures = view.map_or(0, |v| v.failures);
+        let headers = [
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", relay.as_str()),
+            (RELAY_HOST_HEADER, relay.as_str()),
+        ];
+        self.counts.inc(host, Counter::KvEventsPolls);
+        match host.http_call(&kv.cluster, &headers, self.timers.kv_events_timeout_ms) {
+            Ok(token) => {
+                self.pending.insert(
+                    token,
+                    Pending::Relay {
+                        slot,
+                        generation,
+                        ask,
+                        relay,
+                        failures,
+                    },
+                );
+            }
+            Err(err) => {
+                host.log(
+                    first_of_run(failures),
+                    &format!(
+                        "kvroute collector: relay call to {relay} (cluster {}): {err}",
+                        kv.cluster
+                    ),
+                );
+                self.relay_failed(host, slot, generation, now);
+            }
+        }
+    }
+
+    fn relay_failed(&self, host: &dyn Host, slot: u16, generation: u16, now: u64) {
+        // (Logged by the caller, at Warn only for the first of a run.)
+        self.counts.inc(host, Counter::KvEventsPollFailures);
+        if let Err(e) = self
+            .engine
+            .record_relay_failure(host.store(), slot, generation, now)
+        {
+            self.host_error(host, "storing a relay failure", e);
+        }
+    }
+
+    /// A relay's answer: applied, then any follow-up call (the snapshot
+    /// after a resync, the next page) is made at once.
+    #[allow(clippy::too_many_arguments)]
+    fn on_relay_answer(
+        &mut self,
+        host: &dyn Host,
+        slot: u16,
+        generation: u16,
+        ask: Ask,
+        relay: &str,
+        failures: u32,
+        status: Option<&str>,
+        body: Option<Vec<u8>>,
+        now: u64,
+    ) {
+        let Some(body) = body else {
+            host.log(
+                first_of_run(failures),
+                &format!(
+                    "kvroute collector: relay {relay} answered {}",
+                    status.unwrap_or("nothing (timeout or reset)")
+                ),
+            );
+            return self.relay_failed(host, slot, generation, now);
+        };
+        let applied =
+            match self
+                .engine
+                .apply_relay_answer(host.store(), slot, generation, ask, &body, now)
+            {
+                Ok(a) => a,
+                Err(crate::collector::kv_events::ApplyError::Garbage(m)) => {
+                    self.counts.inc(host, Counter::KvEventsBadAnswers);
+                    host.log(
+                        first_of_run(failures),
+                        &format!("kvroute collector: relay {relay}: {m}"),
+                    );
+                    return self.relay_failed(host, slot, generation, now);
+                }
+                Err(crate::collector::kv_events::ApplyError::Store(e)) => {
+                    return self.host_error(host, "storing held blocks", e)
+                }
+            };
+        if applied.resync {
+            self.counts.inc(host, Counter::KvEventsResyncs);
+            host.log(
+                Level::Info,
+                &format!(
+                    "kvroute collector: relay {relay} asks for a resync; reloading its snapshot"
+                ),
+            );
+        }
+        if applied.snapshot {
+            self.counts.inc(host, Counter::KvEventsSnapshots);
+        }
+        if applied.index_reset {
+            self.counts.inc(host, Counter::KvEventsIndexResets);
+            host.log(
+                Level::Info,
+                &format!("kvroute collector: relay {relay}: the server lost its cache; its approximate index entries are aged out"),
+            );
+        }
+        self.counts
+            .add(host, Counter::KvEventsDropped, applied.dropped);
+        if let Some(next) = applied.follow_up {
+            let held = match HeldTable::read(host.store()) {
+                Ok(t) => t,
+                Err(e) => return self.host_error(host, "reading held blocks", e),
+            };
+            let address = match self.engine.endpoint_table(host.store()) {
+                Ok(t) => t
+                    .endpoints
+                    .into_iter()
+                    .find(|e| e.slot == slot && e.generation == generation)
+                    .map(|e| e.address),
+                Err(e) => return self.host_error(host, "reading endpoints", e),
+            };
+            if let Some(address) = address {
+                let view = held.get(slot, generation).copied();
+                self.call_relay(host, slot, generation, &address, next, view.as_ref(), now);
+            }
+        }
+    }
+
     pub fn on_http_call_response(
         &mut self,
         host: &dyn Host,
@@ -382,6 +604,33 @@ impl Collector {
                 }
                 self.record(host, slot, generation, result, now);
             }
+            Pending::Relay {
+                slot,
+                generation,
+                ask,
+                relay,
+                failures,
+            } => self.on_relay_answer(
+                host,
+                slot,
+                generation,
+                ask,
+                &relay,
+                failures,
+                status.as_deref(),
+                body,
+                now,
+            ),
         }
+    }
+}
+
+/// A relay that stays down is logged once as a warning, then at debug
+/// level on every poll until it answers again (the counters count them all).
+fn first_of_run(failures: u32) -> Level {
+    if failures == 0 {
+        Level::Warn
+    } else {
+        Level::Debug
     }
 }

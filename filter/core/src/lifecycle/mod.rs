@@ -147,10 +147,17 @@ pub enum Counter {
     MetricsPollFailures,
     ReapedRequests,
     CasRetries,
+    KvEventsPolls,
+    KvEventsPollFailures,
+    KvEventsBadAnswers,
+    KvEventsResyncs,
+    KvEventsSnapshots,
+    KvEventsIndexResets,
+    KvEventsDropped,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 13] = [
+    pub const ALL: [Counter; 20] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -164,6 +171,13 @@ impl Counter {
         Counter::MetricsPollFailures,
         Counter::ReapedRequests,
         Counter::CasRetries,
+        Counter::KvEventsPolls,
+        Counter::KvEventsPollFailures,
+        Counter::KvEventsBadAnswers,
+        Counter::KvEventsResyncs,
+        Counter::KvEventsSnapshots,
+        Counter::KvEventsIndexResets,
+        Counter::KvEventsDropped,
     ];
 
     pub fn name(self) -> &'static str {
@@ -181,6 +195,13 @@ impl Counter {
             Counter::MetricsPollFailures => "kvroute_metrics_poll_failures",
             Counter::ReapedRequests => "kvroute_reaped_requests",
             Counter::CasRetries => "kvroute_cas_retries",
+            Counter::KvEventsPolls => "kvroute_kv_events_polls",
+            Counter::KvEventsPollFailures => "kvroute_kv_events_poll_failures",
+            Counter::KvEventsBadAnswers => "kvroute_kv_events_bad_answers",
+            Counter::KvEventsResyncs => "kvroute_kv_events_resyncs",
+            Counter::KvEventsSnapshots => "kvroute_kv_events_snapshots",
+            Counter::KvEventsIndexResets => "kvroute_kv_events_index_resets",
+            Counter::KvEventsDropped => "kvroute_kv_events_dropped_blocks",
         }
     }
 

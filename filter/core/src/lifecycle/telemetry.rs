@@ -23,6 +23,7 @@
 
 use super::{Host, Level};
 use crate::engine::{Engine, Outcome};
+use kvroute_shared_state::held::{HeldTable, HELD_KEY};
 use kvroute_shared_state::index::{self, ENTRY_BYTES};
 use kvroute_shared_state::load::LoadTable;
 use kvroute_shared_state::metrics::MetricsTable;
@@ -251,7 +252,7 @@ pub const SLOT_GAUGES: [&str; 4] = [
 ];
 
 /// The collector-wide gauges, in this order.
-pub const GLOBAL_GAUGES: [&str; 4] = [
+pub const GLOBAL_GAUGES: [&str; 6] = [
     // Endpoints in the table.
     "kvroute_endpoints",
     // Endpoints whose metrics are older than collector.metricsStaleAfterMs
@@ -262,6 +263,11 @@ pub const GLOBAL_GAUGES: [&str; 4] = [
     // The index's size, shards × 4 KiB, bytes (sharedState.indexBudgetBytes
     // rounded down to whole shards).
     "kvroute_index_budget_bytes",
+    // kvEvents: block hashes held in the endpoints' views, summed.
+    "kvroute_kv_events_held_blocks",
+    // kvEvents: endpoints whose view had no good relay poll within
+    // kvEvents.staleMs (routed on the approximate index).
+    "kvroute_kv_events_stale_endpoints",
 ];
 
 /// The Envoy stat name of slot gauge `base` for `slot`.
@@ -374,6 +380,23 @@ impl CollectorStats {
         }
         self.global[0].set(host, table.endpoints.len() as u64);
         self.global[1].set(host, stale);
+        if engine.config.kv_events.enabled {
+            let held = HeldTable::decode(get(HELD_KEY).as_deref());
+            let stale_ms = engine.config.kv_events.stale_ms;
+            let (mut blocks, mut stale) = (0u64, 0u64);
+            for e in &table.endpoints {
+                match held.get(e.slot, e.generation) {
+                    Some(v) if v.is_fresh(now_ms, stale_ms) => blocks += u64::from(v.blocks),
+                    Some(v) => {
+                        blocks += u64::from(v.blocks);
+                        stale += 1;
+                    }
+                    None => stale += 1,
+                }
+            }
+            self.global[4].set(host, blocks);
+            self.global[5].set(host, stale);
+        }
         self.scan_index(host, engine);
     }
 

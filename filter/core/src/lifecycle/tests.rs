@@ -653,6 +653,8 @@ fn collector_timers_come_from_the_config() {
             metrics_poll_ms: 500,
             metrics_timeout_ms: t.metrics_timeout_ms,
             reap_every_ms: 500,
+            kv_events_poll_ms: None,
+            kv_events_timeout_ms: 1000,
         }
     );
     let (_, c) = collector_polling(50, "");
@@ -940,4 +942,554 @@ fn collector_gauges_show_the_prefill_estimate() {
     c.on_tick(&host);
     assert_eq!(gauge(0), Some(24_000));
     assert_eq!(gauge(1), Some(0));
+}
+
+// ---------------------------------------------------------------------------
+// kvEvents: the collector polls each endpoint's relay.
+
+mod kv_events {
+    use super::*;
+    use crate::engine::{Engine, Outcome};
+    use crate::request::ApiKind;
+    use kvroute_shared_state::held::{self, HeldTable};
+
+    const KV_BASE: &str = r#""endpoints":{"static":["127.0.0.1:1","127.0.0.2:2"]},
+        "plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":16,"lruCapacityPerServer":1000}},
+                   {"type":"prefix-cache-affinity-filter"},{"type":"token-load-scorer"},{"type":"max-score-picker"}],
+        "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"token-load-scorer"},{"pluginRef":"max-score-picker"}]}]"#;
+
+    fn config(kv: &str) -> String {
+        format!(
+            r#"{{{KV_BASE},"routing":{{"seed":3}},"kvEvents":{{"enabled":true,"pollMs":100,"staleMs":1000,"relays":{{"127.0.0.2:2":"10.9.9.9:7000"}}{kv}}}}}"#
+        )
+    }
+
+    fn kv_collector(kv: &str) -> (FakeHost, Collector) {
+        let host = FakeHost::default();
+        host.now_ns.set(1_000_000_000);
+        *host.config.borrow_mut() = config(kv).into_bytes();
+        *host.root_id.borrow_mut() = COLLECTOR_ROOT_ID.as_bytes().to_vec();
+        match configure(&host) {
+            Ok(Role::Collector(c)) => (host, *c),
+            Ok(Role::Filter { .. }) => panic!("not the collector"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn engine(kv: &str) -> Engine {
+        Engine::new(crate::config::Config::from_json(config(kv).as_bytes()).unwrap())
+    }
+
+    fn header<'a>(call: &'a Call, name: &str) -> &'a str {
+        call.1
+            .iter()
+            .find(|(k, _)| k == name)
+            .map_or("", |(_, v)| v.as_str())
+    }
+
+    /// Answers call `token` with 200 and `body`.
+    fn answer(host: &FakeHost, c: &mut Collector, token: u32, body: &str) {
+        *host.call_status.borrow_mut() = Some("200".into());
+        *host.call_body.borrow_mut() = Some(body.as_bytes().to_vec());
+        c.on_http_call_response(host, token, 3, body.len());
+    }
+
+    fn held_of(host: &FakeHost, e: &Engine, slot: u16) -> (Option<held::EndpointHeld>, Vec<u64>) {
+        let t = HeldTable::read(&host.store).unwrap();
+        let mut hashes = held::all_hashes(&host.store, &e.held_geometry(), &t, slot, 1).unwrap();
+        hashes.sort();
+        (t.get(slot, 1).copied(), hashes)
+    }
+
+    #[test]
+    fn off_by_default_and_validated() {
+        let (host, mut c) = collector("");
+        c.on_tick(&host);
+        assert!(host.calls.borrow().iter().all(|(cl, _, _)| cl == "models"));
+        assert_eq!(c.timers().kv_events_poll_ms, None);
+        for (bad, path) in [
+            (r#""pollMs":5"#, "kvEvents.pollMs"),
+            (r#""pollMs":100,"staleMs":50"#, "kvEvents.staleMs"),
+            (r#""maxHeldBlocks":0"#, "kvEvents.maxHeldBlocks"),
+            (r#""relayPort":70000"#, "kvEvents.relayPort"),
+            (r#""nope":1"#, "kvEvents"),
+        ] {
+            let json = format!(r#"{{{KV_BASE},"kvEvents":{{{bad}}}}}"#);
+            let e = crate::config::Config::from_json(json.as_bytes()).unwrap_err();
+            assert!(e.to_string().contains(path), "{bad}: {e}");
+        }
+        let e = crate::config::Config::from_json(
+            config("")
+                .replace("10.9.9.9:7000", "not-an-address")
+                .as_bytes(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("kvEvents.relays"), "{e}");
+        // The fuzz seed with every section sets every kvEvents field.
+        let seed = include_str!("../../../../fuzz/seeds/config/every-section.json");
+        let kv = crate::config::Config::from_json(seed.as_bytes())
+            .unwrap()
+            .kv_events;
+        assert!(kv.enabled);
+        assert_eq!(
+            kv.relay_for("10.0.0.7:8000").as_deref(),
+            Some("10.0.0.7:9158")
+        );
+        assert_eq!(
+            kv.relay_for("10.0.0.8:8000").as_deref(),
+            Some("10.0.0.8:9157")
+        );
+    }
+
+    #[test]
+    fn polls_each_relay_snapshot_first_then_events_after_its_seq() {
+        let (host, mut c) = kv_collector("");
+        assert_eq!(c.timers().kv_events_poll_ms, Some(100));
+        assert_eq!(c.timers().tick_ms, 50, "the tick serves the relay poll");
+        c.on_tick(&host);
+        let calls = host.calls.borrow().clone();
+        assert_eq!(calls.len(), 2, "{calls:?}");
+        // Port convention for the first endpoint, the override for the second.
+        assert_eq!(calls[0].0, "kvroute_relays");
+        assert_eq!(
+            header(&calls[0], "x-envoy-original-dst-host"),
+            "127.0.0.1:9157"
+        );
+        assert_eq!(header(&calls[0], ":path"), "/kv/snapshot");
+        assert_eq!(
+            header(&calls[1], "x-envoy-original-dst-host"),
+            "10.9.9.9:7000"
+        );
+        assert_eq!(calls[0].2, 1000, "kvEvents.timeoutMs");
+        // In flight: the next round makes no second call to the same relay.
+        host.now_ns.set(1_200_000_000);
+        c.on_tick(&host);
+        assert_eq!(host.calls.borrow().len(), 2);
+        answer(
+            &host,
+            &mut c,
+            1,
+            r#"{"epoch":77,"seq":5,"complete":true,"blocks":[10,11,12]}"#,
+        );
+        let e = engine("");
+        let (view, hashes) = held_of(&host, &e, 0);
+        let view = view.unwrap();
+        assert_eq!(hashes, [10, 11, 12]);
+        assert_eq!(
+            (view.relay_epoch, view.relay_seq, view.complete),
+            (77, 5, true)
+        );
+        assert_eq!(host.counter(Counter::KvEventsSnapshots), 1);
+        host.now_ns.set(1_400_000_000);
+        c.on_tick(&host);
+        let calls = host.calls.borrow().clone();
+        assert_eq!(
+            calls.len(),
+            3,
+            "only the relay that answered is called again"
+        );
+        assert_eq!(
+            header(&calls[2], ":path"),
+            "/kv/events?after=5&epoch=77&limit=4096"
+        );
+        // Stored and removed in order; `more` asks for the next page at once.
+        answer(
+            &host,
+            &mut c,
+            3,
+            r#"{"epoch":77,"seq":7,"last":9,"resync":false,"more":true,"batches":[
+                {"seq":6,"ops":[{"op":"stored","hashes":[13,14]},{"op":"removed","hashes":[10]}]},
+                {"seq":7,"ops":[{"op":"removed","hashes":[13]},{"op":"stored","hashes":[13]}]}]}"#,
+        );
+        let (view, hashes) = held_of(&host, &e, 0);
+        assert_eq!(hashes, [11, 12, 13, 14]);
+        assert_eq!(view.unwrap().relay_seq, 7);
+        let calls = host.calls.borrow().clone();
+        assert_eq!(calls.len(), 4);
+        assert_eq!(
+            header(&calls[3], ":path"),
+            "/kv/events?after=7&epoch=77&limit=4096"
+        );
+        assert_eq!(host.counter(Counter::KvEventsPolls), 4);
+        // `more` without progress is not followed at once (no call loop).
+        answer(
+            &host,
+            &mut c,
+            4,
+            r#"{"epoch":77,"seq":7,"more":true,"batches":[]}"#,
+        );
+        assert_eq!(host.calls.borrow().len(), 4);
+        assert_eq!(held_of(&host, &e, 0).1, [11, 12, 13, 14]);
+        // The state view shows the set.
+        let state: serde_json::Value =
+            serde_json::from_str(&e.state_json(&host.store, 1400).unwrap()).unwrap();
+        let kv = &state["endpoints"][0]["kvEvents"];
+        assert_eq!(kv["relay"], "127.0.0.1:9157");
+        assert_eq!(kv["blocks"], 4);
+        assert_eq!(kv["fresh"], true);
+        assert_eq!(kv["hashes"], serde_json::json!([11, 12, 13, 14]));
+        assert_eq!(state["endpoints"][1]["kvEvents"]["fresh"], false);
+        assert_eq!(state["kvEvents"]["maxBytesPerEndpoint"], 512 * 2048);
+    }
+
+    #[test]
+    fn garbage_and_failures_are_counted_and_keep_the_set() {
+        let (host, mut c) = kv_collector("");
+        c.on_tick(&host);
+        answer(
+            &host,
+            &mut c,
+            1,
+            r#"{"epoch":1,"seq":0,"complete":true,"blocks":[5]}"#,
+        );
+        for (i, bad) in [
+            "not json",
+            r#"{"epoch":1}"#,
+            r#"{"epoch":1,"seq":1,"batches":[{"seq":1,"ops":[{"op":"exploded"}]}]}"#,
+            r#"{"epoch":1,"seq":1,"batches":[{"seq":1,"ops":[{"op":"stored","hashes":[-1]}]}]}"#,
+        ]
+        .iter()
+        .enumerate()
+        {
+            host.now_ns.set(2_000_000_000 + i as u64 * 200_000_000);
+            c.on_tick(&host);
+            let token = host.calls.borrow().len() as u32;
+            answer(&host, &mut c, token, bad);
+        }
+        assert_eq!(host.counter(Counter::KvEventsBadAnswers), 4);
+        assert_eq!(host.counter(Counter::KvEventsPollFailures), 4);
+        // A timeout (no headers) and a 503 are failed polls too.
+        host.now_ns.set(3_000_000_000);
+        c.on_tick(&host);
+        let token = host.calls.borrow().len() as u32;
+        c.on_http_call_response(&host, token, 0, 0);
+        host.now_ns.set(3_200_000_000);
+        c.on_tick(&host);
+        let token = host.calls.borrow().len() as u32;
+        *host.call_status.borrow_mut() = Some("503".into());
+        c.on_http_call_response(&host, token, 3, 0);
+        assert_eq!(host.counter(Counter::KvEventsPollFailures), 6);
+        let e = engine("");
+        let (view, hashes) = held_of(&host, &e, 0);
+        assert_eq!(hashes, [5], "a failed poll keeps the set");
+        assert_eq!(view.unwrap().failures, 6);
+        // A refused dispatch is a failed poll, never a panic (the second
+        // endpoint's first call never came back: it is still in flight).
+        host.failing.borrow_mut().insert("proxy_http_call");
+        host.now_ns.set(3_400_000_000);
+        c.on_tick(&host);
+        assert_eq!(host.counter(Counter::KvEventsPollFailures), 7);
+        // A relay that stays down is warned about once per run of failures.
+        let warns = host
+            .logs
+            .borrow()
+            .iter()
+            .filter(|(l, m)| *l == Level::Warn && m.contains("relay"))
+            .count();
+        assert_eq!(warns, 1, "{:?}", host.logs.borrow());
+    }
+
+    #[test]
+    fn resync_and_epoch_change_reload_the_snapshot() {
+        let (host, mut c) = kv_collector("");
+        c.on_tick(&host);
+        answer(
+            &host,
+            &mut c,
+            1,
+            r#"{"epoch":1,"seq":3,"complete":true,"blocks":[1,2,3,4]}"#,
+        );
+        host.now_ns.set(1_200_000_000);
+        c.on_tick(&host);
+        let n = host.calls.borrow().len() as u32;
+        answer(
+            &host,
+            &mut c,
+            n,
+            r#"{"epoch":1,"seq":40,"resync":true,"batches":[]}"#,
+        );
+        assert_eq!(host.counter(Counter::KvEventsResyncs), 1);
+        let calls = host.calls.borrow().clone();
+        assert_eq!(
+            calls.len() as u32,
+            n + 1,
+            "the snapshot is asked for at once"
+        );
+        assert_eq!(header(calls.last().unwrap(), ":path"), "/kv/snapshot");
+        answer(
+            &host,
+            &mut c,
+            n + 1,
+            r#"{"epoch":1,"seq":40,"complete":false,"blocks":[3,4,5]}"#,
+        );
+        let e = engine("");
+        let (view, hashes) = held_of(&host, &e, 0);
+        assert_eq!(hashes, [3, 4, 5], "the snapshot replaced the set");
+        assert!(!view.unwrap().complete);
+        // A relay that restarted (new epoch) answers `resync` because the
+        // epoch is not its own; an answer from another epoch is a resync too.
+        host.now_ns.set(1_400_000_000);
+        c.on_tick(&host);
+        let n = host.calls.borrow().len() as u32;
+        assert!(header(&host.calls.borrow()[n as usize - 1], ":path").contains("after=40&epoch=1"));
+        answer(
+            &host,
+            &mut c,
+            n,
+            r#"{"epoch":2,"seq":0,"resync":false,"batches":[]}"#,
+        );
+        assert_eq!(host.counter(Counter::KvEventsResyncs), 2);
+        answer(
+            &host,
+            &mut c,
+            n + 1,
+            r#"{"epoch":2,"seq":0,"complete":true,"blocks":[]}"#,
+        );
+        let (view, hashes) = held_of(&host, &e, 0);
+        assert!(hashes.is_empty());
+        assert_eq!(view.unwrap().relay_epoch, 2);
+        // The server lost its whole cache: the approximate index forgot it.
+        assert_eq!(host.counter(Counter::KvEventsIndexResets), 1);
+    }
+
+    #[test]
+    fn cleared_empties_the_set_and_ages_out_the_approximate_index() {
+        let (host, mut c) = kv_collector("");
+        let e = engine("");
+        // A request routed (approximate mode) before: the index holds it.
+        let body = chat_body("hello");
+        let mut rng = crate::scheduling::Rng::new(1);
+        let Outcome::Routed(r) =
+            e.route(&host.store, ApiKind::ChatCompletions, &body, 1000, &mut rng)
+        else {
+            panic!("not routed")
+        };
+        let slot = if r.primary_address() == "127.0.0.1:1" {
+            0u16
+        } else {
+            1
+        };
+        let matched = |host: &FakeHost| {
+            let req = crate::request::parse_request(
+                ApiKind::ChatCompletions,
+                &body,
+                &crate::request::ParseLimits {
+                    max_body_bytes: 1 << 20,
+                },
+            )
+            .unwrap();
+            let blocks = crate::blocks::prompt_blocks(&req, &e.config.prefix.blocks);
+            let snap = e
+                .snapshot(
+                    &host.store,
+                    &blocks.block_hashes,
+                    blocks.prompt_tokens,
+                    None,
+                    1000,
+                )
+                .unwrap()
+                .unwrap();
+            snap.candidates[slot as usize].matched_blocks
+        };
+        assert!(matched(&host) > 0);
+        c.on_tick(&host);
+        let token = slot as u32 + 1;
+        answer(
+            &host,
+            &mut c,
+            token,
+            r#"{"epoch":9,"seq":1,"complete":true,"blocks":[1,2]}"#,
+        );
+        assert!(
+            matched(&host) > 0,
+            "a snapshot on first sight resets nothing"
+        );
+        host.now_ns.set(1_200_000_000);
+        c.on_tick(&host);
+        let n = host.calls.borrow().len() as u32;
+        answer(
+            &host,
+            &mut c,
+            n,
+            r#"{"epoch":9,"seq":2,"batches":[{"seq":2,"ops":[{"op":"cleared"},{"op":"stored","hashes":[7]}]}]}"#,
+        );
+        let (view, hashes) = held_of(&host, &e, slot);
+        assert_eq!(hashes, [7]);
+        assert!(
+            view.unwrap().complete,
+            "after AllBlocksCleared the set is whole"
+        );
+        assert_eq!(host.counter(Counter::KvEventsIndexResets), 1);
+        assert_eq!(
+            matched(&host),
+            0,
+            "the approximate index no longer claims the prompt"
+        );
+    }
+
+    #[test]
+    fn a_dead_relay_goes_stale_and_routing_goes_on() {
+        let (host, mut c) = kv_collector("");
+        c.on_tick(&host);
+        answer(
+            &host,
+            &mut c,
+            1,
+            r#"{"epoch":1,"seq":0,"complete":true,"blocks":[42]}"#,
+        );
+        answer(
+            &host,
+            &mut c,
+            2,
+            r#"{"epoch":1,"seq":0,"complete":true,"blocks":[42]}"#,
+        );
+        let e = engine("");
+        let geo = e.held_geometry();
+        let lookup = |now_ms: u64| {
+            let t = HeldTable::read(&host.store).unwrap();
+            held::longest_held(
+                &host.store,
+                &geo,
+                &t,
+                &[(0, 1), (1, 1)],
+                &[42, 43],
+                now_ms,
+                1000,
+            )
+            .unwrap()
+        };
+        assert!(lookup(1000)
+            .iter()
+            .all(|m| m.fresh && m.matched_blocks == 1));
+        // The engine's request-path helper says the same.
+        let table = e.endpoint_table(&host.store).unwrap();
+        let m = e
+            .held_prefixes(&host.store, &table.endpoints, &[42, 43], 1000)
+            .unwrap();
+        assert!(m.iter().all(|m| m.fresh && m.matched_blocks == 1), "{m:?}");
+        let off_json = config("").replace(r#""enabled":true"#, r#""enabled":false"#);
+        let off = Engine::new(crate::config::Config::from_json(off_json.as_bytes()).unwrap());
+        let m = off
+            .held_prefixes(&host.store, &table.endpoints, &[42], 1000)
+            .unwrap();
+        assert!(m.iter().all(|m| !m.fresh), "kvEvents off: never fresh");
+        // The relays stop answering: every poll times out.
+        for i in 1..=12u64 {
+            host.now_ns.set(1_000_000_000 + i * 200_000_000);
+            c.on_tick(&host);
+            let calls = host.calls.borrow().len() as u32;
+            for t in calls.saturating_sub(1)..=calls {
+                c.on_http_call_response(&host, t, 0, 0);
+            }
+        }
+        let now_ms = 1000 + 12 * 200;
+        assert!(lookup(now_ms)
+            .iter()
+            .all(|m| !m.fresh && m.matched_blocks == 0));
+        assert_eq!(host.gauge("kvroute_kv_events_stale_endpoints"), Some(2));
+        assert_eq!(host.gauge("kvroute_kv_events_held_blocks"), Some(2));
+        let state: serde_json::Value =
+            serde_json::from_str(&e.state_json(&host.store, now_ms).unwrap()).unwrap();
+        assert_eq!(state["endpoints"][0]["kvEvents"]["fresh"], false);
+        // Routing does not depend on the relays.
+        let mut rng = crate::scheduling::Rng::new(1);
+        assert!(matches!(
+            e.route(
+                &host.store,
+                ApiKind::ChatCompletions,
+                &chat_body("x"),
+                now_ms,
+                &mut rng
+            ),
+            Outcome::Routed(_)
+        ));
+    }
+
+    #[test]
+    fn the_relay_position_is_shared_so_a_new_collector_carries_on() {
+        let (host, mut c) = kv_collector("");
+        c.on_tick(&host);
+        answer(
+            &host,
+            &mut c,
+            1,
+            r#"{"epoch":5,"seq":12,"complete":true,"blocks":[1]}"#,
+        );
+        // Another collector (a new lease holder, a restarted singleton)
+        // over the same shared data starts from the stored position.
+        host.now_ns.set(2_000_000_000);
+        let Ok(Role::Collector(mut c2)) = configure(&host) else {
+            panic!("not configured")
+        };
+        let before = host.calls.borrow().len();
+        c2.on_tick(&host);
+        let calls = host.calls.borrow()[before..].to_vec();
+        assert_eq!(
+            header(&calls[0], ":path"),
+            "/kv/events?after=12&epoch=5&limit=4096"
+        );
+        assert_eq!(header(&calls[1], ":path"), "/kv/snapshot");
+    }
+
+    #[test]
+    fn a_caught_up_view_takes_the_relays_completeness() {
+        let (host, mut c) = kv_collector("");
+        c.on_tick(&host);
+        // Taken before the relay saw its first batch: not complete.
+        answer(
+            &host,
+            &mut c,
+            1,
+            r#"{"epoch":1,"seq":0,"complete":false,"blocks":[]}"#,
+        );
+        let e = engine("");
+        assert!(!held_of(&host, &e, 0).0.unwrap().complete);
+        host.now_ns.set(1_200_000_000);
+        c.on_tick(&host);
+        let n = host.calls.borrow().len() as u32;
+        // Not caught up yet (more to come): the flag is not taken over.
+        answer(
+            &host,
+            &mut c,
+            n,
+            r#"{"epoch":1,"seq":1,"last":2,"more":true,"complete":true,"batches":[{"seq":1,"ops":[{"op":"stored","hashes":[4]}]}]}"#,
+        );
+        assert!(!held_of(&host, &e, 0).0.unwrap().complete);
+        answer(
+            &host,
+            &mut c,
+            n + 1,
+            r#"{"epoch":1,"seq":2,"last":2,"more":false,"complete":true,"batches":[{"seq":2,"ops":[{"op":"stored","hashes":[5]}]}]}"#,
+        );
+        let (view, hashes) = held_of(&host, &e, 0);
+        assert_eq!(hashes, [4, 5]);
+        assert!(view.unwrap().complete, "caught up with a complete relay");
+    }
+
+    #[test]
+    fn the_set_stays_within_max_held_blocks() {
+        let (host, mut c) = kv_collector(r#","maxHeldBlocks":300"#);
+        c.on_tick(&host);
+        let blocks: Vec<u64> = (1..=1000).collect();
+        answer(
+            &host,
+            &mut c,
+            1,
+            &serde_json::json!({"epoch":1,"seq":0,"complete":true,"blocks":blocks}).to_string(),
+        );
+        let e = engine(r#","maxHeldBlocks":300"#);
+        let (view, hashes) = held_of(&host, &e, 0);
+        let view = view.unwrap();
+        assert_eq!(hashes.len(), 300);
+        assert_eq!(view.blocks, 300);
+        assert!(
+            !view.complete,
+            "dropping at the bound makes the view incomplete"
+        );
+        assert_eq!(host.counter(Counter::KvEventsDropped), 700);
+        assert!(
+            host.store.bytes_with_prefix("kvroute/held/") as u64
+                <= e.held_geometry().max_bytes_per_endpoint()
+        );
+    }
 }

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Simulator vs Envoy: the same scenario through kvroute-simulate and through
+the emulated fleet behind real Envoy (a quality.py run), stage by stage.
+
+    python3 sim/bench/quality.py --workloads shared-prefix --arms round-robin,kvroute,always-sticky \\
+        --rates 1,2,3,4,5 --out /tmp/q.md --img-dir /tmp/img --results /tmp/quality.json
+    python3 sim/bench/agreement.py /tmp/quality.json            # Markdown table on stdout
+
+For every workload and arm of the results it runs kvroute-simulate with the
+run's own parameters: fleet, stages (rates x stage length, model time), time
+scale, stream interval, the calibrated peakPrefillThroughput, maxTTFTPenaltyMs,
+the collector's poll period, the seed, Envoy's worker count, the workload
+flags, the ramp's stop rule, and --exact-prompts (the same request bodies, through the filter's
+parse path). Then it puts hit ratio and input throughput side by side. Only
+the standard library is used.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def simulate(binary, results, wname, w, arm, out):
+    f = results["fleet"]
+    rates = ",".join(f"{r:g}" for r in w["rates"])
+    argv = [binary, "--workload", w.get("workload", wname.replace("-skew", "")), "--arm", arm,
+            "--stages", f"rate:{rates}@{w['stage_s']}s", "--exact-prompts",
+            "--endpoints", str(f["endpoints"]), "--num-gpu-blocks", str(f["num_gpu_blocks"]),
+            "--block-size", str(f["block_size"]), "--max-num-batched-tokens", str(f["max_num_batched_tokens"]),
+            "--prefill-tps", str(f["prefill_tps"]), "--stream-interval", str(f["stream_interval"]),
+            "--time-scale", str(w["time_scale"]), "--peak", str(w["calibration"]["peak"]),
+            "--tau", str(results["penalty_ms"]), "--metrics-poll-ms", str(results["metrics_poll_ms"]),
+            "--seed", str(results["seed"]),
+            "--stop-after-ttft-p90", str(results["slo_s"] * results.get("stop_factor", 4.0)),
+            "--envoy-workers", str(results.get("envoy_concurrency", 1)), *w["loadgen_extra"]]
+    subprocess.run(argv + ["--json", out], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.load(open(out)), " ".join([os.path.relpath(binary, REPO)] + argv[1:])
+
+
+def rel(a, b):
+    return None if a is None or b is None or b == 0 else (a - b) / b
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", help="results.json of a quality.py run")
+    p.add_argument("--binary", default=os.path.join(REPO, "target", "release", "kvroute-simulate"))
+    p.add_argument("--tolerance", type=float, default=0.10, help="relative difference called agreement [0.10]")
+    a = p.parse_args()
+    results = json.load(open(a.results))
+    work = tempfile.mkdtemp(prefix="kvroute-agreement.")
+    rows, commands, worst = [], [], 0.0
+    for wname, w in results["workloads"].items():
+        for arm, res in w["arms"].items():
+            if "stages" not in res or arm == "smg-cache-aware":
+                continue
+            sim, cmd = simulate(a.binary, results, wname, w, arm, os.path.join(work, f"{wname}.{arm}.json"))
+            commands.append(cmd)
+            for env_st, sim_st in zip(res["stages"], sim["stages"]):
+                dh = rel(sim_st["hit_ratio"], env_st["hit_ratio"])
+                dt = rel(sim_st["input_tokens_per_s"], env_st["input_tps"])
+                worst = max(worst, abs(dh or 0), abs(dt or 0))
+                ok = dh is not None and dt is not None and abs(dh) <= a.tolerance and abs(dt) <= a.tolerance
+                rows.append(f"| {wname} | {arm} | {env_st['rate']:g} | {env_st['hit_ratio'] * 100:.1f} | "
+                            f"{sim_st['hit_ratio'] * 100:.1f} | {dh * 100:+.1f} % | {env_st['input_tps']:.0f} | "
+                            f"{sim_st['input_tokens_per_s']:.0f} | {dt * 100:+.1f} % | "
+                            f"{env_st['ttft_p90_s'] * 1000:.0f} / {sim_st['ttft_s']['p90'] * 1000:.0f} | "
+                            f"{'yes' if ok else '**no**'} |")
+    print(f"Envoy run: {results['started']} (commit {results.get('commit')}), `{results['command']}`.\n")
+    print("| workload | arm | rate (req/s) | hit % Envoy | hit % sim | Δ | input tok/s Envoy | input tok/s sim | Δ | "
+          "TTFT p90 ms Envoy / sim | within 10 % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\nSimulator commands:\n\n```sh\n" + "\n".join(commands) + "\n```")
+    print(f"\n(largest relative difference {worst * 100:.1f} %)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

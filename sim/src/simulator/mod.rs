@@ -1,0 +1,1158 @@
+//! The fleet simulator: N modelled vLLM servers ([`crate::vllm_model`], the
+//! emulator's own model) behind the filter's own routing code, in virtual
+//! time (discrete events, no sockets, no sleeps).
+//!
+//! - **Servers.** Each is a [`crate::vllm_model::Engine`]. An iteration starts
+//!   when the server has work and is idle (`step(now)`), and its outputs are
+//!   delivered at `now + duration`, exactly as the emulator's loop does in
+//!   scaled real time.
+//! - **Router.** `kvroute_core::engine::Engine` over the in-memory `Store`
+//!   (`kvroute_shared_state::memory::MemoryStore`): the same parse, hashing,
+//!   snapshot, scheduler, charge, prefix-index insert and releases (prompt at
+//!   the first token, the rest at the end) as the filter in Envoy. The
+//!   round-robin arm is Envoy's own balancer, so it is modelled as a
+//!   rotation, without kvroute.
+//! - **Collector.** Every `metricsPollIntervalMs` each server's `/metrics`
+//!   page is rendered by the emulator's renderer from the server's state and
+//!   handed to `Engine::record_metrics`, the collector's parser and writer;
+//!   charges are reaped as the collector does.
+//! - **Clocks.** The servers run in model seconds. The router and collector
+//!   see `now_ms` as Envoy would next to an emulator run at
+//!   `time_scale` (model seconds per wall second): `time_scale` 10 makes a
+//!   1000 ms poll interval 10 model seconds. Use 1 for real hardware.
+//! - **Load.** The load generator's stages (Poisson rate or closed-loop
+//!   concurrency, each drained before the next) or a trace; the reports are
+//!   the load generator's [`StageReport`]s, built by the same function.
+
+pub mod arms;
+pub mod plot;
+pub mod prompt;
+pub mod sweep;
+pub mod trace;
+pub mod whatif;
+
+use crate::emulator::endpoint::Snapshot;
+use crate::emulator::metrics_text::render_parts;
+use crate::emulator::openai::engine_request;
+use crate::emulator::EmulatorConfig;
+use crate::loadgen::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
+use crate::loadgen::stages::{Stage, StageKind};
+use crate::loadgen::workload::{GenParts, Workload, WorkloadSpec};
+use crate::rng::SeededRng;
+use crate::vllm_hash::VllmBlockHasher;
+use crate::vllm_model::{Engine as Server, EngineConfig, RequestId, StepResult};
+use kvroute_core::config::{Config, EndpointSource};
+use kvroute_core::engine::{Engine as Router, Outcome};
+use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
+use kvroute_core::scheduling::Rng;
+use kvroute_shared_state::load::{LoadTable, Ticket};
+use kvroute_shared_state::memory::MemoryStore;
+use kvroute_shared_state::Store;
+use prompt::{from_pieces, Piece, RouterInput, SimRequest};
+use serde::Serialize;
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::time::Instant;
+
+/// How requests are routed.
+#[derive(Clone, Debug)]
+pub enum RouterSpec {
+    /// Envoy's round robin, without kvroute.
+    RoundRobin,
+    /// kvroute with this plugin configuration document.
+    Kvroute(Box<Config>),
+}
+
+/// The modelled fleet.
+#[derive(Clone, Debug)]
+pub struct FleetSpec {
+    pub endpoints: usize,
+    pub engine: EngineConfig,
+    /// Served model name (the `/metrics` label and the requests' `model`).
+    pub model: String,
+    /// Bytes per token of text prompts (the emulator's `--chars-per-token`).
+    pub chars_per_token: u32,
+    /// Output tokens per streamed chunk (`--stream-interval`); TTFT and TPOT
+    /// are measured on chunks, as the load generator does.
+    pub stream_interval: u32,
+}
+
+impl Default for FleetSpec {
+    fn default() -> Self {
+        FleetSpec {
+            endpoints: 4,
+            engine: EngineConfig::default(),
+            model: "tiny".into(),
+            chars_per_token: 4,
+            stream_interval: 1,
+        }
+    }
+}
+
+/// Where requests come from.
+#[derive(Clone, Debug)]
+pub enum Load {
+    /// A named workload through load-generator stages.
+    Workload {
+        spec: WorkloadSpec,
+        stages: Vec<Stage>,
+        /// Build the real request bodies (see [`prompt`]).
+        exact_prompts: bool,
+    },
+    /// A trace, as one stage; arrivals are divided by `speed`.
+    Trace {
+        requests: Vec<trace::TraceRequest>,
+        speed: f64,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub fleet: FleetSpec,
+    pub router: RouterSpec,
+    pub load: Load,
+    pub seed: u64,
+    /// Model seconds per router-clock second (see the module doc).
+    pub time_scale: f64,
+    /// End after the first stage whose TTFT p90 is above this (model s).
+    pub stop_after_ttft_p90_s: Option<f64>,
+    /// Envoy worker threads (`--concurrency`), each routing with its own
+    /// engine and generator over the one shared store.
+    pub envoy_workers: usize,
+}
+
+/// Totals of a run.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Totals {
+    /// Requests that arrived.
+    pub arrived: u64,
+    /// Requests that generated all their tokens.
+    pub finished: u64,
+    /// Requests refused (by the server, or answered locally by the filter),
+    /// by reason; `arrived = finished + Σ dropped`.
+    pub dropped: BTreeMap<String, u64>,
+    /// Requests kvroute did not route (fail-open: the fallback picked).
+    pub unrouted: u64,
+    pub preemptions: u64,
+    /// `/metrics` pages fed to the collector.
+    pub scrapes: u64,
+    /// Charges the collector reaped (should be 0: every request releases).
+    pub reaped: u64,
+}
+
+/// Model seconds between utilization samples.
+const SAMPLE_S: f64 = 1.0;
+
+/// Where the servers' time and memory went, over the whole run.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Utilization {
+    /// Iteration time spent on prefill (`prefill tokens / prefill rate`),
+    /// summed over servers, model s.
+    pub prefill_busy_s: f64,
+    /// The rest of the iteration time (the decode step), model s.
+    pub decode_busy_s: f64,
+    /// Sums over per-second samples of every server.
+    pub kv_usage_sum: f64,
+    pub waiting_sum: f64,
+    pub running_sum: f64,
+    pub samples: u64,
+}
+
+impl Utilization {
+    pub fn kv_usage_mean(&self) -> f64 {
+        self.kv_usage_sum / self.samples.max(1) as f64
+    }
+    pub fn waiting_mean(&self) -> f64 {
+        self.waiting_sum / self.samples.max(1) as f64
+    }
+    pub fn running_mean(&self) -> f64 {
+        self.running_sum / self.samples.max(1) as f64
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct SimReport {
+    pub router: String,
+    pub endpoints: Vec<String>,
+    pub stages: Vec<StageReport>,
+    pub totals: Totals,
+    /// Model seconds simulated.
+    pub sim_s: f64,
+    pub wall_s: f64,
+    /// Iterations run by all servers.
+    pub iterations: u64,
+    /// In-flight requests the router's load table still holds after the
+    /// run (every charge released: 0).
+    pub inflight_after: u64,
+    /// Bytes the router's shared data holds after the run.
+    pub shared_data_bytes: usize,
+    pub utilization: Utilization,
+}
+
+impl SimReport {
+    pub fn speedup(&self) -> f64 {
+        if self.wall_s > 0.0 {
+            self.sim_s / self.wall_s
+        } else {
+            f64::INFINITY
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Ev {
+    /// Utilization sample of every server.
+    Sample,
+    StepEnd(usize),
+    Scrape,
+    Reap,
+}
+
+#[derive(Debug)]
+struct Event {
+    t: f64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Event {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Event {}
+impl PartialOrd for Event {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Event {
+    /// Earliest first in a max-heap; ties in insertion order.
+    fn cmp(&self, o: &Self) -> Ordering {
+        o.t.total_cmp(&self.t).then(o.seq.cmp(&self.seq))
+    }
+}
+
+struct ServerState {
+    model: Server,
+    /// The iteration in progress, delivered at its end.
+    pending: Option<StepResult>,
+    /// Model request id → simulator request index.
+    ids: HashMap<RequestId, usize>,
+}
+
+struct Inflight {
+    rec: RequestRecord,
+    /// Stage start, model s (the record's times are relative to it).
+    stage_t0: f64,
+    ticket: Option<Ticket>,
+    prompt_released: bool,
+    first_at: Option<f64>,
+    last_chunk_at: f64,
+    reported: u32,
+    /// Closed-loop client that sent it.
+    client: Option<usize>,
+}
+
+enum KvRouter {
+    /// One rotation per Envoy worker; a request lands on a random worker.
+    RoundRobin {
+        next: Vec<usize>,
+        pick_worker: SeededRng,
+    },
+    Kvroute {
+        /// The collector's engine (and the releases').
+        router: Box<Router>,
+        store: MemoryStore,
+        /// Envoy's worker threads: each has its own engine (its own table
+        /// cache) and its own generator, seeded as the filter seeds it (every
+        /// worker the same `routing.seed`, when set).
+        workers: Vec<(Box<Router>, Rng)>,
+        /// Which worker a request lands on (the kernel's connection spread).
+        pick_worker: SeededRng,
+        /// Endpoint address → fleet index.
+        by_address: HashMap<String, usize>,
+        /// Fleet index → (slot, generation).
+        slots: Vec<(u16, u16)>,
+        fallback_next: usize,
+    },
+}
+
+/// The result of routing one request.
+struct Routed {
+    endpoint: usize,
+    ticket: Option<Ticket>,
+    unrouted: bool,
+}
+
+/// One simulation in progress.
+pub struct Sim {
+    cfg: SimConfig,
+    emu: EmulatorConfig,
+    hasher: VllmBlockHasher,
+    servers: Vec<ServerState>,
+    names: Vec<String>,
+    router: KvRouter,
+    heap: BinaryHeap<Event>,
+    seq: u64,
+    now: f64,
+    requests: Vec<Option<Inflight>>,
+    done: Vec<RequestRecord>,
+    outstanding: usize,
+    totals: Totals,
+    iterations: u64,
+    workload: Option<Workload>,
+    limits: ParseLimits,
+    poll_s: Option<f64>,
+    reap_s: f64,
+    /// Closed-loop clients whose request ended (concurrency stages).
+    client_queue: Vec<usize>,
+    use_: Utilization,
+}
+
+impl Sim {
+    pub fn new(cfg: SimConfig) -> Result<Sim, String> {
+        if cfg.fleet.endpoints == 0 {
+            return Err("the fleet needs at least one endpoint".into());
+        }
+        if !(cfg.time_scale > 0.0 && cfg.time_scale.is_finite()) {
+            return Err("--time-scale must be positive".into());
+        }
+        let mut names: Vec<String> = (0..cfg.fleet.endpoints)
+            .map(|i| format!("127.0.0.1:{}", 18000 + i))
+            .collect();
+        let (router, poll_s, reap_s) = match &cfg.router {
+            RouterSpec::RoundRobin => (
+                KvRouter::RoundRobin {
+                    // Envoy starts each worker's rotation at a random host.
+                    next: {
+                        let mut r = SeededRng::derive(cfg.seed, 0xE0E1);
+                        (0..cfg.envoy_workers.max(1))
+                            .map(|_| r.below(cfg.fleet.endpoints as u64) as usize)
+                            .collect()
+                    },
+                    pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
+                },
+                None,
+                1.0,
+            ),
+            RouterSpec::Kvroute(config) => {
+                let config = (**config).clone();
+                if let EndpointSource::Static(list) = &config.endpoints {
+                    if list.len() != cfg.fleet.endpoints {
+                        return Err(format!(
+                            "the configuration lists {} static endpoints but the fleet has {}",
+                            list.len(),
+                            cfg.fleet.endpoints
+                        ));
+                    }
+                    names = list.iter().map(|a| a.to_string()).collect();
+                }
+                let c = &config.collector;
+                let poll_s = c
+                    .metrics_cluster
+                    .as_ref()
+                    .map(|_| c.metrics_poll_interval_ms as f64 / 1e3 * cfg.time_scale);
+                let reap_s = (c.reap_after_ms / 4).clamp(100, 1000) as f64 / 1e3 * cfg.time_scale;
+                let fixed_seed = config.routing.seed;
+                let router = Box::new(Router::new(config));
+                let workers = (0..cfg.envoy_workers.max(1))
+                    .map(|i| {
+                        let s = fixed_seed.unwrap_or(cfg.seed.wrapping_add(i as u64));
+                        (router.clone(), Rng::new(s))
+                    })
+                    .collect();
+                let store = MemoryStore::new();
+                router
+                    .collector_init(&store)
+                    .map_err(|e| format!("collector init: {e}"))?;
+                router
+                    .apply_membership(&store, names.iter().map(|n| (n.clone(), true)).collect())
+                    .map_err(|e| format!("membership: {e}"))?;
+                let table = router
+                    .endpoint_table(&store)
+                    .map_err(|e| format!("endpoint table: {e}"))?;
+                let mut by_address = HashMap::new();
+                let mut slots = vec![(0, 0); names.len()];
+                for (i, n) in names.iter().enumerate() {
+                    let e = table
+                        .endpoints
+                        .iter()
+                        .find(|e| &e.address == n)
+                        .ok_or_else(|| format!("endpoint {n} missing from the table"))?;
+                    by_address.insert(n.clone(), i);
+                    slots[i] = (e.slot, e.generation);
+                }
+                (
+                    KvRouter::Kvroute {
+                        router,
+                        store,
+                        workers,
+                        pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
+                        by_address,
+                        slots,
+                        fallback_next: 0,
+                    },
+                    poll_s,
+                    reap_s,
+                )
+            }
+        };
+        let emu = EmulatorConfig {
+            engine: cfg.fleet.engine.clone(),
+            model: cfg.fleet.model.clone(),
+            chars_per_token: cfg.fleet.chars_per_token,
+            stream_interval: cfg.fleet.stream_interval,
+            accept_any_model: true,
+            ..EmulatorConfig::default()
+        };
+        let servers = (0..cfg.fleet.endpoints)
+            .map(|_| ServerState {
+                model: Server::new(cfg.fleet.engine.clone(), false),
+                pending: None,
+                ids: HashMap::new(),
+            })
+            .collect();
+        let workload = match &cfg.load {
+            Load::Workload { spec, .. } => Some(Workload::new(spec.clone(), cfg.seed)),
+            Load::Trace { .. } => None,
+        };
+        Ok(Sim {
+            hasher: VllmBlockHasher::new(&emu.python_hash_seed),
+            emu,
+            servers,
+            names,
+            router,
+            heap: BinaryHeap::new(),
+            seq: 0,
+            now: 0.0,
+            requests: Vec::new(),
+            done: Vec::new(),
+            outstanding: 0,
+            totals: Totals::default(),
+            iterations: 0,
+            workload,
+            limits: ParseLimits {
+                max_body_bytes: usize::MAX,
+            },
+            poll_s,
+            reap_s,
+            client_queue: Vec::new(),
+            use_: Utilization::default(),
+            cfg,
+        })
+    }
+
+    fn push(&mut self, t: f64, ev: Ev) {
+        self.seq += 1;
+        self.heap.push(Event {
+            t,
+            seq: self.seq,
+            ev,
+        });
+    }
+
+    /// The router's clock, ms (wall-equivalent; never 0).
+    fn now_ms(&self) -> u64 {
+        1_000_000 + (self.now / self.cfg.time_scale * 1e3) as u64
+    }
+
+    /// Runs the whole load; consumes the simulation.
+    pub fn run(mut self) -> Result<SimReport, String> {
+        let wall = Instant::now();
+        if let Some(p) = self.poll_s {
+            self.scrape(); // the collector's first poll, before traffic
+            self.push(p, Ev::Scrape);
+        }
+        if matches!(self.router, KvRouter::Kvroute { .. }) {
+            self.push(self.reap_s, Ev::Reap);
+        }
+        self.push(SAMPLE_S, Ev::Sample);
+        let mut stages = Vec::new();
+        match self.cfg.load.clone() {
+            Load::Workload { stages: st, .. } => {
+                for (i, stage) in st.iter().enumerate() {
+                    let report = self.run_stage(stage, i as u64)?;
+                    let over = self
+                        .cfg
+                        .stop_after_ttft_p90_s
+                        .is_some_and(|limit| report.ttft_s.p90.is_none_or(|p| p > limit));
+                    stages.push(report);
+                    if over {
+                        break;
+                    }
+                }
+            }
+            Load::Trace { requests, speed } => {
+                stages.push(self.run_trace(&requests, speed)?);
+            }
+        }
+        let router = match &self.cfg.router {
+            RouterSpec::RoundRobin => "round-robin".to_owned(),
+            RouterSpec::Kvroute(_) => "kvroute".to_owned(),
+        };
+        self.totals.preemptions = self
+            .servers
+            .iter()
+            .map(|s| s.model.counters.preemptions)
+            .sum();
+        let (inflight_after, shared_data_bytes) = match &self.router {
+            KvRouter::Kvroute { store, slots, .. } => {
+                let bytes = store
+                    .get(kvroute_shared_state::LOAD_KEY)
+                    .map_err(|e| format!("reading the load table: {e}"))?;
+                let load = LoadTable::decode(bytes.as_ref().map(|(b, _)| b.as_slice()));
+                let inflight = slots
+                    .iter()
+                    .filter_map(|&(slot, generation)| load.get(slot, generation))
+                    .map(|r| r.inflight_requests())
+                    .sum();
+                (inflight, store.usage().0)
+            }
+            KvRouter::RoundRobin { .. } => (0, 0),
+        };
+        Ok(SimReport {
+            utilization: std::mem::take(&mut self.use_),
+            inflight_after,
+            shared_data_bytes,
+            router,
+            endpoints: self.names.clone(),
+            stages,
+            totals: self.totals,
+            sim_s: self.now,
+            wall_s: wall.elapsed().as_secs_f64(),
+            iterations: self.iterations,
+        })
+    }
+
+    fn counters(&self) -> Vec<Option<EndpointCounters>> {
+        self.servers
+            .iter()
+            .map(|s| {
+                let c = &s.model.counters;
+                Some(EndpointCounters {
+                    prefix_cache_queries: c.prefix_cache_queries as f64,
+                    prefix_cache_hits: c.prefix_cache_hits as f64,
+                    prompt_tokens: c.prompt_tokens as f64,
+                    generation_tokens: c.generation_tokens as f64,
+                    host_lag_s: 0.0,
+                })
+            })
+            .collect()
+    }
+
+    /// The next workload request.
+    fn next_workload_request(&mut self) -> SimRequest {
+        let exact = matches!(
+            self.cfg.load,
+            Load::Workload {
+                exact_prompts: true,
+                ..
+            }
+        );
+        let w = self
+            .workload
+            .as_mut()
+            .expect("workload load has a workload");
+        if exact {
+            let g = w.next_request();
+            let kind = if g.path.ends_with("/chat/completions") {
+                ApiKind::ChatCompletions
+            } else {
+                ApiKind::Completions
+            };
+            self.body_request(kind, g.body.to_string().into_bytes())
+        } else {
+            let parts = w.next_parts();
+            let model = w.spec().model.clone();
+            self.parts_request(&model, &parts)
+        }
+    }
+
+    fn router_blocks(&self) -> (u32, usize) {
+        match &self.cfg.router {
+            RouterSpec::Kvroute(c) => (
+                c.prefix.blocks.block_size_tokens,
+                c.prefix.blocks.max_blocks(),
+            ),
+            RouterSpec::RoundRobin => (self.cfg.fleet.engine.block_size, usize::MAX),
+        }
+    }
+
+    fn parts_request(&self, model: &str, parts: &GenParts) -> SimRequest {
+        let pieces: Vec<Piece> = parts
+            .messages
+            .iter()
+            .flat_map(|(_, segs)| segs.iter())
+            .map(|s| Piece {
+                id: segment_id(s),
+                tokens: s.tokens,
+            })
+            .collect();
+        let (rbs, rmax) = self.router_blocks();
+        from_pieces(
+            model,
+            &pieces,
+            parts.output_tokens,
+            rbs,
+            rmax,
+            self.cfg.fleet.engine.block_size,
+        )
+    }
+
+    /// A text request: the router gets the body, the server what the
+    /// emulator builds from it.
+    fn body_request(&self, kind: ApiKind, body: Vec<u8>) -> SimRequest {
+        let server = match parse_request(kind, &body, &self.limits) {
+            Ok(req) => engine_request(&req, &self.emu, &self.hasher, false),
+            // The emulator would answer 400; an empty prompt makes the
+            // server refuse it too (counted as dropped).
+            Err(_) => crate::vllm_model::EngineRequest {
+                prompt_tokens: u32::MAX,
+                ..Default::default()
+            },
+        };
+        SimRequest {
+            router: RouterInput::Body { kind, body },
+            server,
+        }
+    }
+
+    fn route(&mut self, input: &RouterInput) -> Result<Option<Routed>, String> {
+        let now_ms = self.now_ms();
+        let n = self.servers.len();
+        match &mut self.router {
+            KvRouter::RoundRobin { next, pick_worker } => {
+                let w = pick_worker.below(next.len() as u64) as usize;
+                let e = next[w] % n;
+                next[w] = (e + 1) % n;
+                Ok(Some(Routed {
+                    endpoint: e,
+                    ticket: None,
+                    unrouted: false,
+                }))
+            }
+            KvRouter::Kvroute {
+                store,
+                workers,
+                pick_worker,
+                by_address,
+                fallback_next,
+                ..
+            } => {
+                let w = pick_worker.below(workers.len() as u64) as usize;
+                let (router, rng) = &mut workers[w];
+                let outcome = match input {
+                    RouterInput::Body { kind, body } => {
+                        router.route(store, *kind, body, now_ms, rng)
+                    }
+                    RouterInput::Hashed {
+                        hashes,
+                        prompt_tokens,
+                        max_output_tokens,
+                    } => match router.route_parsed(
+                        store,
+                        hashes,
+                        *prompt_tokens,
+                        *max_output_tokens,
+                        now_ms,
+                        rng,
+                    ) {
+                        Ok(Some(r)) => Outcome::Routed(r),
+                        Ok(None) => router.fail_for(kvroute_core::engine::Unrouted::NoEndpoints),
+                        Err(e) => {
+                            router.fail_for(kvroute_core::engine::Unrouted::Store(e.to_string()))
+                        }
+                    },
+                };
+                match outcome {
+                    Outcome::Routed(r) => {
+                        let e = *by_address
+                            .get(r.primary_address())
+                            .ok_or_else(|| format!("routed to unknown {}", r.primary_address()))?;
+                        Ok(Some(Routed {
+                            endpoint: e,
+                            ticket: r.ticket,
+                            unrouted: false,
+                        }))
+                    }
+                    // Envoy's fallback balancer (round robin) picks.
+                    Outcome::FailOpen(_) => {
+                        let e = *fallback_next % n;
+                        *fallback_next = (e + 1) % n;
+                        Ok(Some(Routed {
+                            endpoint: e,
+                            ticket: None,
+                            unrouted: true,
+                        }))
+                    }
+                    Outcome::Reject { .. } => Ok(None),
+                }
+            }
+        }
+    }
+
+    fn release(
+        &mut self,
+        ticket: &Ticket,
+        rest: bool,
+        prompt_released: bool,
+    ) -> Result<(), String> {
+        if let KvRouter::Kvroute { router, store, .. } = &self.router {
+            let r = if rest {
+                router.release_rest(store, ticket, prompt_released)
+            } else {
+                router.release_prompt(store, ticket)
+            };
+            r.map_err(|e| format!("release: {e}"))?;
+        }
+        Ok(())
+    }
+
+    fn drop_request(&mut self, mut rec: RequestRecord, why: &str) {
+        rec.ok = false;
+        rec.error = Some(why.to_owned());
+        *self.totals.dropped.entry(why.to_owned()).or_insert(0) += 1;
+        self.done.push(rec);
+    }
+
+    /// A request arrives now.
+    fn arrive(
+        &mut self,
+        req: SimRequest,
+        stage_t0: f64,
+        client: Option<usize>,
+    ) -> Result<(), String> {
+        self.totals.arrived += 1;
+        let rec = RequestRecord {
+            sent_at_s: self.now - stage_t0,
+            end_s: self.now - stage_t0,
+            prompt_tokens: u64::from(req.server.prompt_tokens),
+            ..Default::default()
+        };
+        let Some(routed) = self.route(&req.router)? else {
+            // A closed-loop client whose request is refused at once stops
+            // (in virtual time it would otherwise resend forever at one instant).
+            self.drop_request(rec, "rejected by kvroute");
+            return Ok(());
+        };
+        if routed.unrouted {
+            self.totals.unrouted += 1;
+        }
+        let e = routed.endpoint;
+        let now = self.now;
+        match self.servers[e].model.add_request(req.server, now) {
+            Ok(id) => {
+                let idx = self.requests.len();
+                self.requests.push(Some(Inflight {
+                    rec: RequestRecord {
+                        served_by: Some(self.names[e].clone()),
+                        ..rec
+                    },
+                    stage_t0,
+                    ticket: routed.ticket,
+                    prompt_released: false,
+                    first_at: None,
+                    last_chunk_at: now,
+                    reported: 0,
+                    client,
+                }));
+                self.servers[e].ids.insert(id, idx);
+                self.outstanding += 1;
+                if self.servers[e].pending.is_none() {
+                    self.start_step(e);
+                }
+            }
+            Err(_) => {
+                // vLLM answers 400 at once; the filter releases at the reply.
+                if let Some(t) = &routed.ticket {
+                    self.release(t, true, false)?;
+                }
+                // As above: the refused client stops.
+                self.drop_request(rec, "http 400");
+            }
+        }
+        Ok(())
+    }
+
+    fn start_step(&mut self, e: usize) {
+        let s = &mut self.servers[e];
+        if !s.model.has_work() {
+            return;
+        }
+        let r = s.model.step(self.now);
+        if r.duration_s <= 0.0 && r.outputs.is_empty() {
+            return; // nothing schedulable; the next arrival restarts it
+        }
+        self.iterations += 1;
+        let prefill_s = if r.prefill_tokens > 0 {
+            (r.prefill_tokens as f64 / self.cfg.fleet.engine.step_cost.prefill_tokens_per_s)
+                .min(r.duration_s)
+        } else {
+            0.0
+        };
+        self.use_.prefill_busy_s += prefill_s;
+        self.use_.decode_busy_s += r.duration_s - prefill_s;
+        let end = self.now + r.duration_s;
+        s.pending = Some(r);
+        self.push(end, Ev::StepEnd(e));
+    }
+
+    fn step_end(&mut self, e: usize) -> Result<(), String> {
+        let Some(r) = self.servers[e].pending.take() else {
+            return Ok(());
+        };
+        let interval = self.cfg.fleet.stream_interval.max(1);
+        for o in r.outputs {
+            let Some(&idx) = self.servers[e].ids.get(&o.id) else {
+                continue;
+            };
+            let now = self.now;
+            let mut release: Option<(Ticket, bool, bool)> = None;
+            let finished;
+            {
+                let inf = self.requests[idx].as_mut().expect("live request");
+                let chunk = o.first || o.finished || o.generated - inf.reported >= interval;
+                if chunk {
+                    inf.reported = o.generated;
+                    inf.last_chunk_at = now;
+                }
+                if o.first {
+                    inf.first_at = Some(now);
+                    inf.rec.cached_tokens = u64::from(o.cached_tokens);
+                    if !o.finished {
+                        if let Some(t) = &inf.ticket {
+                            release = Some((*t, false, false));
+                        }
+                        inf.prompt_released = true;
+                    }
+                }
+                finished = o.finished;
+                if finished {
+                    if let Some(t) = &inf.ticket {
+                        release = Some((*t, true, inf.prompt_released));
+                    }
+                    inf.rec.completion_tokens = u64::from(o.generated);
+                }
+            }
+            if let Some((t, rest, pr)) = release {
+                self.release(&t, rest, pr)?;
+            }
+            if finished {
+                self.servers[e].ids.remove(&o.id);
+                let inf = self.requests[idx].take().expect("live request");
+                let mut rec = inf.rec;
+                let first = inf.first_at.unwrap_or(now);
+                rec.ok = true;
+                rec.ttft_s = Some(first - inf.stage_t0 - rec.sent_at_s);
+                rec.decode_s = Some(inf.last_chunk_at - first);
+                rec.end_s = now - inf.stage_t0;
+                self.done.push(rec);
+                self.totals.finished += 1;
+                self.outstanding -= 1;
+                self.client_done(inf.client);
+            }
+        }
+        self.start_step(e);
+        Ok(())
+    }
+
+    /// A closed-loop client's request ended: it sends the next one now if
+    /// its stage is still on (see `run_stage`).
+    fn client_done(&mut self, client: Option<usize>) {
+        if let Some(c) = client {
+            self.client_queue.push(c);
+        }
+    }
+
+    fn scrape(&mut self) {
+        let KvRouter::Kvroute {
+            router,
+            store,
+            slots,
+            ..
+        } = &self.router
+        else {
+            return;
+        };
+        let now_ms = 1_000_000 + (self.now / self.cfg.time_scale * 1e3) as u64;
+        for (i, s) in self.servers.iter().enumerate() {
+            let page = render_parts(
+                &self.cfg.fleet.model,
+                &self.cfg.fleet.engine,
+                0.0,
+                &Snapshot::of(&s.model),
+            );
+            let (slot, generation) = slots[i];
+            // A failure to write is the collector's problem in Envoy too:
+            // it keeps the old values, which go stale.
+            let _ = router.record_metrics(store, slot, generation, Ok(page.as_bytes()), now_ms);
+            self.totals.scrapes += 1;
+        }
+    }
+
+    fn reap(&mut self) {
+        if let KvRouter::Kvroute { router, store, .. } = &self.router {
+            let now_ms = 1_000_000 + (self.now / self.cfg.time_scale * 1e3) as u64;
+            if let Ok(n) = router.reap(store, now_ms) {
+                self.totals.reaped += n;
+            }
+        }
+    }
+
+    fn handle(&mut self, ev: Ev) -> Result<(), String> {
+        match ev {
+            Ev::StepEnd(e) => self.step_end(e)?,
+            Ev::Scrape => {
+                self.scrape();
+                if let Some(p) = self.poll_s {
+                    self.push(self.now + p, Ev::Scrape);
+                }
+            }
+            Ev::Reap => {
+                self.reap();
+                self.push(self.now + self.reap_s, Ev::Reap);
+            }
+            Ev::Sample => {
+                for sv in &self.servers {
+                    self.use_.kv_usage_sum += sv.model.cache().usage();
+                    self.use_.waiting_sum += sv.model.num_waiting() as f64;
+                    self.use_.running_sum += sv.model.num_running() as f64;
+                    self.use_.samples += 1;
+                }
+                self.push(self.now + SAMPLE_S, Ev::Sample);
+            }
+        }
+        Ok(())
+    }
+
+    fn finish_stage(
+        &mut self,
+        label: String,
+        duration_s: f64,
+        before: &[Option<EndpointCounters>],
+    ) -> StageReport {
+        let after = self.counters();
+        let mut records = std::mem::take(&mut self.done);
+        records.sort_by(|a, b| a.sent_at_s.total_cmp(&b.sent_at_s));
+        stage_report(label, duration_s, &records, &self.names, before, &after)
+    }
+
+    fn run_stage(&mut self, stage: &Stage, stage_no: u64) -> Result<StageReport, String> {
+        let t0 = self.now;
+        let before = self.counters();
+        let end = t0 + stage.duration_s;
+        match stage.kind {
+            StageKind::Rate(rate) => {
+                // The load generator's arrival stream for this stage.
+                let mut rng = SeededRng::derive(self.cfg.seed, 0x5EED ^ stage_no);
+                let mean_gap_s = 1.0 / rate;
+                let mut at = t0 + rng.exponential(mean_gap_s);
+                while at < end {
+                    self.advance_to(at)?;
+                    let req = self.next_workload_request();
+                    self.arrive(req, t0, None)?;
+                    at += rng.exponential(mean_gap_s);
+                }
+            }
+            StageKind::Concurrency(n) => {
+                for c in 0..n as usize {
+                    let req = self.next_workload_request();
+                    self.arrive(req, t0, Some(c))?;
+                }
+                loop {
+                    while let Some(c) = self.client_queue.pop() {
+                        if self.now < end {
+                            let req = self.next_workload_request();
+                            self.arrive(req, t0, Some(c))?;
+                        }
+                    }
+                    if self.outstanding == 0 && self.client_queue.is_empty() {
+                        break;
+                    }
+                    self.next_event()?;
+                }
+            }
+        }
+        self.drain()?;
+        self.client_queue.clear();
+        Ok(self.finish_stage(stage.label(), stage.duration_s, &before))
+    }
+
+    fn run_trace(
+        &mut self,
+        reqs: &[trace::TraceRequest],
+        speed: f64,
+    ) -> Result<StageReport, String> {
+        let t0 = self.now;
+        let before = self.counters();
+        let speed = if speed > 0.0 { speed } else { 1.0 };
+        let mut last = 0.0f64;
+        for r in reqs {
+            let at = t0 + r.arrival_s / speed;
+            self.advance_to(at)?;
+            last = last.max(r.arrival_s / speed);
+            let req = self.trace_request(r);
+            self.arrive(req, t0, None)?;
+        }
+        self.drain()?;
+        Ok(self.finish_stage("trace".into(), last.max(1e-9), &before))
+    }
+
+    fn trace_request(&self, r: &trace::TraceRequest) -> SimRequest {
+        let model = r.model.as_deref().unwrap_or(&self.cfg.fleet.model);
+        match &r.prompt {
+            trace::TracePrompt::Segments(p) => {
+                let (rbs, rmax) = self.router_blocks();
+                from_pieces(
+                    model,
+                    p,
+                    r.output_tokens,
+                    rbs,
+                    rmax,
+                    self.cfg.fleet.engine.block_size,
+                )
+            }
+            trace::TracePrompt::Text(text) => {
+                let body = serde_json::json!({
+                    "model": model, "prompt": text, "max_tokens": r.output_tokens,
+                    "ignore_eos": true, "stream": true,
+                    "stream_options": {"include_usage": true},
+                });
+                self.body_request(ApiKind::Completions, body.to_string().into_bytes())
+            }
+        }
+    }
+
+    /// Handles every event before `t`, then sets the clock to `t`.
+    fn advance_to(&mut self, t: f64) -> Result<(), String> {
+        while self.heap.peek().is_some_and(|e| e.t <= t) {
+            self.next_event()?;
+        }
+        self.now = self.now.max(t);
+        Ok(())
+    }
+
+    fn next_event(&mut self) -> Result<(), String> {
+        let Some(e) = self.heap.pop() else {
+            return Err("the event queue ran dry with requests outstanding".into());
+        };
+        self.now = self.now.max(e.t);
+        self.handle(e.ev)
+    }
+
+    /// Runs until every outstanding request has ended.
+    fn drain(&mut self) -> Result<(), String> {
+        while self.outstanding > 0 {
+            self.next_event()?;
+        }
+        Ok(())
+    }
+}
+
+/// A stable id for a workload segment.
+fn segment_id(s: &crate::loadgen::workload::Segment) -> u64 {
+    let mut h = kvroute_core::blocks::chain(0x5E6, &[s.kind]);
+    h = kvroute_core::blocks::chain(h, &s.a.to_le_bytes());
+    h = kvroute_core::blocks::chain(h, &s.b.to_le_bytes());
+    match s.fresh {
+        Some(n) => kvroute_core::blocks::chain(h ^ 0xF2E5, &n.to_le_bytes()),
+        None => h,
+    }
+}
+
+/// Runs one simulation.
+pub fn simulate(cfg: SimConfig) -> Result<SimReport, String> {
+    Sim::new(cfg)?.run()
+}
+
+/// Flags that describe the modelled fleet (the emulator's names), shared by
+/// `kvroute-simulate` and `kvroute-what-if`.
+pub const FLEET_FLAGS: &[(&str, bool)] = &[
+    ("endpoints", true),
+    ("model", true),
+    ("block-size", true),
+    ("num-gpu-blocks", true),
+    ("max-num-batched-tokens", true),
+    ("max-num-seqs", true),
+    ("max-model-len", true),
+    ("prefill-tps", true),
+    ("decode-step-ms", true),
+    ("decode-ms-per-seq", true),
+    ("decode-ns-per-context-token", true),
+    ("chars-per-token", true),
+    ("stream-interval", true),
+];
+
+/// Usage lines of [`FLEET_FLAGS`].
+pub const FLEET_USAGE: &str = "\
+Fleet (each modelled server is the emulator's model; the emulator's flag names):
+  --endpoints N                  servers in the fleet [4]
+  --model NAME                   served model name [tiny]
+  --block-size N                 tokens per KV block [64]
+  --num-gpu-blocks N             KV cache size in blocks [4096]
+  --max-num-batched-tokens N     token budget per iteration, B [8192]
+  --max-num-seqs N               sequences per batch [256]
+  --max-model-len N              longest prompt + output, tokens [40960]
+  --prefill-tps X                peak prefill tokens/s [20480]
+  --decode-step-ms X             floor of one forward pass, ms [25]
+  --decode-ms-per-seq X          extra per decoding sequence, ms [0.1]
+  --decode-ns-per-context-token X  extra per attended context token, ns [40]
+  --chars-per-token N            text bytes per token (text prompts) [4]
+  --stream-interval N            output tokens per streamed chunk [1]
+";
+
+/// The fleet from [`FLEET_FLAGS`].
+pub fn fleet_from_flags(f: &crate::cli::Flags, program: &str) -> Result<FleetSpec, String> {
+    let d = FleetSpec::default();
+    let de = EngineConfig::default();
+    let ds = crate::vllm_model::StepCost::default();
+    let fleet = FleetSpec {
+        endpoints: f.get("endpoints", d.endpoints)?,
+        model: f.get("model", d.model)?,
+        chars_per_token: f.get("chars-per-token", d.chars_per_token)?,
+        stream_interval: f.get("stream-interval", d.stream_interval)?,
+        engine: EngineConfig {
+            block_size: f.get("block-size", de.block_size)?,
+            num_gpu_blocks: f.get("num-gpu-blocks", de.num_gpu_blocks)?,
+            max_num_batched_tokens: f.get("max-num-batched-tokens", de.max_num_batched_tokens)?,
+            max_num_seqs: f.get("max-num-seqs", de.max_num_seqs)?,
+            max_model_len: f.get("max-model-len", de.max_model_len)?,
+            step_cost: crate::vllm_model::StepCost {
+                prefill_tokens_per_s: f.get("prefill-tps", ds.prefill_tokens_per_s)?,
+                decode_step_ms: f.get("decode-step-ms", ds.decode_step_ms)?,
+                decode_ms_per_seq: f.get("decode-ms-per-seq", ds.decode_ms_per_seq)?,
+                decode_ns_per_context_token: f.get(
+                    "decode-ns-per-context-token",
+                    ds.decode_ns_per_context_token,
+                )?,
+            },
+        },
+    };
+    let e = &fleet.engine;
+    for (name, v) in [
+        ("--endpoints", fleet.endpoints as u64),
+        ("--block-size", u64::from(e.block_size)),
+        ("--num-gpu-blocks", u64::from(e.num_gpu_blocks)),
+        (
+            "--max-num-batched-tokens",
+            u64::from(e.max_num_batched_tokens),
+        ),
+        ("--max-num-seqs", u64::from(e.max_num_seqs)),
+        ("--chars-per-token", u64::from(fleet.chars_per_token)),
+    ] {
+        if v == 0 {
+            return Err(format!("{program}: {name} must be at least 1"));
+        }
+    }
+    let sc = &e.step_cost;
+    for (name, v) in [
+        ("--prefill-tps", sc.prefill_tokens_per_s),
+        ("--decode-step-ms", sc.decode_step_ms),
+    ] {
+        if !(v > 0.0 && v.is_finite()) {
+            return Err(format!("{program}: {name} must be positive"));
+        }
+    }
+    Ok(fleet)
+}

@@ -1,0 +1,164 @@
+//! The fleet simulator: determinism, conservation and accounting, the two
+//! prompt forms agreeing, and affinity showing up where it must.
+
+use kvroute_core::engine::Engine as Router;
+use kvroute_sim::loadgen::stages::parse_stages;
+use kvroute_sim::loadgen::workload::{WorkloadKind, WorkloadSpec};
+use kvroute_sim::simulator::arms::{arm_document, router_from_document, ArmParams};
+use kvroute_sim::simulator::trace::parse_trace;
+use kvroute_sim::simulator::{simulate, FleetSpec, Load, RouterSpec, SimConfig, SimReport};
+
+fn small_shared_prefix() -> WorkloadSpec {
+    WorkloadSpec {
+        groups: 12,
+        prompts_per_group: 4,
+        system_tokens: 2000,
+        question_tokens: 300,
+        output_tokens: 64,
+        ..WorkloadSpec::standard(WorkloadKind::SharedPrefix)
+    }
+}
+
+fn fleet() -> FleetSpec {
+    let mut f = FleetSpec {
+        endpoints: 3,
+        stream_interval: 8,
+        ..FleetSpec::default()
+    };
+    // Small caches, so the working set (12 × ~2300 tokens) does not fit one.
+    f.engine.num_gpu_blocks = 256;
+    f
+}
+
+/// An arm with a 4 MiB prefix index (the default 64 MiB is created up
+/// front, which a debug build spends seconds on).
+fn router(arm: &str) -> RouterSpec {
+    match arm_document(arm, &ArmParams::default()).unwrap() {
+        None => RouterSpec::RoundRobin,
+        Some(mut doc) => {
+            doc["sharedState"] = serde_json::json!({"indexBudgetBytes": INDEX_BUDGET});
+            router_from_document(&doc).unwrap()
+        }
+    }
+}
+
+const INDEX_BUDGET: u64 = 4 << 20;
+
+fn cfg(arm: &str, stages: &str, seed: u64, exact: bool) -> SimConfig {
+    SimConfig {
+        fleet: fleet(),
+        router: router(arm),
+        load: Load::Workload {
+            spec: small_shared_prefix(),
+            stages: parse_stages(stages).unwrap(),
+            exact_prompts: exact,
+        },
+        seed,
+        time_scale: 1.0,
+        stop_after_ttft_p90_s: None,
+        envoy_workers: 1,
+    }
+}
+
+/// Everything but the wall clock.
+fn fingerprint(r: &SimReport) -> String {
+    format!(
+        "{}|{:?}|{}|{}",
+        serde_json::to_string(&r.stages).unwrap(),
+        r.totals,
+        r.sim_s,
+        r.iterations
+    )
+}
+
+#[test]
+fn the_same_seed_gives_the_same_run_and_another_seed_another() {
+    let a = simulate(cfg("kvroute", "rate:4@60s", 7, false)).unwrap();
+    let b = simulate(cfg("kvroute", "rate:4@60s", 7, false)).unwrap();
+    let c = simulate(cfg("kvroute", "rate:4@60s", 8, false)).unwrap();
+    assert!(a.totals.arrived > 100, "{:?}", a.totals);
+    assert_eq!(fingerprint(&a), fingerprint(&b));
+    assert_ne!(fingerprint(&a), fingerprint(&c));
+}
+
+#[test]
+fn every_request_finishes_or_is_counted_dropped_and_every_charge_is_released() {
+    // Overload (closed loop and a Poisson burst), plus a trace whose second
+    // request is longer than the servers accept.
+    for arm in ["kvroute", "legacy-blend", "round-robin"] {
+        let r = simulate(cfg(arm, "rate:30@20s;concurrency:40@20s", 3, false)).unwrap();
+        let t = &r.totals;
+        let dropped: u64 = t.dropped.values().sum();
+        assert_eq!(t.arrived, t.finished + dropped, "{arm}: {t:?}");
+        let recorded: u64 = r.stages.iter().map(|s| s.requests).sum();
+        assert_eq!(recorded, t.arrived, "{arm}");
+        assert!(t.finished > 0, "{arm}: {t:?}");
+        assert_eq!(r.inflight_after, 0, "{arm}: charges left in the load table");
+        assert_eq!(t.reaped, 0, "{arm}: a charge had to be reaped");
+    }
+    // A closed loop whose every request is refused ends (each client stops).
+    let mut c = cfg("kvroute", "concurrency:4@10s", 1, false);
+    if let Load::Workload { spec, .. } = &mut c.load {
+        spec.system_tokens = 50_000;
+    }
+    let r = simulate(c).unwrap();
+    assert_eq!(r.totals.arrived, 4);
+    assert_eq!(r.totals.dropped.get("http 400"), Some(&4), "{:?}", r.totals);
+    assert_eq!(r.inflight_after, 0);
+    let trace = parse_trace(concat!(
+        "{\"arrival_s\":0,\"segments\":[{\"id\":\"a\",\"tokens\":500}],\"output_tokens\":4}\n",
+        "{\"arrival_s\":0.1,\"segments\":[{\"id\":\"huge\",\"tokens\":50000}],\"output_tokens\":4}\n",
+        "{\"arrival_s\":0.2,\"text\":\"hello there\",\"output_tokens\":2}\n",
+    ))
+    .unwrap();
+    let r = simulate(SimConfig {
+        load: Load::Trace {
+            requests: trace,
+            speed: 1.0,
+        },
+        ..cfg("kvroute", "rate:1@1s", 1, false)
+    })
+    .unwrap();
+    assert_eq!(r.totals.arrived, 3);
+    assert_eq!(r.totals.finished, 2);
+    assert_eq!(r.totals.dropped.get("http 400"), Some(&1), "{:?}", r.totals);
+    assert_eq!(r.inflight_after, 0);
+    assert_eq!(r.stages[0].errors, 1);
+}
+
+#[test]
+fn segment_prompts_agree_with_the_filters_text_path() {
+    let seg = simulate(cfg("kvroute", "rate:3@120s", 5, false)).unwrap();
+    let txt = simulate(cfg("kvroute", "rate:3@120s", 5, true)).unwrap();
+    let (hs, ht) = (
+        seg.stages[0].hit_ratio.unwrap(),
+        txt.stages[0].hit_ratio.unwrap(),
+    );
+    assert!(hs > 0.5, "{hs}");
+    assert!((hs - ht).abs() < 0.05, "segments {hs} vs text {ht}");
+    assert_eq!(seg.totals.arrived, txt.totals.arrived);
+}
+
+#[test]
+fn affinity_beats_round_robin_on_hits_when_the_working_set_exceeds_one_cache() {
+    let kv = simulate(cfg("kvroute", "rate:3@120s", 2, false)).unwrap();
+    let rr = simulate(cfg("round-robin", "rate:3@120s", 2, false)).unwrap();
+    let (hk, hr) = (
+        kv.stages[0].hit_ratio.unwrap(),
+        rr.stages[0].hit_ratio.unwrap(),
+    );
+    assert!(hk > hr + 0.2, "kvroute {hk} vs round robin {hr}");
+    // The collector fed every server's /metrics through the parser.
+    assert!(kv.totals.scrapes > 100, "{:?}", kv.totals);
+    assert_eq!(rr.totals.scrapes, 0);
+    // Shared data stays within the index budget plus the small tables.
+    let RouterSpec::Kvroute(config) = router("kvroute") else {
+        panic!("kvroute arm")
+    };
+    let budget = Router::new(*config).geometry().max_bytes() as usize;
+    assert!(
+        kv.shared_data_bytes <= budget + (64 << 10),
+        "{} > {budget}",
+        kv.shared_data_bytes
+    );
+}
