@@ -191,6 +191,11 @@ pub struct PrefixProducerConfig {
     /// blocks per endpoint when metrics give none; 0 = unknown (only the
     /// index's byte budget bounds what is remembered)
     pub lru_capacity_per_server: u64,
+    /// `charsPerToken: "auto"`: text prompts' tokens (charges, capacity, τ)
+    /// use the bytes per token learnt from the servers
+    /// (`collector::bytes_per_token`); blocks stay cut at
+    /// `blockSizeTokens × chars_per_token` bytes, so the index never moves.
+    pub learn_bytes_per_token: bool,
 }
 
 /// The whole validated configuration.
@@ -363,8 +368,8 @@ struct ApproxPrefixParams {
     max_prefix_blocks_to_match: Option<u64>,
     max_prefix_tokens_to_match: Option<u64>,
     lru_capacity_per_server: Option<u64>,
-    /// kvroute extension: bytes per estimated token.
-    chars_per_token: Option<u64>,
+    /// kvroute extension: bytes per estimated token, or `"auto"`.
+    chars_per_token: Option<Value>,
 }
 
 #[derive(Deserialize, Default)]
@@ -683,9 +688,20 @@ fn compile_plugin(
                 65_536,
                 "tokens",
             )?;
+            let (cpt_value, learn) = match &q.chars_per_token {
+                None | Some(Value::Null) => (None, false),
+                Some(Value::String(a)) if a == "auto" => (None, true),
+                Some(Value::Number(n)) if n.as_u64().is_some() => (n.as_u64(), false),
+                Some(other) => {
+                    return Err(err(
+                        format!("{ppath}.charsPerToken"),
+                        format!("{other} is not allowed: give a whole number of bytes per token (1..=64) or \"auto\" (learn it from the servers)"),
+                    ))
+                }
+            };
             let cpt = range_u64(
                 &format!("{ppath}.charsPerToken"),
-                q.chars_per_token,
+                cpt_value,
                 4,
                 1,
                 64,
@@ -708,6 +724,7 @@ fn compile_plugin(
                 },
                 auto_tune: q.auto_tune.unwrap_or(true),
                 lru_capacity_per_server: q.lru_capacity_per_server.unwrap_or(0),
+                learn_bytes_per_token: learn,
             })
         }
         "inflight-load-producer" => {
@@ -1179,6 +1196,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         blocks: BlockConfig::default(),
         auto_tune: true,
         lru_capacity_per_server: 0,
+        learn_bytes_per_token: false,
     });
 
     let endpoints = match raw.endpoints {

@@ -772,6 +772,11 @@ fn shipped_files_run_the_kvroute_default_profile() {
         let s = &c.scheduler;
         assert_eq!(s.filters[0].load_signal, LoadSignal::Saturation);
         assert!(s.inflight.hold_kv_until_end && s.inflight.add_estimated_output_tokens);
+        assert!(c.prefix.learn_bytes_per_token);
+        assert_eq!(
+            c.prefix.blocks.chars_per_token, 4,
+            "blocks stay cut at 4 bytes/token"
+        );
         let names: Vec<_> = s.scorers.iter().map(|(x, _)| x.type_name()).collect();
         assert_eq!(names, ["kvroute-load-scorer", "cache-balance-scorer"]);
         assert_eq!(s.picker, Picker::MaxScore(TieBreak::Prefix));
@@ -781,6 +786,7 @@ fn shipped_files_run_the_kvroute_default_profile() {
     let s = &c.scheduler;
     assert_eq!(s.filters[0].load_signal, LoadSignal::Inflight);
     assert!(!s.inflight.hold_kv_until_end);
+    assert!(!c.prefix.learn_bytes_per_token);
     assert_eq!(s.scorers[0].0.type_name(), "token-load-scorer");
 }
 
@@ -810,4 +816,23 @@ fn kvroute_plugin_parameters_are_checked() {
         r#"{"type":"cache-balance-scorer","name":"x","parameters":{"weight":5}}"#,
         "weight",
     );
+    // charsPerToken: a whole number, or "auto".
+    let producer = |v: &str| {
+        Config::from_json(
+            with_endpoints(&format!(
+                r#"{{"plugins":[{{"type":"approx-prefix-cache-producer","parameters":{{"charsPerToken":{v}}}}}]}}"#
+            ))
+            .as_bytes(),
+        )
+    };
+    let auto = producer(r#""auto""#).unwrap();
+    assert!(auto.prefix.learn_bytes_per_token);
+    assert_eq!(auto.prefix.blocks.chars_per_token, 4);
+    let fixed = producer("3").unwrap();
+    assert!(!fixed.prefix.learn_bytes_per_token);
+    assert_eq!(fixed.prefix.blocks.chars_per_token, 3);
+    for wrong in [r#""learn""#, "2.5", "-1", "0", "65"] {
+        let e = producer(wrong).unwrap_err();
+        assert!(e.to_string().contains("charsPerToken"), "{wrong}: {e}");
+    }
 }

@@ -783,3 +783,85 @@ fn default_profile_holds_kv_until_the_stream_ends() {
     e.release_rest(&s, &t, true).unwrap();
     assert!(inflight(&e, &s).iter().all(|&x| x == (0, 0)));
 }
+
+fn token_metrics(prompt_tokens_total: f64) -> Vec<u8> {
+    format!(
+        "vllm:num_requests_running{{engine=\"0\"}} 0\n\
+         vllm:num_requests_waiting{{engine=\"0\"}} 0\n\
+         vllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"1000\",engine=\"0\"}} 1\n\
+         vllm:prompt_tokens_total{{engine=\"0\",model_name=\"m\"}} {prompt_tokens_total}\n"
+    )
+    .into_bytes()
+}
+
+/// Issue 15 part 3: with `charsPerToken: "auto"` the collector learns the
+/// servers' bytes per token (`vllm:prompt_tokens_total` against the bytes
+/// routed to each), and text prompts are then counted in real tokens: the
+/// charge, the block size the affinity uses and the capacity in index
+/// blocks. A fixed `charsPerToken` (or none) keeps the estimate; blocks and
+/// hashes never move.
+#[test]
+fn bytes_per_token_is_learnt_from_the_servers_and_a_fixed_value_overrides_it() {
+    let mk = |cpt: serde_json::Value| {
+        let mut c = default_profile(r#""127.0.0.1:1""#);
+        c.prefix.learn_bytes_per_token = cpt == "auto";
+        if let Some(n) = cpt.as_u64() {
+            c.prefix.blocks.chars_per_token = n as u32;
+        }
+        Engine::new(c)
+    };
+    let body = chat(&"word ".repeat(400), "q"); // ~2 KB of text
+    for (cpt, learns) in [
+        (serde_json::json!("auto"), true),
+        (serde_json::json!(4), false),
+    ] {
+        let e = mk(cpt.clone());
+        let s = MemoryStore::new();
+        e.collector_init(&s).unwrap();
+        let mut rng = Rng::new(1);
+        // The server counts 2 bytes per token: each routed prompt of B
+        // bytes shows up as B / 2 tokens at the next poll.
+        let mut tokens = 0.0;
+        let mut now = 1_000;
+        e.record_metrics(&s, 0, 1, Ok(&token_metrics(tokens)), now)
+            .unwrap();
+        let mut first = None;
+        for _ in 0..40 {
+            let r = routed(e.route(&s, ApiKind::ChatCompletions, &body, now, &mut rng));
+            first.get_or_insert(r.uncached_tokens);
+            e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+            let v: serde_json::Value =
+                serde_json::from_str(&e.state_json(&s, now).unwrap()).unwrap();
+            let bytes = v["endpoints"][0]["routedPromptBytes"].as_u64().unwrap();
+            tokens = bytes as f64 / 2.0;
+            now += 100;
+            e.record_metrics(&s, 0, 1, Ok(&token_metrics(tokens)), now)
+                .unwrap();
+        }
+        let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, now).unwrap()).unwrap();
+        let learnt = v["endpoints"][0]["bytesPerToken"].as_f64();
+        // The collector learns either way (it is shown); only "auto" uses it.
+        assert_eq!(learnt, Some(2.0), "{v}");
+        // A new prompt (nothing cached): its charge in tokens.
+        let fresh = chat(&"other ".repeat(400), "q");
+        let bytes = fresh.len() as f64; // the rendered prompt is a little shorter
+        let r = routed(e.route(&s, ApiKind::ChatCompletions, &fresh, now, &mut rng));
+        let estimate_at_4 = bytes / 4.0;
+        if learns {
+            assert!(
+                r.uncached_tokens as f64 > 1.6 * estimate_at_4,
+                "{} tokens, {} at 4 bytes/token",
+                r.uncached_tokens,
+                estimate_at_4
+            );
+        } else {
+            assert!(
+                (r.uncached_tokens as f64) < 1.1 * estimate_at_4,
+                "{} tokens, {} at 4 bytes/token",
+                r.uncached_tokens,
+                estimate_at_4
+            );
+        }
+        assert!(first.unwrap() > 0);
+    }
+}
