@@ -330,9 +330,12 @@ class Bench:
             h0, q0 = self.fleet_counters(endpoints)
             res, wall = self.run_workload(w, seed, [p[1] for p in gws])
             h1, q1 = self.fleet_counters(endpoints)
-            for p, _, _ in gws:
+            stats = {}
+            for p, _, admin in gws:
                 if p.poll() is not None:
                     raise RuntimeError(f"{tag}: an Envoy exited; see {p._kv_log}")
+                for k, v in envoy_counters(admin).items():
+                    stats[k] = stats.get(k, 0) + v
         finally:
             for p, _, _ in gws:
                 self.procs.stop(p)
@@ -343,7 +346,10 @@ class Bench:
         def pct(p):
             return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else None
 
+        fallback = sum(v for k, v in stats.items() if k.startswith("precise_fallback"))
         return {"requests": len(res), "ok": len(ok), "errors": len(res) - len(ok),
+                "precise_matched": stats.get("precise_matched", 0), "precise_fallback": fallback,
+                "kv_events_polls": stats.get("kv_events_polls", 0),
                 "hit_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
                 "ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9),
                 "followed_prev_turn": (sum(follow) / len(follow)) if follow else None,
@@ -376,15 +382,30 @@ class Bench:
                         out["runs"].append(r)
                         log(f"  hit {fmt(r['hit_ratio'], '.3f')} (ceiling {out['ceiling']:.3f}), "
                             f"TTFT p90 {fmt(r['ttft_p90_s'], '.3f')} s, followed {fmt(r['followed_prev_turn'], '.2f')}, "
-                            f"errors {r['errors']}")
+                            f"errors {r['errors']}, precise matched/fallback {r['precise_matched']}/{r['precise_fallback']}")
                         if r["errors"] or r["ok"] == 0:
                             failures.append(f"G={g} {arm} seed {seed}: {r['errors']} errors")
+                        if arm == "precise" and r["precise_matched"] < r["ok"] // 2:
+                            failures.append(f"G={g} precise seed {seed}: only {r['precise_matched']} of {r['ok']} "
+                                            f"requests matched on held blocks ({r['precise_fallback']} fallbacks)")
         finally:
             self.procs.stop_all()
         out["failures"] = failures
         with open(os.path.join(self.work, "replicas.json"), "w") as f:
             json.dump(out, f, indent=1)
         return out, failures
+
+
+def envoy_counters(admin):
+    """kvroute's counters of one Envoy, summed over its VMs, by name without the prefix."""
+    st, body = quality.http_req("GET", admin, "/stats?filter=kvroute_")
+    out = {}
+    for line in body.decode().splitlines():
+        k, _, v = line.partition(": ")
+        if "kvroute_" in k and v.strip().isdigit():
+            name = k.split("kvroute_", 1)[1]
+            out[name] = out.get(name, 0) + int(v)
+    return out
 
 
 def events_section(endpoints, relay_ports):

@@ -5,7 +5,7 @@
 //!   cache), a state machine stepped with model time. No I/O, no clock. (Not
 //!   the router's `kvroute_core::engine`.)
 //! - `kv_events` (re-exported from `kvroute-kv-events`, shared with the
-//!   relay), `vllm_hash`, `prometheus`: vLLM's wire formats.
+//!   relay), `vllm_hash` (re-exported from `kvroute-core`), `prometheus`: vLLM's wire formats.
 //! - `emulator`: HTTP/ZMQ glue that serves a model on a loopback port.
 //! - `loadgen`: workloads, arrival stages and per-stage reports.
 //! - `calibrate`: offline measurement of `peakPrefillThroughput`
@@ -22,5 +22,7 @@ pub mod loadgen;
 pub mod prometheus;
 pub mod rng;
 pub mod simulator;
-pub mod vllm_hash;
+/// vLLM's sha256_cbor block hashes: the router's own implementation
+/// (`kvroute_core::precise::vllm_hash`), so emulator and filter agree.
+pub use kvroute_core::precise::vllm_hash;
 pub mod words;

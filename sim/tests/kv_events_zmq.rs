@@ -67,7 +67,7 @@ async fn published_events_decode_and_carry_vllm_sha256_cbor_hashes() {
     assert_eq!(m.topic, format!("kv@{}@tiny", ep.addr));
     assert_eq!(m.seq, 0);
     assert_eq!(m.batch.data_parallel_rank, Some(0));
-    let want = VllmBlockHasher::new("0").block_hashes_u64(&ids, 16, None);
+    let want = VllmBlockHasher::new(Some("0")).block_hashes_u64(&ids, 16, None, usize::MAX);
     assert_eq!(want.len(), 6);
     match &m.batch.events[..] {
         [KvEvent::BlockStored {
@@ -115,7 +115,7 @@ async fn published_events_decode_and_carry_vllm_sha256_cbor_hashes() {
     };
     assert_eq!(
         block_hashes,
-        &VllmBlockHasher::new("0").block_hashes_u64(&ids, 16, Some("tenant-a"))
+        &VllmBlockHasher::new(Some("0")).block_hashes_u64(&ids, 16, Some("tenant-a"), usize::MAX)
     );
     assert_eq!(
         extra_keys.as_ref().unwrap()[0],

@@ -2,7 +2,7 @@
 
 use base64::Engine as _;
 use kvroute_sim::kv_events::{decode_seq, frames, KvEvent, KvEventBatch};
-use kvroute_sim::vllm_hash::{low64, VllmBlockHasher};
+use kvroute_sim::vllm_hash::VllmBlockHasher;
 use rmpv::Value;
 
 fn testdata(name: &str) -> String {
@@ -160,49 +160,62 @@ fn decoder_rejects_garbage_with_a_reason() {
     );
 }
 
-/// Vectors made by sim/tools/gen_vllm_hash_vectors.py with Python's cbor2
-/// and hashlib, following vLLM's sha256_cbor definitions.
+/// The emulator's token-ID requests carry vLLM's own block hashes: the
+/// vectors made by vLLM 0.32's functions (sim/tools/gen_vllm_hash_vectors.py),
+/// through the emulator's request path (`engine_request`) with each
+/// vector's block size, seed and `cache_salt`, and the salt published as
+/// vLLM publishes it (untagged, on block 0).
 #[test]
-fn sha256_cbor_block_hashes_match_python_reference() {
+fn emulator_token_id_requests_hash_like_vllm() {
+    use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
+    use kvroute_sim::emulator::{openai::engine_request, EmulatorConfig};
     let cases: serde_json::Value =
         serde_json::from_str(&testdata("block-hash-sha256-cbor-vectors.json")).unwrap();
     let cases = cases.as_array().unwrap();
-    assert!(cases.len() >= 5);
+    let mut checked = 0;
     for c in cases {
         let name = c["name"].as_str().unwrap();
-        let hasher = VllmBlockHasher::new(c["python_hash_seed"].as_str().unwrap());
-        let tokens: Vec<u32> = c["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
-        let bs = c["block_size"].as_u64().unwrap() as u32;
-        let salt = c["cache_salt"].as_str();
-        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-        assert_eq!(
-            hex(&hasher.none_hash()),
-            c["none_hash_hex"].as_str().unwrap(),
-            "{name}"
+        // The emulator always runs with a seed (`--python-hash-seed`).
+        let Some(seed) = c["python_hash_seed"].as_str() else {
+            continue;
+        };
+        let mut cfg = EmulatorConfig {
+            python_hash_seed: seed.to_owned(),
+            ..EmulatorConfig::default()
+        };
+        cfg.engine.block_size = c["block_size"].as_u64().unwrap() as u32;
+        let mut body = serde_json::json!({"model": "tiny", "prompt": c["token_ids"]});
+        if let Some(s) = c["cache_salt"].as_str() {
+            body["cache_salt"] = s.into();
+        }
+        let body = body.to_string();
+        let req = parse_request(
+            ApiKind::Completions,
+            body.as_bytes(),
+            &ParseLimits::default(),
         );
-        let full = hasher.block_hashes(&tokens, bs, salt);
-        let want: Vec<&str> = c["block_hashes_hex"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|h| h.as_str().unwrap())
-            .collect();
-        let got: Vec<String> = full.iter().map(|h| hex(h)).collect();
-        assert_eq!(got, want, "{name}");
+        let Ok(req) = req else {
+            // An empty token list is refused as a missing prompt.
+            assert!(c["token_ids"].as_array().unwrap().is_empty(), "{name}");
+            continue;
+        };
+        let hasher = VllmBlockHasher::new(Some(&cfg.python_hash_seed));
+        let er = engine_request(&req, &cfg, &hasher, true);
         let want64: Vec<u64> = c["block_hashes_u64"]
             .as_array()
             .unwrap()
             .iter()
             .map(|h| h.as_u64().unwrap())
             .collect();
-        assert_eq!(full.iter().map(low64).collect::<Vec<_>>(), want64, "{name}");
-        assert_eq!(hasher.block_hashes_u64(&tokens, bs, salt), want64, "{name}");
+        assert_eq!(er.block_hashes, want64, "{name}");
+        assert_eq!(
+            er.first_block_extra_keys,
+            c["cache_salt"].as_str().map(|s| vec![s.to_owned()]),
+            "{name}"
+        );
+        checked += 1;
     }
+    assert!(checked >= 6, "{checked}");
 }
 
 #[test]

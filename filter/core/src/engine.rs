@@ -10,6 +10,7 @@ use crate::collector::bytes_per_token;
 use crate::collector::prefill_rate::{self, PrefillRateParams};
 use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
+use crate::precise::{Fallback, PreciseUse};
 use crate::request::{parse_request, ApiKind, ParseError, ParseLimits, Prompt};
 use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
 use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
@@ -87,6 +88,8 @@ pub struct Routed {
     pub stream: bool,
     /// CAS races the charge and the index insert lost (and retried).
     pub cas_retries: u32,
+    /// Precise mode's part (`None` when it is off).
+    pub precise: Option<PreciseUse>,
 }
 
 impl Routed {
@@ -317,15 +320,29 @@ impl Engine {
             Ok(r) => r,
             Err(e) => return self.fail_for(Unrouted::BadBody(e)),
         };
+        // Precise mode: vLLM's own hashes of the prompt, matched against the
+        // blocks the servers hold (`kvEvents`); or, when they cannot be had,
+        // the reason the approximate index decides instead.
+        let precise = self
+            .config
+            .precise
+            .as_ref()
+            .map(|p| p.request_hashes(&req, body));
+        let (precise_in, hash_failure) = match &precise {
+            None => (None, None),
+            Some(Ok((hashes, tokens))) => (Some((hashes.as_slice(), *tokens)), None),
+            Some(Err(why)) => (None, Some(*why)),
+        };
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
         let text_bytes = match &req.prompt {
             Prompt::Text(t) => Some(t.len() as u64),
             Prompt::TokenIds(_) => None,
         };
-        match self.route_prompt(
+        match self.route_parsed_precise(
             store,
             &blocks.block_hashes,
             blocks.prompt_tokens,
+            precise_in,
             req.max_output_tokens,
             text_bytes,
             now_ms,
@@ -333,6 +350,9 @@ impl Engine {
         ) {
             Ok(Some(mut r)) => {
                 r.stream = req.stream;
+                if let Some(why) = hash_failure {
+                    r.precise = Some(PreciseUse::Fallback { why, blocks: 0 });
+                }
                 Outcome::Routed(r)
             }
             Ok(None) => self.fail_for(Unrouted::NoEndpoints),
@@ -482,10 +502,11 @@ impl Engine {
         now_ms: u64,
         rng: &mut Rng,
     ) -> Result<Option<Routed>, StoreError> {
-        self.route_prompt(
+        self.route_parsed_precise(
             store,
             hashes,
             prompt_tokens,
+            None,
             max_output_tokens,
             None,
             now_ms,
@@ -493,15 +514,75 @@ impl Engine {
         )
     }
 
-    /// [`route_parsed`](Self::route_parsed) for a prompt of `text_bytes`
-    /// bytes of text (counted on the endpoint for the bytes-per-token
-    /// learner, and scaled with it; see [`snapshot_of`](Self::snapshot_of)).
+    /// The precise view of a request: when every healthy endpoint's
+    /// held-blocks view is fresh, the candidates' matches are the leading
+    /// vLLM hashes each holds, and the request is measured in vLLM blocks
+    /// and its exact token count. Otherwise `None`: the approximate index
+    /// decides (one stale relay would make its endpoint look cold).
+    fn held_candidates(
+        &self,
+        store: &dyn Store,
+        snap: &Snapshot,
+        vllm_hashes: &[u64],
+        prompt_tokens: u64,
+        now_ms: u64,
+    ) -> Result<Option<(Vec<Candidate>, RequestView)>, StoreError> {
+        let Some(p) = &self.config.precise else {
+            return Ok(None);
+        };
+        let status = kvroute_shared_state::held::HeldTable::read(store)?;
+        let eps: Vec<(u16, u16)> = snap
+            .endpoints
+            .iter()
+            .map(|e| (e.slot, e.generation))
+            .collect();
+        let m = kvroute_shared_state::held::longest_held(
+            store,
+            &self.held_geometry(),
+            &status,
+            &eps,
+            vllm_hashes,
+            now_ms,
+            self.config.kv_events.stale_ms,
+        )?;
+        if !m.iter().all(|x| x.fresh) {
+            return Ok(None);
+        }
+        let candidates: Vec<Candidate> = snap
+            .candidates
+            .iter()
+            .zip(&m)
+            .map(|(c, x)| Candidate {
+                matched_blocks: x.matched_blocks,
+                ..*c
+            })
+            .collect();
+        // The tie key from vLLM's hashes and the held matches: gateway
+        // replicas with the same held view break ties alike.
+        let view = RequestView {
+            prompt_tokens,
+            total_blocks: vllm_hashes.len().min(u32::MAX as usize) as u32,
+            block_size_tokens: p.block_size,
+            max_output_tokens: snap.view.max_output_tokens,
+            tie_key: tie_key(vllm_hashes, &candidates),
+        };
+        Ok(Some((candidates, view)))
+    }
+
+    /// [`route_parsed`](Self::route_parsed) with precise mode's input:
+    /// the request's vLLM hashes and exact token count, if it has them, and
+    /// a text prompt's `text_bytes` (counted on the endpoint for the
+    /// bytes-per-token learner, and scaled with it; see
+    /// [`snapshot_of`](Self::snapshot_of)).
+    /// The approximate index is kept up to date either way (it is the
+    /// fallback), from `hashes`.
     #[allow(clippy::too_many_arguments)]
-    fn route_prompt(
+    pub fn route_parsed_precise(
         &self,
         store: &dyn Store,
         hashes: &[u64],
         prompt_tokens: u64,
+        precise: Option<(&[u64], u64)>,
         max_output_tokens: Option<u64>,
         text_bytes: Option<u64>,
         now_ms: u64,
@@ -518,6 +599,23 @@ impl Engine {
         else {
             return Ok(None);
         };
+        let held = match precise {
+            Some((vllm_hashes, tokens)) => {
+                self.held_candidates(store, &snap, vllm_hashes, tokens, now_ms)?
+            }
+            None => None,
+        };
+        let precise_use = precise.map(|(vllm_hashes, _)| {
+            let blocks = vllm_hashes.len().min(u32::MAX as usize) as u32;
+            if held.is_some() {
+                PreciseUse::Matched { blocks }
+            } else {
+                PreciseUse::Fallback {
+                    why: Fallback::NoHeldView,
+                    blocks,
+                }
+            }
+        });
         let Snapshot {
             endpoints,
             holders,
@@ -527,12 +625,26 @@ impl Engine {
             view,
             load,
         } = snap;
-        let Some(decision) = self.config.scheduler.schedule(&view, &candidates, rng) else {
+        // Scheduling (and the charge) on the held view when there is one;
+        // the approximate index's bookkeeping below stays on its own blocks.
+        let (sched_candidates, sched_view) = match &held {
+            Some((c, v)) => (c, v),
+            None => (&candidates, &view),
+        };
+        let Some(decision) = self
+            .config
+            .scheduler
+            .schedule(sched_view, sched_candidates, rng)
+        else {
             return Ok(None);
         };
         let chosen = &endpoints[decision.primary];
+        let charge = self
+            .config
+            .scheduler
+            .inflight
+            .charge(sched_view, &sched_candidates[decision.primary]);
         let cand = &candidates[decision.primary];
-        let charge = self.config.scheduler.inflight.charge(&view, cand);
         let new_blocks = u64::from(view.total_blocks.saturating_sub(cand.matched_blocks));
         let cold_stamp = if decision.cold { now_ms.max(1) } else { 0 };
         let window = window_ms(self.config.collector.reap_after_ms);
@@ -614,6 +726,7 @@ impl Engine {
             uncached_tokens: charge.prompt_tokens,
             stream: false,
             cas_retries,
+            precise: precise_use,
         }))
     }
 

@@ -10,5 +10,6 @@ pub mod collector;
 pub mod config;
 pub mod engine;
 pub mod lifecycle;
+pub mod precise;
 pub mod request;
 pub mod scheduling;

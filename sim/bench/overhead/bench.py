@@ -47,11 +47,19 @@ import bodies as bodies_mod  # noqa: E402
 import stub as stub_mod  # noqa: E402
 
 ARMS = ["direct", "envoy-rr", "kvroute", "smg"]
-SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024}
+# Chat bodies of 8k, 64k, 400k bytes; and "-ids": /v1/completions bodies of
+# that size whose prompt is token IDs (bodies.generate_ids), for precise mode.
+SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024, "8k-ids": 8 * 1024, "400k-ids": 400 * 1024}
 # Distinct bodies per size: cycling through them, every body comes back only
 # after this many requests.
-BODY_COUNTS = {"8k": 2048, "64k": 512, "400k": 128}
+BODY_COUNTS = {"8k": 2048, "64k": 512, "400k": 128, "8k-ids": 2048, "400k-ids": 128}
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def path_of(bodies_file):
+    """The API path of a bodies file (token-ID bodies are completions)."""
+    return COMPLETIONS_PATH if "-ids-" in os.path.basename(bodies_file) else CHAT_PATH
 
 _children = []
 
@@ -206,7 +214,7 @@ def admin_stats(admin_port, pattern):
 
 def run_wrk(url, bodies_file, connections, seconds, offset, lua):
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", lua,
-            url, "--", bodies_file, CHAT_PATH, str(offset)]
+            url, "--", bodies_file, path_of(bodies_file), str(offset)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -237,7 +245,30 @@ PROFILE_ARMS = {
     # buffering, body copy into the VM, JSON parse, prompt render, state reads,
     # decision, charge and release, with 1 block hashed, looked up and indexed.
     "kv-1block": {"plugin": {"approx-prefix-cache-producer": {"maxPrefixTokensToMatch": 64}}},
+    # Precise mode on top of the kvroute arm: a token-producer with a real
+    # tokenizer.json and chat template inline (the real-engine tier's tiny
+    # byte-level BPE, vocabulary 4096: testdata/tokenizer/tiny-bpe-4096) and
+    # the precise producer (vLLM block size 16). No relay answers, so every
+    # request is hashed precisely and then routed on the approximate index
+    # (counted no_held_view): the difference from "kvroute" is the cost of
+    # tokenizing, rendering the template and sha256_cbor hashing.
+    "kv-precise": {"plugin": {"+precise": True}},
 }
+
+TINY_TOKENIZER = os.path.join(REPO, "testdata", "tokenizer", "tiny-bpe-4096")
+
+
+def _precise_plugins():
+    with open(os.path.join(TINY_TOKENIZER, "tokenizer.json")) as f:
+        tok = json.load(f)
+    with open(os.path.join(TINY_TOKENIZER, "tokenizer_config.json")) as f:
+        tcfg = json.load(f)
+    return [
+        {"type": "token-producer", "parameters": {"modelName": bodies_mod.MODEL, "tokenizerJson": tok,
+                                                  "tokenizerConfig": tcfg}},
+        {"type": "precise-prefix-cache-producer", "parameters": {"tokenProcessorConfig": {"blockSizeTokens": 16,
+                                                                                          "hashSeed": "0"}}},
+    ]
 
 BUFFER_FILTER_YAML = """          - name: envoy.filters.http.buffer
             typed_config:
@@ -250,7 +281,10 @@ def _plugin_variant(base_path, change, work, name):
     with open(base_path) as f:
         cfg = json.load(f)
     for key, value in change.items():
-        if key == "routing":
+        if key == "+precise":
+            cfg["plugins"] = _precise_plugins() + cfg["plugins"]
+            cfg["kvEvents"] = {"enabled": True}
+        elif key == "routing":
             cfg.setdefault("routing", {}).update(value)
         else:
             for plugin in cfg["plugins"]:
@@ -538,7 +572,8 @@ def main(argv=None):
         path = os.path.join(work, f"bodies-{s}-{count}-{args.seed}.jsonl")
         if not os.path.exists(path):
             with open(path + ".tmp", "w") as f:
-                for b in bodies_mod.generate(SIZES[s], count, args.seed):
+                gen = bodies_mod.generate_ids if s.endswith("-ids") else bodies_mod.generate
+                for b in gen(SIZES[s], count, args.seed):
                     f.write(b)
                     f.write("\n")
             os.rename(path + ".tmp", path)

@@ -104,6 +104,32 @@ def generate(size, count, seed=1):
     return bodies
 
 
+def _ids_body(ids, max_tokens=16):
+    return json.dumps({"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "stream": False},
+                      separators=(",", ":"))
+
+
+def generate_ids(size, count, seed=1):
+    """`count` /v1/completions bodies of exactly `size` bytes whose prompt is
+    token IDs (vocabulary 4096): 8 shared prefixes (3/4 of the IDs) and a
+    distinct rest, as `generate` does for text. Padded with JSON whitespace."""
+    rng = random.Random(f"kvroute-overhead-ids-{seed}-{size}")
+    per_id = 5  # "1234," on average, about
+    n = max(8, (size - len(_ids_body([]))) // per_id)
+    shared = int(n * SYSTEM_SHARE)
+    prefixes = [[rng.randrange(3, 4096) for _ in range(shared)] for _ in range(SYSTEM_PROMPTS)]
+    bodies = []
+    for i in range(count):
+        ids = prefixes[i % SYSTEM_PROMPTS] + [rng.randrange(3, 4096) for _ in range(n - shared)]
+        body = _ids_body(ids)
+        while len(body) > size:
+            ids.pop()
+            body = _ids_body(ids)
+        body = body[:-1] + " " * (size - len(body)) + "}"
+        bodies.append(body)
+    return bodies
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, required=True, help="bytes per body")

@@ -179,7 +179,7 @@ impl Endpoint {
     ) -> Arc<Endpoint> {
         Arc::new(Endpoint {
             engine: Mutex::new(Engine::new(cfg.engine.clone(), kv_tx.is_some())),
-            hasher: VllmBlockHasher::new(&cfg.python_hash_seed),
+            hasher: VllmBlockHasher::new(Some(&cfg.python_hash_seed)),
             clock: ModelClock::new(cfg.time_scale),
             served_by: addr.to_string(),
             addr,

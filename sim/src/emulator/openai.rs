@@ -56,7 +56,7 @@ pub fn engine_request(
         }
         Prompt::TokenIds(ids) => EngineRequest {
             prompt_tokens: ids.len().min(u32::MAX as usize) as u32,
-            block_hashes: hasher.block_hashes_u64(ids, bs, salt),
+            block_hashes: hasher.block_hashes_u64(ids, bs, salt, usize::MAX),
             event_token_ids: with_event_tokens.then(|| ids.clone().into()),
             first_block_extra_keys: salt.map(|s| vec![s.to_owned()]),
             output_tokens,

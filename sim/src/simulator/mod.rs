@@ -418,7 +418,7 @@ impl Sim {
             Load::Trace { .. } => None,
         };
         Ok(Sim {
-            hasher: VllmBlockHasher::new(&emu.python_hash_seed),
+            hasher: VllmBlockHasher::new(Some(&emu.python_hash_seed)),
             emu,
             servers,
             names,

@@ -2,7 +2,7 @@
 //!
 //! proxy-wasm-cpp-host implements a small set: `fd_write` on stdout/stderr
 //! (turned into info / error log lines, trailing newline dropped),
-//! `fd_fdstat_get` on 1 and 2, environment variables from the VM config,
+//! `fd_fdstat_get` and `fd_filestat_get` on 1 and 2, environment variables from the VM config,
 //! empty args, the wall clock, random bytes, and stubs that refuse files.
 //! A module that imports anything else fails to instantiate here, as it
 //! would fail to load in Envoy.
@@ -82,6 +82,19 @@ pub fn add_to_linker(linker: &mut Linker<VmState>) -> wasmtime::Result<()> {
         errno(write(&mut c, out, &stat))
     })?;
     linker.func_wrap(m, "fd_fdstat_set_flags", |_c: C, _: i32, _: i32| Ok(ENOSYS))?;
+    // proxy-wasm-cpp-host's fd_filestat_get: stdout and stderr are
+    // character devices of size 0; other descriptors do not exist. Rust's
+    // std imports it as soon as a module can reach `std::fs` (the
+    // `tokenizers` crate can).
+    linker.func_wrap(m, "fd_filestat_get", |mut c: C, fd: i32, out: i32| {
+        if fd != 1 && fd != 2 {
+            return Ok(EBADF);
+        }
+        // 64 bytes: dev, ino, filetype (u8 at 16; 2 = character device), nlink, size, atim, mtim, ctim.
+        let mut stat = [0u8; 64];
+        stat[16] = 2;
+        errno(write(&mut c, out, &stat))
+    })?;
     linker.func_wrap(m, "fd_prestat_get", |_c: C, _: i32, _: i32| Ok(EBADF))?;
     linker.func_wrap(m, "fd_prestat_dir_name", |_c: C, _: i32, _: i32, _: i32| {
         Ok(ENOSYS)

@@ -29,6 +29,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("prefix-cache", "prefix-cache-scorer"),
     ("max-score", "max-score-picker"),
     ("single-profile", "single-profile-handler"),
+    // llm-d-router renamed the tokenizer plugin; `tokenizer` still loads there.
+    ("tokenizer", "token-producer"),
 ];
 
 /// The current type name for `kind`.
@@ -99,8 +101,6 @@ pub(super) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         | "always-disagg-multimodal-decider" | "prefill-filter" | "encode-filter"
         | "data-parallel-profile-handler" | "disaggregatedset-rollout-screener" => PD,
         "header-profile-handler" => "it picks among several profiles per request; kvroute runs one profile",
-        "precise-prefix-cache-scorer" | "precise-prefix-cache-producer" => "precise prefix matching needs vLLM's KV events (ZMQ) and a tokenizer inside the router, which kvroute does not have yet; use approx-prefix-cache-producer with prefix-cache-scorer or prefix-cache-affinity-filter",
-        "tokenizer" | "token-producer" => "kvroute has no tokenizer: it estimates tokens from prompt bytes (see approx-prefix-cache-producer's charsPerToken); remove it",
         "latency-scorer" | "predicted-latency-producer" | "slo-headroom-tier-filter"
         | "latency-slo-admitter" => "it needs llm-d's latency-predictor sidecars; use prefix-cache-affinity-filter with token-load-scorer or active-request-scorer",
         "random-picker" => "kvroute has max-score-picker and weighted-random-picker",

@@ -11,6 +11,7 @@
 
 use crate::blocks::BlockConfig;
 use crate::collector::prefill_rate::PrefillRateParams;
+use crate::precise::{self, PreciseConfig, TokenizerConfig};
 use crate::scheduling::active_request::ActiveRequestScorer;
 use crate::scheduling::affinity_filter::{AffinityFilter, LoadSignal};
 use crate::scheduling::charge::InflightConfig;
@@ -203,6 +204,9 @@ pub struct PrefixProducerConfig {
 pub struct Config {
     pub scheduler: Scheduler,
     pub prefix: PrefixProducerConfig,
+    /// Precise mode (`precise-prefix-cache-producer`): vLLM's own block
+    /// hashes; `None` = approximate only.
+    pub precise: Option<PreciseConfig>,
     pub endpoints: EndpointSource,
     pub routing: RoutingConfig,
     pub collector: CollectorConfig,
@@ -370,6 +374,63 @@ struct ApproxPrefixParams {
     lru_capacity_per_server: Option<u64>,
     /// kvroute extension: bytes per estimated token, or `"auto"`.
     chars_per_token: Option<Value>,
+}
+
+/// `precise-prefix-cache-producer` (and the deprecated
+/// `precise-prefix-cache-scorer`) parameters, llm-d's names.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PreciseParams {
+    token_processor_config: Option<TokenProcessorParams>,
+    /// llm-d's in-process index and its tokenizer pool: kvroute's index is
+    /// the collector's held-blocks view, and its tokenizer the
+    /// `token-producer` plugin. Checked for shape only.
+    indexer_config: Option<Value>,
+    /// llm-d's ZMQ subscribers: kvroute's relay beside each server does
+    /// that (a wasm VM cannot open a socket). Checked for shape only.
+    kv_events_config: Option<Value>,
+    /// kvroute's approximate index records every decision at once, which is
+    /// what speculative entries do in llm-d; so both values behave alike.
+    speculative_indexing: Option<bool>,
+    #[serde(rename = "speculativeTTL")]
+    speculative_ttl: Option<Value>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TokenProcessorParams {
+    block_size_tokens: Option<u64>,
+    /// Deprecated in llm-d for `blockSizeTokens`.
+    block_size: Option<u64>,
+    hash_seed: Option<String>,
+}
+
+/// The largest inline `tokenizer.json` (bytes): production tokenizers are
+/// 2–11 MB, and every VM holds its own loaded copy.
+const MAX_TOKENIZER_JSON_BYTES: usize = 16 * 1024 * 1024;
+
+/// `token-producer` (llm-d's older name: `tokenizer`) parameters.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TokenizerParams {
+    model_name: Option<String>,
+    /// llm-d's gRPC-over-UDS tokenizer: not reachable from a wasm VM.
+    uds_tokenizer_config: Option<Value>,
+    /// llm-d's vLLM `/render` backend (an HTTP call per request).
+    vllm: Option<Value>,
+    /// llm-d's tokenizer-free estimate: kvroute's approximate mode.
+    estimate: Option<Value>,
+    /// kvroute: the model's `tokenizer.json`, inline (an object, or the
+    /// file's text as a string).
+    tokenizer_json: Option<Value>,
+    /// kvroute: the model's `tokenizer_config.json`, inline (chat template,
+    /// special tokens).
+    tokenizer_config: Option<Value>,
+    /// kvroute: a chat template that overrides `tokenizerConfig`'s.
+    chat_template: Option<String>,
+    /// kvroute: other names requests use for the model (vLLM's
+    /// `--served-model-name`).
+    served_model_names: Option<Vec<String>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -597,7 +658,8 @@ fn join_path(base: &str, inner: &str) -> String {
 // ---------------------------------------------------------------------------
 // Compilation: defaults, ranges, cross-references.
 
-const SUPPORTED_TYPES: &str = "approx-prefix-cache-producer, inflight-load-producer, \
+const SUPPORTED_TYPES: &str = "approx-prefix-cache-producer, precise-prefix-cache-producer, \
+precise-prefix-cache-scorer (deprecated in llm-d), token-producer (or tokenizer), inflight-load-producer, \
 prefix-cache-affinity-filter, token-load-scorer, active-request-scorer, queue-scorer, \
 kv-cache-utilization-scorer, prefix-cache-scorer, no-hit-lru-scorer, max-score-picker, \
 weighted-random-picker, kvroute's kvroute-load-scorer and cache-balance-scorer (and, accepted with nothing to do: single-profile-handler, \
@@ -606,6 +668,13 @@ sources and extractors)";
 
 enum Compiled {
     Prefix(PrefixProducerConfig),
+    /// `precise-prefix-cache-producer`; `scorer` for the deprecated
+    /// `precise-prefix-cache-scorer`, which also scores in a profile.
+    Precise {
+        config: PreciseConfig,
+        scorer: bool,
+    },
+    Tokenizer(TokenizerConfig),
     Inflight(InflightConfig),
     Filter(AffinityFilter),
     Scorer(Scorer),
@@ -725,6 +794,130 @@ fn compile_plugin(
                 auto_tune: q.auto_tune.unwrap_or(true),
                 lru_capacity_per_server: q.lru_capacity_per_server.unwrap_or(0),
                 learn_bytes_per_token: learn,
+            })
+        }
+        "precise-prefix-cache-producer" | "precise-prefix-cache-scorer" => {
+            let q: PreciseParams = strict_value(&p.parameters, &ppath)?;
+            let _ = (
+                q.indexer_config,
+                q.kv_events_config,
+                q.speculative_indexing,
+                q.speculative_ttl,
+            );
+            let tp = q.token_processor_config.unwrap_or_default();
+            let tpath = format!("{ppath}.tokenProcessorConfig");
+            let (bs_field, bs_value) = match (tp.block_size_tokens, tp.block_size) {
+                (None | Some(0), Some(b)) if b > 0 => ("blockSize", Some(b)),
+                // llm-d: 0 means "not set".
+                (Some(0), _) => ("blockSizeTokens", None),
+                (t, _) => ("blockSizeTokens", t),
+            };
+            let bs = range_u64(
+                &format!("{tpath}.{bs_field}"),
+                bs_value,
+                u64::from(precise::DEFAULT_BLOCK_SIZE),
+                1,
+                65_536,
+                "tokens (vLLM's --block-size)",
+            )? as u32;
+            if let Some(seed) = &tp.hash_seed {
+                if seed.len() > 256 {
+                    return Err(err(
+                        format!("{tpath}.hashSeed"),
+                        "is longer than 256 bytes; it must equal the servers' PYTHONHASHSEED",
+                    ));
+                }
+            }
+            Compiled::Precise {
+                config: PreciseConfig {
+                    block_size: bs,
+                    hasher: precise::vllm_hash::VllmBlockHasher::new(tp.hash_seed.as_deref()),
+                    // The approximate producer's default cap: 131072 tokens.
+                    max_blocks: (131_072 / bs as usize).max(1),
+                    tokenizers: Vec::new(),
+                },
+                scorer: kind == "precise-prefix-cache-scorer",
+            }
+        }
+        "token-producer" => {
+            let q: TokenizerParams = strict_value(&p.parameters, &ppath)?;
+            let model = match q.model_name {
+                Some(m) if !m.is_empty() => m,
+                _ if q.estimate.is_some() => String::new(),
+                _ => {
+                    return Err(err(
+                        format!("{ppath}.modelName"),
+                        "required: the model whose tokenizer this is (llm-d requires it too)",
+                    ))
+                }
+            };
+            if q.vllm.is_some() {
+                return Err(err(
+                    format!("{ppath}.vllm"),
+                    "llm-d's vLLM /render backend needs an HTTP call to a server per request; kvroute tokenizes inside the module: give `tokenizerJson` (and `tokenizerConfig` for chat) instead",
+                ));
+            }
+            if q.estimate.is_some() && q.tokenizer_json.is_some() {
+                return Err(err(
+                    format!("{ppath}.estimate"),
+                    "give either `estimate` (no tokenizer: text and chat prompts use the approximate index) or `tokenizerJson`, not both",
+                ));
+            }
+            // udsTokenizerConfig: accepted and unused (see docs): without
+            // `tokenizerJson` there is no tokenizer, and text and chat
+            // prompts fall back to the approximate index (counted).
+            let _ = q.uds_tokenizer_config;
+            let tokenizer = match &q.tokenizer_json {
+                None => None,
+                Some(v) => {
+                    let bytes = match v {
+                        Value::String(s) => s.as_bytes().to_vec(),
+                        Value::Object(_) => serde_json::to_vec(v).unwrap_or_default(),
+                        _ => {
+                            return Err(err(
+                                format!("{ppath}.tokenizerJson"),
+                                "must be the tokenizer.json object, or its text as a string",
+                            ))
+                        }
+                    };
+                    if bytes.len() > MAX_TOKENIZER_JSON_BYTES {
+                        return Err(err(
+                            format!("{ppath}.tokenizerJson"),
+                            format!(
+                                "is {} bytes; at most {MAX_TOKENIZER_JSON_BYTES} (each worker VM loads its own copy)",
+                                bytes.len()
+                            ),
+                        ));
+                    }
+                    if let Some(c) = &q.tokenizer_config {
+                        if !c.is_object() {
+                            return Err(err(
+                                format!("{ppath}.tokenizerConfig"),
+                                "must be the tokenizer_config.json object",
+                            ));
+                        }
+                    }
+                    let t = precise::tokenizer::ModelTokenizer::load(
+                        &bytes,
+                        q.tokenizer_config.as_ref(),
+                        q.chat_template.as_deref(),
+                    )
+                    .map_err(|e| err(format!("{ppath}.tokenizerJson"), e))?;
+                    Some(std::sync::Arc::new(t))
+                }
+            };
+            if tokenizer.is_none() && (q.tokenizer_config.is_some() || q.chat_template.is_some()) {
+                return Err(err(
+                    format!("{ppath}.tokenizerJson"),
+                    "required when `tokenizerConfig` or `chatTemplate` is given",
+                ));
+            }
+            let mut model_names = vec![model];
+            model_names.extend(q.served_model_names.unwrap_or_default());
+            model_names.retain(|m| !m.is_empty());
+            Compiled::Tokenizer(TokenizerConfig {
+                model_names,
+                tokenizer,
             })
         }
         "inflight-load-producer" => {
@@ -1072,6 +1265,8 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut compiled = Vec::with_capacity(raw.plugins.len());
     let mut prefix = None;
     let mut inflight = None;
+    let mut precise: Option<PreciseConfig> = None;
+    let mut tokenizers = Vec::new();
     for (i, p) in raw.plugins.iter().enumerate() {
         let path = format!("plugins[{i}]");
         let c = compile_plugin(p, &path, &producer_names)?;
@@ -1089,6 +1284,15 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                     return Err(err(path, "kvroute supports one inflight-load-producer"));
                 }
             }
+            Compiled::Precise { config, .. } => {
+                if precise.replace(config.clone()).is_some() {
+                    return Err(err(
+                        path,
+                        "kvroute supports one precise-prefix-cache-producer (or -scorer)",
+                    ));
+                }
+            }
+            Compiled::Tokenizer(t) => tokenizers.push(t.clone()),
             _ => {}
         }
         compiled.push(c);
@@ -1165,7 +1369,26 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                             return Err(err(format!("{path}.pluginRef"), "a profile has one picker"));
                         }
                     }
-                    Compiled::Prefix(_) | Compiled::Inflight(_) => {
+                    Compiled::Precise { scorer: true, .. } => {
+                        // The deprecated scorer: precise matches, scored as
+                        // prefix-cache-scorer scores them (matched / total).
+                        scorers.push((
+                            Scorer::PrefixCache(PrefixCacheScorer {
+                                match_length_weight: 0.0,
+                                match_length_scale_tokens: 8192,
+                            }),
+                            weight,
+                        ))
+                    }
+                    Compiled::Tokenizer(_) => {
+                        // Older llm-d listed the tokenizer in the profile
+                        // (a PrepareData plugin); it runs for every request
+                        // either way.
+                        if r.weight.is_some() {
+                            return Err(err(format!("{path}.weight"), "only scorers take a weight"));
+                        }
+                    }
+                    Compiled::Prefix(_) | Compiled::Inflight(_) | Compiled::Precise { .. } => {
                         return Err(err(format!("{path}.pluginRef"), format!("\"{}\" is a data producer; producers run for every request and are not listed in a profile", r.plugin_ref)))
                     }
                     Compiled::Inert(role) => {
@@ -1192,6 +1415,23 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         inflight: inflight.unwrap_or_default(),
         max_fallbacks: routing.max_fallbacks,
     };
+    let precise_index = raw
+        .plugins
+        .iter()
+        .position(|p| llm_d::canonical_type(&p.kind).starts_with("precise-prefix-cache-"));
+    if let Some(p) = precise.as_mut() {
+        p.tokenizers = tokenizers;
+    } else if !tokenizers.is_empty() {
+        let i = raw
+            .plugins
+            .iter()
+            .position(|p| llm_d::canonical_type(&p.kind) == "token-producer")
+            .unwrap_or(0);
+        return Err(err(
+            format!("plugins[{i}].type"),
+            "a token-producer (tokenizer) feeds only precise-prefix-cache-producer in kvroute; add one, or remove the tokenizer (approximate mode estimates tokens from bytes)",
+        ));
+    }
     let prefix = prefix.unwrap_or(PrefixProducerConfig {
         blocks: BlockConfig::default(),
         auto_tune: true,
@@ -1307,6 +1547,13 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     };
 
     let kv_events = compile_kv_events(raw.kv_events)?;
+    if precise.is_some() && !kv_events.enabled {
+        let i = precise_index.unwrap_or(0);
+        return Err(err(
+            format!("plugins[{i}].type"),
+            "precise matching needs the servers' held blocks: enable the `kvEvents` section (a relay beside each vLLM server; see docs/configuration.md)",
+        ));
+    }
 
     let shared_state = SharedStateConfig {
         index_budget_bytes: range_u64(
@@ -1322,6 +1569,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     Ok(Config {
         scheduler,
         prefix,
+        precise,
         endpoints,
         routing,
         collector,

@@ -195,21 +195,168 @@ fn guide_optimized_baseline_current_interface_loads() {
 }
 
 #[test]
-fn guide_precise_prefix_cache_is_refused_by_name() {
-    let e = Config::from_json(&fixture("precise-prefix-cache-aware.json")).unwrap_err();
-    assert_eq!(e.path, "plugins[0].type");
+fn guide_precise_prefix_cache_loads_with_the_uds_tokenizer_adapted() {
+    let c = Config::from_json(&fixture("precise-prefix-cache-aware.json")).unwrap();
+    let p = c.precise.as_ref().expect("precise mode on");
+    // tokenProcessorConfig: blockSize 64 (llm-d's older name), hashSeed "42".
+    assert_eq!(p.block_size, 64);
+    assert_eq!(
+        p.hasher,
+        crate::precise::vllm_hash::VllmBlockHasher::new(Some("42"))
+    );
+    assert_eq!(p.max_blocks, 131_072 / 64);
+    // The `tokenizer` plugin (UDS): its model is known, but no tokenizer is
+    // loaded, so text and chat prompts fall back (token IDs do not).
+    assert_eq!(p.tokenizers.len(), 1);
+    assert_eq!(
+        p.tokenizers[0].model_names,
+        vec!["Qwen/Qwen3-32B".to_string()]
+    );
+    assert!(p.tokenizers[0].tokenizer.is_none());
+    // The deprecated scorer scores in the profile with its weight.
+    let weights: Vec<(&str, f64)> = c
+        .scheduler
+        .scorers
+        .iter()
+        .map(|(s, w)| (s.type_name(), *w))
+        .collect();
+    assert_eq!(
+        weights,
+        vec![
+            ("prefix-cache-scorer", 2.0),
+            ("kv-cache-utilization-scorer", 1.0),
+            ("queue-scorer", 1.0)
+        ]
+    );
+    // Approximate mode, the fallback, keeps its defaults.
+    assert_eq!(c.prefix.blocks, BlockConfig::default());
+}
+
+const TINY_TOKENIZER: &str =
+    include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
+const TINY_CONFIG: &str =
+    include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
+
+/// The current llm-d form: token-producer + precise-prefix-cache-producer +
+/// prefix-cache-scorer naming it.
+fn precise_doc(tokenizer_params: Value, producer_params: Value) -> String {
+    with_endpoints(
+        &serde_json::json!({
+            "plugins": [
+                {"type": "token-producer", "parameters": tokenizer_params},
+                {"type": "precise-prefix-cache-producer", "parameters": producer_params},
+                {"type": "prefix-cache-scorer", "parameters": {"prefixMatchInfoProducerName": "precise-prefix-cache-producer"}},
+                {"type": "max-score-picker"}
+            ],
+            "schedulingProfiles": [{"name": "default", "plugins": [
+                {"pluginRef": "prefix-cache-scorer", "weight": 2},
+                {"pluginRef": "max-score-picker"}
+            ]}],
+            "kvEvents": {"enabled": true}
+        })
+        .to_string(),
+    )
+}
+
+#[test]
+fn precise_producer_with_an_inline_tokenizer_loads() {
+    let tok: Value = serde_json::from_str(TINY_TOKENIZER).unwrap();
+    let cfg: Value = serde_json::from_str(TINY_CONFIG).unwrap();
+    for tokenizer_json in [tok.clone(), Value::String(TINY_TOKENIZER.into())] {
+        let doc = precise_doc(
+            serde_json::json!({"modelName": "org/tiny", "servedModelNames": ["tiny"],
+                               "tokenizerJson": tokenizer_json, "tokenizerConfig": cfg}),
+            serde_json::json!({"tokenProcessorConfig": {"blockSizeTokens": 32, "hashSeed": "0"}}),
+        );
+        let c = Config::from_json(doc.as_bytes()).unwrap();
+        let p = c.precise.unwrap();
+        assert_eq!(p.block_size, 32);
+        assert_eq!(p.tokenizers[0].model_names, vec!["org/tiny", "tiny"]);
+        assert!(p.tokenizers[0].tokenizer.is_some());
+    }
+    // Defaults: vLLM's block size 16, and vLLM's seed when PYTHONHASHSEED is unset.
+    let doc = precise_doc(serde_json::json!({"modelName": "m"}), serde_json::json!({}));
+    let p = Config::from_json(doc.as_bytes()).unwrap().precise.unwrap();
+    assert_eq!(p.block_size, 16);
+    assert_eq!(
+        p.hasher,
+        crate::precise::vllm_hash::VllmBlockHasher::new(None)
+    );
+}
+
+#[test]
+fn precise_config_errors_name_the_field() {
+    let e = reject(&precise_doc(
+        serde_json::json!({"modelName": "m"}),
+        serde_json::json!({"tokenProcessorConfig": {"blockSizeTokens": 100000}}),
+    ));
+    assert_eq!(
+        e.path,
+        "plugins[1].parameters.tokenProcessorConfig.blockSizeTokens"
+    );
+    let e = reject(&precise_doc(
+        serde_json::json!({"modelName": "m"}),
+        serde_json::json!({"tokenProcessorConfig": {"hashseed": "0"}}),
+    ));
     assert!(
-        e.message.contains("\"tokenizer\"") && e.message.contains("no tokenizer"),
+        e.path
+            .starts_with("plugins[1].parameters.tokenProcessorConfig"),
         "{e}"
     );
-    // Without the tokenizer, the scorer is the next thing refused, and says
-    // what to use instead.
-    let mut v: Value = serde_json::from_slice(&fixture("precise-prefix-cache-aware.json")).unwrap();
-    v["plugins"].as_array_mut().unwrap().remove(0);
-    let e = Config::from_json(v.to_string().as_bytes()).unwrap_err();
-    assert_eq!(e.path, "plugins[2].type");
+    let e = reject(&precise_doc(serde_json::json!({}), serde_json::json!({})));
+    assert_eq!(e.path, "plugins[0].parameters.modelName");
+    let e = reject(&precise_doc(
+        serde_json::json!({"modelName": "m", "tokenizerJson": "{not json"}),
+        serde_json::json!({}),
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.tokenizerJson");
+    assert!(e.message.contains("does not load"), "{e}");
+    let e = reject(&precise_doc(
+        serde_json::json!({"modelName": "m", "vllm": {"url": "http://x"}}),
+        serde_json::json!({}),
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.vllm");
+    let e = reject(&precise_doc(
+        serde_json::json!({"modelName": "m", "tokenizerJson": TINY_TOKENIZER, "chatTemplate": "{% for %}"}),
+        serde_json::json!({}),
+    ));
+    assert!(e.message.contains("chat template does not compile"), "{e}");
+    // Precise mode without the servers' held blocks would never match.
+    let mut v: Value = serde_json::from_str(&precise_doc(
+        serde_json::json!({"modelName": "m"}),
+        serde_json::json!({}),
+    ))
+    .unwrap();
+    v.as_object_mut().unwrap().remove("kvEvents");
+    let e = reject(&v.to_string());
+    assert_eq!(e.path, "plugins[1].type");
+    assert!(e.message.contains("kvEvents"), "{e}");
+    // The inline tokenizer is bounded.
+    let huge = "x".repeat(16 * 1024 * 1024 + 1);
+    let e = reject(&precise_doc(
+        serde_json::json!({"modelName": "m", "tokenizerJson": huge}),
+        serde_json::json!({}),
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.tokenizerJson");
+    assert!(e.message.contains("at most 16777216"), "{e}");
+    // A tokenizer without a precise producer has nothing to feed.
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"tokenizer","parameters":{"modelName":"m"}}]}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].type");
+    assert!(e.message.contains("precise-prefix-cache-producer"), "{e}");
+    // The producer is not listed in a profile; the deprecated scorer is.
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"precise-prefix-cache-producer"},{"type":"max-score-picker"}],
+            "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"precise-prefix-cache-producer"}]}],
+            "kvEvents":{"enabled":true}}"#,
+    ));
+    assert!(e.message.contains("data producer"), "{e}");
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"precise-prefix-cache-producer"},{"name":"b","type":"precise-prefix-cache-scorer"}]}"#,
+    ));
     assert!(
-        e.message.contains("KV events") && e.message.contains("approx-prefix-cache-producer"),
+        e.message.contains("one precise-prefix-cache-producer"),
         "{e}"
     );
 }
@@ -452,7 +599,6 @@ fn known_llm_d_types_are_refused_with_a_reason() {
     for (kind, msg) in [
         ("pd-profile-handler", "disaggregation"),
         ("prefill-filter", "disaggregation"),
-        ("precise-prefix-cache-producer", "KV events"),
         ("latency-scorer", "latency-predictor"),
         ("random-picker", "weighted-random-picker"),
         ("fcfs-ordering-policy", "flow control"),

@@ -487,6 +487,124 @@ fn a_sticky_request_does_not_rewrite_the_groups_it_already_holds() {
     );
 }
 
+const PRECISE_DOC: &str = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2","127.0.0.1:3"]},
+    "plugins":[{"type":"token-producer","parameters":{"modelName":"m","udsTokenizerConfig":{"socketFile":"/x"}}},
+               {"type":"precise-prefix-cache-producer","parameters":{"tokenProcessorConfig":{"blockSizeTokens":4,"hashSeed":"0"}}},
+               {"type":"prefix-cache-scorer","parameters":{"prefixMatchInfoProducerName":"precise-prefix-cache-producer"}},
+               {"type":"max-score-picker"}],
+    "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-scorer"},{"pluginRef":"max-score-picker"}]}],
+    "kvEvents":{"enabled":true,"staleMs":5000}}"#;
+
+/// Each endpoint's relay snapshot, applied as the collector applies it.
+fn held_snapshots(e: &Engine, s: &MemoryStore, held: &[Vec<u64>], now_ms: u64) {
+    use crate::collector::kv_events::Ask;
+    let table = e.endpoint_table(s).unwrap();
+    for (ep, blocks) in table.endpoints.iter().zip(held) {
+        let body = serde_json::json!({"epoch": 7, "seq": 1, "complete": true, "blocks": blocks});
+        e.apply_relay_answer(
+            s,
+            ep.slot,
+            ep.generation,
+            Ask::Snapshot,
+            body.to_string().as_bytes(),
+            now_ms,
+        )
+        .unwrap();
+    }
+}
+
+#[test]
+fn precise_mode_routes_on_the_held_blocks_when_every_view_is_fresh() {
+    let e = Engine::new(Config::from_json(PRECISE_DOC.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let p = e.config.precise.clone().unwrap();
+    let ids: Vec<u32> = (100..117).collect(); // 4 full blocks of 4, and one token
+    let vllm = p.hasher.block_hashes_u64(&ids, 4, None, 100);
+    assert_eq!(vllm.len(), 4);
+    let body = serde_json::json!({"model": "m", "prompt": ids}).to_string();
+    // Endpoint 2 holds the first 3 blocks, endpoint 1 the first one: 2 wins.
+    held_snapshots(
+        &e,
+        &s,
+        &[vec![vllm[0], 999], vec![vllm[0], vllm[1], vllm[2]], vec![]],
+        1000,
+    );
+    let mut rng = Rng::new(1);
+    let r = routed(e.route(&s, ApiKind::Completions, body.as_bytes(), 1500, &mut rng));
+    assert_eq!(r.precise, Some(PreciseUse::Matched { blocks: 4 }));
+    assert_eq!(primary(&r), "127.0.0.1:2");
+    // Uncached tokens in vLLM's terms: 17 − 3 × 4.
+    assert_eq!(r.uncached_tokens, 5);
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    // The held view moves: now endpoint 3 holds all 4.
+    held_snapshots(&e, &s, &[vec![], vec![], vllm.clone()], 1600);
+    let r = routed(e.route(&s, ApiKind::Completions, body.as_bytes(), 1700, &mut rng));
+    assert_eq!(primary(&r), "127.0.0.1:3");
+    assert_eq!(r.uncached_tokens, 1);
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    // Past staleMs without a good poll: every request falls back.
+    let r = routed(e.route(
+        &s,
+        ApiKind::Completions,
+        body.as_bytes(),
+        1600 + 5001,
+        &mut rng,
+    ));
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::NoHeldView,
+            blocks: 4
+        })
+    );
+}
+
+#[test]
+fn precise_mode_computes_vllm_hashes_and_falls_back_counted_by_reason() {
+    let e = Engine::new(Config::from_json(PRECISE_DOC.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let mut rng = Rng::new(1);
+    // Token IDs: hashed precisely (2 full blocks of 4); no relay has
+    // answered yet, so they are routed on the approximate index.
+    let ids = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#;
+    let r = routed(e.route(&s, ApiKind::Completions, ids, 0, &mut rng));
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::NoHeldView,
+            blocks: 2
+        })
+    );
+    // Only two of three views fresh: still the approximate index.
+    held_snapshots(&e, &s, &[vec![1], vec![2]], 10);
+    let r = routed(e.route(&s, ApiKind::Completions, ids, 20, &mut rng));
+    assert!(matches!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::NoHeldView,
+            ..
+        })
+    ));
+    // Text with the UDS tokenizer (not loadable in a VM): no tokenizer.
+    let text = br#"{"model":"m","prompt":"hello"}"#;
+    let r = routed(e.route(&s, ApiKind::Completions, text, 0, &mut rng));
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::NoTokenizer,
+            blocks: 0
+        })
+    );
+    // Approximate mode: no precise part at all.
+    let a = Engine::new(config(""));
+    let s2 = MemoryStore::new();
+    a.collector_init(&s2).unwrap();
+    let r = routed(a.route(&s2, ApiKind::Completions, ids, 0, &mut rng));
+    assert_eq!(r.precise, None);
+}
+
 /// `/metrics` with the two prefill histograms' sums (tokens, seconds, requests).
 fn prefill_metrics(tokens: f64, seconds: f64, requests: f64) -> Vec<u8> {
     format!(

@@ -154,10 +154,20 @@ pub enum Counter {
     KvEventsSnapshots,
     KvEventsIndexResets,
     KvEventsDropped,
+    /// Precise mode: routed on the servers' held blocks.
+    PreciseMatched,
+    /// Precise mode: routed on the approximate index, by reason
+    /// ([`Fallback`](crate::precise::Fallback)).
+    PreciseFallbackNoTokenizer,
+    PreciseFallbackUnknownModel,
+    PreciseFallbackTemplate,
+    PreciseFallbackTokenize,
+    PreciseFallbackUnsupported,
+    PreciseFallbackNoHeldView,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 20] = [
+    pub const ALL: [Counter; 27] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -178,6 +188,13 @@ impl Counter {
         Counter::KvEventsSnapshots,
         Counter::KvEventsIndexResets,
         Counter::KvEventsDropped,
+        Counter::PreciseMatched,
+        Counter::PreciseFallbackNoTokenizer,
+        Counter::PreciseFallbackUnknownModel,
+        Counter::PreciseFallbackTemplate,
+        Counter::PreciseFallbackTokenize,
+        Counter::PreciseFallbackUnsupported,
+        Counter::PreciseFallbackNoHeldView,
     ];
 
     pub fn name(self) -> &'static str {
@@ -202,6 +219,29 @@ impl Counter {
             Counter::KvEventsSnapshots => "kvroute_kv_events_snapshots",
             Counter::KvEventsIndexResets => "kvroute_kv_events_index_resets",
             Counter::KvEventsDropped => "kvroute_kv_events_dropped_blocks",
+            Counter::PreciseMatched => "kvroute_precise_matched",
+            Counter::PreciseFallbackNoTokenizer => "kvroute_precise_fallback_no_tokenizer",
+            Counter::PreciseFallbackUnknownModel => "kvroute_precise_fallback_unknown_model",
+            Counter::PreciseFallbackTemplate => "kvroute_precise_fallback_template",
+            Counter::PreciseFallbackTokenize => "kvroute_precise_fallback_tokenize",
+            Counter::PreciseFallbackUnsupported => "kvroute_precise_fallback_unsupported",
+            Counter::PreciseFallbackNoHeldView => "kvroute_precise_fallback_no_held_view",
+        }
+    }
+
+    /// The counter precise mode's outcome adds to.
+    pub fn for_precise(u: crate::precise::PreciseUse) -> Counter {
+        use crate::precise::{Fallback, PreciseUse};
+        match u {
+            PreciseUse::Matched { .. } => Counter::PreciseMatched,
+            PreciseUse::Fallback { why, .. } => match why {
+                Fallback::NoTokenizer => Counter::PreciseFallbackNoTokenizer,
+                Fallback::UnknownModel => Counter::PreciseFallbackUnknownModel,
+                Fallback::Template => Counter::PreciseFallbackTemplate,
+                Fallback::Tokenize => Counter::PreciseFallbackTokenize,
+                Fallback::Unsupported => Counter::PreciseFallbackUnsupported,
+                Fallback::NoHeldView => Counter::PreciseFallbackNoHeldView,
+            },
         }
     }
 

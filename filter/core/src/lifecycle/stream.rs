@@ -243,6 +243,9 @@ impl Stream {
                 w.counts
                     .add(host, Counter::CasRetries, u64::from(r.cas_retries));
                 w.counts.inc(host, Counter::for_branch(r.decision.branch));
+                if let Some(u) = r.precise {
+                    w.counts.inc(host, Counter::for_precise(u));
+                }
                 if r.ticket.is_none() {
                     w.host_error(
                         host,

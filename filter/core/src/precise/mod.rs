@@ -1,0 +1,177 @@
+//! Precise match mode: the request's prefix as vLLM's own block hashes, so
+//! that it can be matched against the blocks each server reports holding in
+//! its KV events (`BlockStored` / `BlockRemoved`), rather than against
+//! kvroute's guess from its own past decisions (the approximate index).
+//!
+//! - [`vllm_hash`]: vLLM 0.32's `sha256_cbor` block hash (the servers must
+//!   run with `--prefix-caching-hash-algo sha256_cbor`).
+//! - [`tokenizer`]: the model's `tokenizer.json` and chat template, for text
+//!   and chat prompts. Token-ID prompts need neither.
+//!
+//! When precise hashes cannot be had, the request is routed on the
+//! approximate index instead, and the reason is counted ([`Fallback`]).
+
+pub mod tokenizer;
+pub mod vllm_hash;
+
+use crate::request::{ApiKind, InferenceRequest, Prompt};
+use std::sync::Arc;
+use tokenizer::{ModelTokenizer, TokenizeError};
+use vllm_hash::VllmBlockHasher;
+
+/// vLLM's and llm-d's default block size (tokens).
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// A tokenizer for one model, as configured (llm-d's `tokenizer` plugin).
+#[derive(Clone, Debug)]
+pub struct TokenizerConfig {
+    /// `modelName`, and the other names requests may use for the model
+    /// (vLLM's `--served-model-name`).
+    pub model_names: Vec<String>,
+    /// `None`: configured without a loadable tokenizer (llm-d's UDS
+    /// tokenizer, which a wasm VM cannot reach); text and chat prompts fall
+    /// back.
+    pub tokenizer: Option<Arc<ModelTokenizer>>,
+}
+
+/// The precise producer's configuration (`precise-prefix-cache-producer`).
+#[derive(Clone, Debug)]
+pub struct PreciseConfig {
+    /// `tokenProcessorConfig.blockSizeTokens` (or the older `blockSize`):
+    /// vLLM's `--block-size`.
+    pub block_size: u32,
+    /// From `tokenProcessorConfig.hashSeed`: the servers' `PYTHONHASHSEED`
+    /// (`None` when they run without one).
+    pub hasher: VllmBlockHasher,
+    /// Blocks hashed per request, at most.
+    pub max_blocks: usize,
+    pub tokenizers: Vec<TokenizerConfig>,
+}
+
+impl PartialEq for PreciseConfig {
+    fn eq(&self, o: &Self) -> bool {
+        self.block_size == o.block_size
+            && self.hasher == o.hasher
+            && self.max_blocks == o.max_blocks
+            && self.tokenizers.len() == o.tokenizers.len()
+            && self.tokenizers.iter().zip(&o.tokenizers).all(|(a, b)| {
+                a.model_names == b.model_names && a.tokenizer.is_some() == b.tokenizer.is_some()
+            })
+    }
+}
+
+/// Why a request was routed on the approximate index in precise mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fallback {
+    /// A text or chat prompt, and no tokenizer is loaded for its model.
+    NoTokenizer,
+    /// A text or chat prompt for a model no tokenizer is configured for.
+    UnknownModel,
+    /// The chat template is missing or failed to render.
+    Template,
+    /// The tokenizer failed.
+    Tokenize,
+    /// A request vLLM hashes with keys kvroute does not produce
+    /// (multimodal parts, `continue_final_message`, the Responses API).
+    Unsupported,
+    /// No fresh held-blocks view of the servers to match against (no relay
+    /// data yet, or stale).
+    NoHeldView,
+}
+
+impl Fallback {
+    pub const ALL: [Fallback; 6] = [
+        Fallback::NoTokenizer,
+        Fallback::UnknownModel,
+        Fallback::Template,
+        Fallback::Tokenize,
+        Fallback::Unsupported,
+        Fallback::NoHeldView,
+    ];
+
+    /// A short stable label (the counter's suffix).
+    pub fn label(self) -> &'static str {
+        match self {
+            Fallback::NoTokenizer => "no_tokenizer",
+            Fallback::UnknownModel => "unknown_model",
+            Fallback::Template => "template",
+            Fallback::Tokenize => "tokenize",
+            Fallback::Unsupported => "unsupported",
+            Fallback::NoHeldView => "no_held_view",
+        }
+    }
+}
+
+/// What precise mode did for one routed request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PreciseUse {
+    /// Scored on the servers' held blocks; `blocks` vLLM hashes matched
+    /// against them.
+    Matched { blocks: u32 },
+    /// Scored on the approximate index; `blocks` precise hashes were
+    /// computed first (0 when none could be).
+    Fallback { why: Fallback, blocks: u32 },
+}
+
+impl From<TokenizeError> for Fallback {
+    fn from(e: TokenizeError) -> Fallback {
+        match e {
+            TokenizeError::Template(_) => Fallback::Template,
+            TokenizeError::Tokenize(_) => Fallback::Tokenize,
+            TokenizeError::Unsupported(_) => Fallback::Unsupported,
+        }
+    }
+}
+
+impl PreciseConfig {
+    /// The tokenizer configured for `model`.
+    fn tokenizer_for(&self, model: &str) -> Result<&ModelTokenizer, Fallback> {
+        let t = self
+            .tokenizers
+            .iter()
+            .find(|t| t.model_names.iter().any(|n| n == model))
+            .ok_or(if self.tokenizers.iter().any(|t| t.tokenizer.is_some()) {
+                Fallback::UnknownModel
+            } else {
+                Fallback::NoTokenizer
+            })?;
+        t.tokenizer.as_deref().ok_or(Fallback::NoTokenizer)
+    }
+
+    /// The request's prompt as vLLM token IDs.
+    pub fn token_ids(&self, req: &InferenceRequest, body: &[u8]) -> Result<Vec<u32>, Fallback> {
+        match (&req.prompt, req.kind) {
+            (Prompt::TokenIds(ids), _) => Ok(ids.clone()),
+            (Prompt::Text(text), ApiKind::Completions) => {
+                let tok = self.tokenizer_for(&req.model)?;
+                let text = std::str::from_utf8(text).map_err(|_| Fallback::Tokenize)?;
+                Ok(tok.completion_ids(body, text)?)
+            }
+            (Prompt::Text(_), ApiKind::ChatCompletions) => {
+                let tok = self.tokenizer_for(&req.model)?;
+                Ok(tok.chat_ids(body)?)
+            }
+            (Prompt::Text(_), _) => Err(Fallback::Unsupported),
+        }
+    }
+
+    /// vLLM's 64-bit block hashes of the request's prompt (full blocks
+    /// only, at most `max_blocks`), and its token count.
+    pub fn request_hashes(
+        &self,
+        req: &InferenceRequest,
+        body: &[u8],
+    ) -> Result<(Vec<u64>, u64), Fallback> {
+        let ids = self.token_ids(req, body)?;
+        let hashes = self.hasher.block_hashes_u64(
+            &ids,
+            self.block_size,
+            req.cache_salt.as_deref(),
+            self.max_blocks,
+        );
+        Ok((hashes, ids.len() as u64))
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,154 @@
+use super::*;
+use crate::request::{parse_request, ParseLimits};
+
+/// The real-engine tier's tokenizer (byte-level BPE, vocabulary 4096) and
+/// its chat template (`tests/real/vllm_tier.py`).
+const TINY_TOKENIZER: &[u8] =
+    include_bytes!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
+const TINY_CONFIG: &str =
+    include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
+
+fn cfg(with_tokenizer: bool) -> PreciseConfig {
+    let tok = with_tokenizer.then(|| {
+        let c: serde_json::Value = serde_json::from_str(TINY_CONFIG).unwrap();
+        Arc::new(ModelTokenizer::load(TINY_TOKENIZER, Some(&c), None).unwrap())
+    });
+    PreciseConfig {
+        block_size: 4,
+        hasher: VllmBlockHasher::new(Some("0")),
+        max_blocks: 1000,
+        tokenizers: vec![TokenizerConfig {
+            model_names: vec!["tiny".into()],
+            tokenizer: tok,
+        }],
+    }
+}
+
+fn req(kind: ApiKind, body: &str) -> InferenceRequest {
+    parse_request(kind, body.as_bytes(), &ParseLimits::default()).unwrap()
+}
+
+fn hashes(c: &PreciseConfig, kind: ApiKind, body: &str) -> Result<(Vec<u64>, u64), Fallback> {
+    c.request_hashes(&req(kind, body), body.as_bytes())
+}
+
+#[test]
+fn token_ids_hash_without_a_tokenizer_including_a_batch_of_one() {
+    let c = cfg(false);
+    let body = r#"{"model":"any","prompt":[1,2,3,4,5,6,7,8,9]}"#;
+    let (h, n) = hashes(&c, ApiKind::Completions, body).unwrap();
+    assert_eq!(n, 9);
+    assert_eq!(
+        h,
+        c.hasher
+            .block_hashes_u64(&[1, 2, 3, 4, 5, 6, 7, 8], 4, None, 10)
+    );
+    let batch = r#"{"model":"any","prompt":[[1,2,3,4,5,6,7,8,9]]}"#;
+    assert_eq!(hashes(&c, ApiKind::Completions, batch).unwrap().0, h);
+    let salted = r#"{"model":"any","prompt":[1,2,3,4,5,6,7,8,9],"cache_salt":"t"}"#;
+    assert_ne!(hashes(&c, ApiKind::Completions, salted).unwrap().0, h);
+}
+
+#[test]
+fn fallback_reasons() {
+    let none = cfg(false);
+    let text = r#"{"model":"tiny","prompt":"hello world"}"#;
+    assert_eq!(
+        hashes(&none, ApiKind::Completions, text),
+        Err(Fallback::NoTokenizer)
+    );
+    let with = cfg(true);
+    let other = r#"{"model":"other","prompt":"hello world"}"#;
+    assert_eq!(
+        hashes(&with, ApiKind::Completions, other),
+        Err(Fallback::UnknownModel)
+    );
+    let image = r#"{"model":"tiny","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+    assert_eq!(
+        hashes(&with, ApiKind::ChatCompletions, image),
+        Err(Fallback::Unsupported)
+    );
+    let cont = r#"{"model":"tiny","messages":[{"role":"user","content":"hi"}],"continue_final_message":true}"#;
+    assert_eq!(
+        hashes(&with, ApiKind::ChatCompletions, cont),
+        Err(Fallback::Unsupported)
+    );
+    let resp = r#"{"model":"tiny","input":"hi"}"#;
+    assert_eq!(
+        hashes(&with, ApiKind::Responses, resp),
+        Err(Fallback::Unsupported)
+    );
+    // A template that raises.
+    let mut bad = with.clone();
+    bad.tokenizers[0].tokenizer = Some(Arc::new(
+        ModelTokenizer::load(
+            TINY_TOKENIZER,
+            None,
+            Some("{{ raise_exception('no system role') }}"),
+        )
+        .unwrap(),
+    ));
+    let chat = r#"{"model":"tiny","messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(
+        hashes(&bad, ApiKind::ChatCompletions, chat),
+        Err(Fallback::Template)
+    );
+    // No template at all.
+    bad.tokenizers[0].tokenizer = Some(Arc::new(
+        ModelTokenizer::load(TINY_TOKENIZER, None, None).unwrap(),
+    ));
+    assert_eq!(
+        hashes(&bad, ApiKind::ChatCompletions, chat),
+        Err(Fallback::Template)
+    );
+    // An endless template runs out of fuel instead of hanging the VM.
+    bad.tokenizers[0].tokenizer = Some(Arc::new(
+        ModelTokenizer::load(
+            TINY_TOKENIZER,
+            None,
+            Some(
+                "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            ),
+        )
+        .unwrap(),
+    ));
+    assert_eq!(
+        hashes(&bad, ApiKind::ChatCompletions, chat),
+        Err(Fallback::Template)
+    );
+    let labels: Vec<&str> = Fallback::ALL.iter().map(|f| f.label()).collect();
+    assert_eq!(labels.len(), 6);
+}
+
+#[test]
+fn chat_renders_like_the_tiers_template() {
+    let c = cfg(true);
+    let tok = c.tokenizers[0].tokenizer.as_deref().unwrap();
+    let body = r#"{"model":"tiny","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#;
+    let (text, special) = tok.render_chat(body.as_bytes()).unwrap();
+    assert_eq!(text, "<s>system: be brief\n<s>user: a\nb\n<s>assistant: ");
+    assert!(!special);
+    let no_gen = r#"{"model":"tiny","messages":[{"role":"user","content":"x"}],"add_generation_prompt":false}"#;
+    assert_eq!(
+        tok.render_chat(no_gen.as_bytes()).unwrap().0,
+        "<s>user: x\n"
+    );
+    // `<s>` is a special token: one id (0), not its characters.
+    let ids = tok.chat_ids(no_gen.as_bytes()).unwrap();
+    assert_eq!(ids[0], 0);
+    assert!(ids.len() < "<s>user: x\n".len());
+}
+
+#[test]
+fn text_completion_tokenizes_with_the_requests_special_token_flag() {
+    let c = cfg(true);
+    let tok = c.tokenizers[0].tokenizer.as_deref().unwrap();
+    let a = tok
+        .encode("the cache prefix block token route", true)
+        .unwrap();
+    assert!(!a.is_empty());
+    let body = r#"{"model":"tiny","prompt":"the cache prefix block token route"}"#;
+    let (h, n) = hashes(&c, ApiKind::Completions, body).unwrap();
+    assert_eq!(n as usize, a.len());
+    assert_eq!(h, c.hasher.block_hashes_u64(&a, 4, None, 1000));
+}

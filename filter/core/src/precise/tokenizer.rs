@@ -1,0 +1,241 @@
+//! The model's tokenizer and chat template, for precise hashes of text and
+//! chat prompts: a Hugging Face `tokenizer.json` loaded with the
+//! `tokenizers` crate, and the chat template of `tokenizer_config.json`
+//! rendered with `minijinja`, the way vLLM's `/v1/chat/completions` does:
+//!
+//! - the template gets `messages`, `add_generation_prompt` (the request's,
+//!   default true), `tools` (when given), the special tokens of
+//!   `tokenizer_config.json` (`bos_token`, `eos_token`, `unk_token`,
+//!   `pad_token`) and the request's `chat_template_kwargs`; `raise_exception`
+//!   and Python string methods (`minijinja-contrib`'s pycompat) are defined;
+//!   blocks are trimmed as transformers does (`trim_blocks`, `lstrip_blocks`);
+//! - a message `content` given as a list of text parts becomes their texts
+//!   joined by `\n` (vLLM's "string" content format); any other part (an
+//!   image, audio) makes the request unsupported here;
+//! - the rendered text is tokenized with the request's `add_special_tokens`
+//!   (default false for chat, true for completions: vLLM's defaults).
+//!
+//! Rendering is bounded by minijinja's fuel, so a template cannot loop for
+//! ever on a request.
+
+use minijinja::{Environment, Error, ErrorKind, Value};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// Template instructions per render, at most (minijinja fuel). A long chat
+/// template spends a few hundred per message.
+const TEMPLATE_FUEL: u64 = 20_000_000;
+
+/// A loaded tokenizer, and the chat template if the model has one.
+pub struct ModelTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    env: Option<Environment<'static>>,
+    special: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("vocab", &self.tokenizer.get_vocab_size(true))
+            .field("chat_template", &self.env.is_some())
+            .finish()
+    }
+}
+
+/// Why a prompt could not be turned into token IDs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizeError {
+    /// No chat template, or it failed to render (the message says why).
+    Template(String),
+    /// The tokenizer refused the text.
+    Tokenize(String),
+    /// A request shape vLLM would hash with extra keys or render differently
+    /// (multimodal parts, `continue_final_message`).
+    Unsupported(&'static str),
+}
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// A special token in `tokenizer_config.json`: a string, or an added-token
+/// object with `content`.
+fn special_token(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads `tokenizer.json` and, optionally, `tokenizer_config.json` (as
+    /// JSON). `chat_template` overrides the config's template.
+    pub fn load(
+        tokenizer_json: &[u8],
+        tokenizer_config: Option<&serde_json::Value>,
+        chat_template: Option<&str>,
+    ) -> Result<ModelTokenizer, String> {
+        let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+            .map_err(|e| format!("tokenizer.json does not load: {e}"))?;
+        let mut special = BTreeMap::new();
+        let mut template = chat_template.map(str::to_owned);
+        if let Some(cfg) = tokenizer_config {
+            for k in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+                if let Some(t) = cfg.get(k).and_then(special_token) {
+                    special.insert(k.to_owned(), t);
+                }
+            }
+            if template.is_none() {
+                template = match cfg.get("chat_template") {
+                    Some(serde_json::Value::String(s)) => Some(s.clone()),
+                    // A list of named templates: vLLM uses "default".
+                    Some(serde_json::Value::Array(list)) => list
+                        .iter()
+                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                        .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+                    _ => None,
+                };
+            }
+        }
+        let env = match template {
+            None => None,
+            Some(t) => {
+                let mut env = Environment::new();
+                env.set_trim_blocks(true);
+                env.set_lstrip_blocks(true);
+                env.set_fuel(Some(TEMPLATE_FUEL));
+                minijinja_contrib::add_to_environment(&mut env);
+                env.set_unknown_method_callback(
+                    minijinja_contrib::pycompat::unknown_method_callback,
+                );
+                env.add_function("raise_exception", raise_exception);
+                env.add_template_owned("chat", t)
+                    .map_err(|e| format!("the chat template does not compile: {e}"))?;
+                Some(env)
+            }
+        };
+        Ok(ModelTokenizer {
+            tokenizer,
+            env,
+            special,
+        })
+    }
+
+    /// Token IDs of `text`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Tokenize(e.to_string()))
+    }
+
+    /// Token IDs of a `/v1/completions` body's text prompt.
+    pub fn completion_ids(&self, body: &[u8], prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        #[derive(Deserialize)]
+        struct Flags {
+            add_special_tokens: Option<bool>,
+        }
+        let flags: Flags =
+            serde_json::from_slice(body).map_err(|e| TokenizeError::Tokenize(e.to_string()))?;
+        self.encode(prompt, flags.add_special_tokens.unwrap_or(true))
+    }
+
+    /// The chat template's text for a `/v1/chat/completions` body.
+    pub fn render_chat(&self, body: &[u8]) -> Result<(String, bool), TokenizeError> {
+        #[derive(Deserialize)]
+        struct Chat {
+            messages: Vec<Value>,
+            #[serde(default)]
+            tools: Option<Value>,
+            #[serde(default)]
+            add_generation_prompt: Option<bool>,
+            #[serde(default)]
+            continue_final_message: Option<bool>,
+            #[serde(default)]
+            add_special_tokens: Option<bool>,
+            #[serde(default)]
+            chat_template_kwargs: Option<BTreeMap<String, Value>>,
+        }
+        let Some(env) = &self.env else {
+            return Err(TokenizeError::Template(
+                "the model has no chat template".into(),
+            ));
+        };
+        let chat: Chat = serde_json::from_slice(body)
+            .map_err(|e| TokenizeError::Template(format!("messages: {e}")))?;
+        if chat.continue_final_message == Some(true) {
+            return Err(TokenizeError::Unsupported("continue_final_message"));
+        }
+        let messages = chat
+            .messages
+            .iter()
+            .map(string_content)
+            .collect::<Result<Vec<Value>, _>>()?;
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        for (k, v) in &self.special {
+            ctx.insert(k.clone(), Value::from(v.as_str()));
+        }
+        if let Some(kw) = chat.chat_template_kwargs {
+            ctx.extend(kw);
+        }
+        ctx.insert("messages".into(), Value::from(messages));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(chat.add_generation_prompt.unwrap_or(true)),
+        );
+        if let Some(t) = chat.tools.filter(|t| !t.is_none()) {
+            ctx.insert("tools".into(), t);
+        }
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let text = tmpl
+            .render(Value::from(ctx))
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        Ok((text, chat.add_special_tokens.unwrap_or(false)))
+    }
+
+    /// Token IDs of a `/v1/chat/completions` body, as vLLM computes them.
+    pub fn chat_ids(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+        let (text, add_special) = self.render_chat(body)?;
+        self.encode(&text, add_special)
+    }
+}
+
+/// A message with a list `content` of text parts turned into one string
+/// (texts joined by `\n`); other messages unchanged.
+fn string_content(m: &Value) -> Result<Value, TokenizeError> {
+    let Ok(content) = m.get_attr("content") else {
+        return Ok(m.clone());
+    };
+    if content.kind() != minijinja::value::ValueKind::Seq {
+        return Ok(m.clone());
+    }
+    let mut texts = Vec::new();
+    for part in content
+        .try_iter()
+        .map_err(|e| TokenizeError::Template(e.to_string()))?
+    {
+        let kind = part.get_attr("type").ok().filter(|v| !v.is_undefined());
+        match kind.as_ref().and_then(|k| k.as_str()) {
+            Some("text") | Some("input_text") => texts.push(
+                part.get_attr("text")
+                    .ok()
+                    .and_then(|t| t.as_str().map(str::to_owned))
+                    .unwrap_or_default(),
+            ),
+            _ => return Err(TokenizeError::Unsupported("non-text content part")),
+        }
+    }
+    let mut out: BTreeMap<String, Value> = BTreeMap::new();
+    if let Ok(keys) = m.try_iter() {
+        for k in keys {
+            if let Some(name) = k.as_str() {
+                out.insert(name.to_owned(), m.get_attr(name).unwrap_or_default());
+            }
+        }
+    }
+    out.insert("content".into(), Value::from(texts.join("\n")));
+    Ok(Value::from(out))
+}
