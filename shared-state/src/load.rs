@@ -65,6 +65,10 @@ pub struct LoadRecord {
     pub last_cold_pick: u64,
     /// Requests whose charges the reaper removed (should stay 0).
     pub reaped_requests: u32,
+    /// Bytes of text prompts routed here, ever (monotone, wrapping): what the
+    /// collector sets against the server's `vllm:prompt_tokens_total` to
+    /// learn bytes per token (`kvroute_core::collector::bytes_per_token`).
+    pub routed_prompt_bytes: u64,
     pub buckets: [Bucket; BUCKETS],
 }
 
@@ -77,6 +81,20 @@ impl LoadRecord {
     }
     pub fn inflight_requests(&self) -> u64 {
         self.buckets.iter().map(|b| u64::from(b.requests)).sum()
+    }
+    /// The prompt parts of `inflight_tokens` (prefill not yet done).
+    pub fn inflight_prompt_tokens(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| b.prompt_tokens)
+            .fold(0, u64::saturating_add)
+    }
+    /// The output parts of `inflight_tokens` (held until the stream ends).
+    pub fn inflight_output_tokens(&self) -> u64 {
+        self.buckets
+            .iter()
+            .map(|b| b.output_tokens)
+            .fold(0, u64::saturating_add)
     }
 }
 
@@ -101,12 +119,12 @@ pub struct LoadTable {
     pub records: Vec<LoadRecord>,
 }
 
-const MAGIC: u8 = 0x11;
+const MAGIC: u8 = 0x12;
 /// The encoding's layout (see [`LoadTable::encode`]): magic, epoch, count;
 /// per record generation, insert counter, last cold pick, reaped requests,
-/// then the buckets (start, prompt, output, requests).
+/// routed prompt bytes, then the buckets (start, prompt, output, requests).
 const HEADER_BYTES: usize = 1 + 8 + 2;
-const RECORD_HEAD_BYTES: usize = 2 + 8 + 8 + 4;
+const RECORD_HEAD_BYTES: usize = 2 + 8 + 8 + 4 + 8;
 const BUCKET_BYTES: usize = 8 + 8 + 8 + 4;
 const RECORD_BYTES: usize = RECORD_HEAD_BYTES + BUCKETS * BUCKET_BYTES;
 
@@ -138,6 +156,7 @@ impl LoadTable {
             w.u64(r.insert_counter);
             w.u64(r.last_cold_pick);
             w.u32(r.reaped_requests);
+            w.u64(r.routed_prompt_bytes);
             for b in &r.buckets {
                 w.u64(b.start_ms);
                 w.u64(b.prompt_tokens);
@@ -170,6 +189,7 @@ impl LoadTable {
                 insert_counter: r.u64()?,
                 last_cold_pick: r.u64()?,
                 reaped_requests: r.u32()?,
+                routed_prompt_bytes: r.u64()?,
                 ..Default::default()
             };
             for b in rec.buckets.iter_mut() {
@@ -225,6 +245,19 @@ impl LoadTable {
         match self.record_mut(slot, generation) {
             Some(rec) => {
                 rec.insert_counter = rec.insert_counter.saturating_add(blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Counts `bytes` of text prompt routed to an endpoint (the decision's
+    /// charge write does it in the same CAS). False if the slot is out of
+    /// range.
+    pub fn add_routed_bytes(&mut self, slot: u16, generation: u16, bytes: u64) -> bool {
+        match self.record_mut(slot, generation) {
+            Some(rec) => {
+                rec.routed_prompt_bytes = rec.routed_prompt_bytes.wrapping_add(bytes);
                 true
             }
             None => false,
@@ -452,6 +485,8 @@ mod tests {
     fn round_trip() {
         let mut t = LoadTable::default();
         t.charge(3, 9, 123_456, W, 1, 2, 3, 77).unwrap();
+        assert!(t.add_routed_bytes(3, 9, 4096));
+        assert!(!t.add_routed_bytes(u16::MAX, 9, 1));
         let enc = t.encode();
         assert_eq!(LoadTable::decode(Some(&enc)), t);
         assert_eq!(

@@ -32,6 +32,29 @@ pub struct MetricsSnapshot {
     /// The online prefill-throughput estimate and its window baseline
     /// (`kvroute_core::collector::prefill_rate`).
     pub prefill: PrefillRate,
+    /// The bytes-per-token learner's state
+    /// (`kvroute_core::collector::bytes_per_token`).
+    pub bytes_per_token: BytesPerToken,
+}
+
+/// Samples the bytes-per-token learner keeps per endpoint.
+pub const BPT_SAMPLES: usize = 9;
+
+/// The collector's bytes-per-token learner for one endpoint: the window's
+/// baseline and a ring of the last samples (bytes/token, as f32 bits).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BytesPerToken {
+    /// A baseline has been taken.
+    pub based: bool,
+    /// `vllm:prompt_tokens_total` at the window start.
+    pub base_tokens: f64,
+    /// The load table's `routed_prompt_bytes` at the window start.
+    pub base_bytes: u64,
+    pub samples: [f32; BPT_SAMPLES],
+    /// Samples kept (≤ `BPT_SAMPLES`).
+    pub count: u8,
+    /// Where the next sample goes.
+    pub next: u8,
 }
 
 /// The collector's prefill-throughput estimate for one endpoint, kept in
@@ -82,11 +105,11 @@ pub struct MetricsTable {
 }
 
 /// Bumped when the layout changes, so a table of another layout reads as empty.
-const MAGIC: u8 = 0x3F;
+const MAGIC: u8 = 0x40;
 
 impl MetricsTable {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(3 + self.slots.len() * 126);
+        let mut w = Writer::with_capacity(3 + self.slots.len() * 181);
         w.u8(MAGIC);
         w.u16(self.slots.len() as u16);
         for m in &self.slots {
@@ -109,6 +132,15 @@ impl MetricsTable {
             w.f64(p.tokens_per_s);
             w.u64(p.updated_at_ms);
             w.u32(p.samples);
+            let b = &m.bytes_per_token;
+            w.u8(u8::from(b.based));
+            w.f64(b.base_tokens);
+            w.u64(b.base_bytes);
+            for x in &b.samples {
+                w.u32(x.to_bits());
+            }
+            w.u8(b.count);
+            w.u8(b.next);
         }
         w.buf
     }
@@ -148,6 +180,23 @@ impl MetricsTable {
                     tokens_per_s: r.f64()?,
                     updated_at_ms: r.u64()?,
                     samples: r.u32()?,
+                },
+                bytes_per_token: {
+                    let based = r.u8()? != 0;
+                    let base_tokens = r.f64()?;
+                    let base_bytes = r.u64()?;
+                    let mut samples = [0f32; BPT_SAMPLES];
+                    for x in samples.iter_mut() {
+                        *x = f32::from_bits(r.u32()?);
+                    }
+                    BytesPerToken {
+                        based,
+                        base_tokens,
+                        base_bytes,
+                        samples,
+                        count: r.u8()?.min(BPT_SAMPLES as u8),
+                        next: r.u8()? % BPT_SAMPLES as u8,
+                    }
                 },
             });
         }
@@ -202,10 +251,18 @@ mod tests {
             updated_at_ms: 10,
             samples: 1,
         };
+        m.bytes_per_token = BytesPerToken {
+            based: true,
+            base_tokens: 5000.0,
+            base_bytes: 20_000,
+            samples: [3.5; BPT_SAMPLES],
+            count: 4,
+            next: 4,
+        };
         let enc = t.encode();
         let d = MetricsTable::decode(Some(&enc));
         assert_eq!(d, t);
-        assert_eq!(enc.len(), 3 + 3 * 126);
+        assert_eq!(enc.len(), 3 + 3 * 181);
         assert_eq!(d.get(2, 5).unwrap().prefill.estimate(), Some(20480.0));
         assert_eq!(d.get(0, 0).unwrap().prefill.estimate(), None);
         assert_eq!(d.get(2, 5).unwrap().capacity_tokens(), Some(1600));

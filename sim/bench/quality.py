@@ -11,6 +11,8 @@ arm against that same fleet and the same Envoy binary:
 
   round-robin      Envoy without kvroute (envoy/render.py --baseline)
   kvroute          llm-d's matched configuration: affinity filter + token-load scorer
+  kvroute-default  the shipped profile (envoy/kvroute-config.json, kvroute-default) with the
+                   fleet's block size, the calibrated peak and --penalty-ms, as the other arms
   always-sticky    the same with maxTTFTPenaltyMs 0 (never releases stickiness)
   legacy-blend     prefix-cache x3, queue x2, kv-cache-utilization x2, no-hit-lru x2, no filter
   active-request   affinity filter + active-request scorer (the decode-bound profile)
@@ -51,8 +53,8 @@ SECTION = "## Routing quality through Envoy"
 # Hand-written reading of the figures, appended to the generated section.
 ANALYSIS = os.path.join(HERE, "analysis.md")
 
-ALL_ARMS = ["round-robin", "kvroute", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"]
-KVROUTE_ARMS = {"kvroute", "always-sticky", "legacy-blend", "active-request", "kvroute-18s", "kvroute-output-est"}
+ALL_ARMS = ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"]
+KVROUTE_ARMS = {"kvroute", "kvroute-default", "always-sticky", "legacy-blend", "active-request", "kvroute-18s", "kvroute-output-est"}
 
 # ---------------------------------------------------------------------------
 # The fleet and the workloads.
@@ -85,7 +87,7 @@ WORKLOADS = {
         "time_scale": 10,
         "stage_s": 150,
         "rates": [1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10],
-        "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "smg-cache-aware"],
+        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "smg-cache-aware"],
         "target": 2.0,
     },
     "code-generation": {
@@ -96,7 +98,7 @@ WORKLOADS = {
         "time_scale": 10,
         "stage_s": 150,
         "rates": [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6],
-        "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "smg-cache-aware"],
+        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "smg-cache-aware"],
         "target": 2.9,
     },
     "reasoning": {
@@ -106,7 +108,7 @@ WORKLOADS = {
         "time_scale": 30,
         "stage_s": 600,
         "rates": [0.2, 0.3, 0.4, 0.5, 0.6, 0.8],
-        "arms": ["round-robin", "kvroute", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"],
+        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"],
         "target": 1.0,
     },
     "shared-prefix-skew": {
@@ -117,7 +119,7 @@ WORKLOADS = {
         "time_scale": 10,
         "stage_s": 150,
         "rates": [1, 2, 3, 4, 5, 6, 8, 10],
-        "arms": ["round-robin", "kvroute", "always-sticky"],
+        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky"],
         "target": None,
     },
 }
@@ -274,6 +276,21 @@ def plugin_config(arm, peak, penalty_ms, poll_ms):
     affinity = {"type": "prefix-cache-affinity-filter",
                 "parameters": {"affinityThreshold": 0.8, "maxTTFTPenaltyMs": penalty_ms,
                                "peakPrefillThroughput": peak}}
+    if arm == "kvroute-default":
+        with open(os.path.join(REPO, "envoy", "kvroute-config.json")) as f:
+            shipped = json.load(f)
+        for p in shipped["plugins"]:
+            if p["type"] == "approx-prefix-cache-producer":
+                p["parameters"]["blockSizeTokens"] = FLEET["block_size"]
+            if p["type"] == "prefix-cache-affinity-filter":
+                p["parameters"]["peakPrefillThroughput"] = peak
+                p["parameters"]["maxTTFTPenaltyMs"] = penalty_ms
+        return {
+            "plugins": shipped["plugins"],
+            "schedulingProfiles": shipped["schedulingProfiles"],
+            "routing": {"failureMode": "open", "statePath": "/kvroute/state", "seed": 1},
+            "collector": {"metricsCluster": "vllm", "metricsPollIntervalMs": poll_ms, "metricsTimeoutMs": 300},
+        }
     if arm == "kvroute":
         plugins = [affinity, {"type": "token-load-scorer"}, {"type": "max-score-picker"}]
         profile = [{"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},

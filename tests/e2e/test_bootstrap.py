@@ -46,7 +46,9 @@ def test_state_listener_bootstrap_validates(artifacts, tmp_path):
 def test_default_plugin_config_is_valid_json_with_llm_d_sections():
     with open(os.path.join(REPO, "envoy", "kvroute-config.json")) as f:
         cfg = json.load(f)
-    assert {p["type"] for p in cfg["plugins"]} >= {"prefix-cache-affinity-filter", "token-load-scorer"}
+    assert {p["type"] for p in cfg["plugins"]} >= {"prefix-cache-affinity-filter", "kvroute-load-scorer",
+                                                  "cache-balance-scorer"}
+    assert cfg["schedulingProfiles"][0]["name"] == "kvroute-default"
     assert cfg["schedulingProfiles"][0]["plugins"]
 
 

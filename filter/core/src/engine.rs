@@ -6,11 +6,12 @@
 //! as it runs in Envoy. The glue only moves bytes and headers.
 
 use crate::blocks::prompt_blocks;
+use crate::collector::bytes_per_token;
 use crate::collector::prefill_rate::{self, PrefillRateParams};
 use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::precise::{Fallback, PreciseUse};
-use crate::request::{parse_request, ApiKind, ParseError, ParseLimits};
+use crate::request::{parse_request, ApiKind, ParseError, ParseLimits, Prompt};
 use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
 use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
 use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
@@ -287,7 +288,17 @@ impl Engine {
         &self,
         metrics: Option<&kvroute_shared_state::metrics::MetricsSnapshot>,
     ) -> u64 {
-        let bs = u64::from(self.config.prefix.blocks.block_size_tokens.max(1));
+        self.capacity_blocks_in(metrics, self.config.prefix.blocks.block_size_tokens)
+    }
+
+    /// Capacity of an endpoint in index blocks of `block_tokens` (server)
+    /// tokens each.
+    fn capacity_blocks_in(
+        &self,
+        metrics: Option<&kvroute_shared_state::metrics::MetricsSnapshot>,
+        block_tokens: u32,
+    ) -> u64 {
+        let bs = u64::from(block_tokens.max(1));
         if self.config.prefix.auto_tune {
             if let Some(tokens) = metrics.and_then(|m| m.capacity_tokens()) {
                 return (tokens / bs).max(1);
@@ -323,12 +334,17 @@ impl Engine {
             Some(Err(why)) => (None, Some(*why)),
         };
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
+        let text_bytes = match &req.prompt {
+            Prompt::Text(t) => Some(t.len() as u64),
+            Prompt::TokenIds(_) => None,
+        };
         match self.route_parsed_precise(
             store,
             &blocks.block_hashes,
             blocks.prompt_tokens,
             precise_in,
             req.max_output_tokens,
+            text_bytes,
             now_ms,
             rng,
         ) {
@@ -356,6 +372,30 @@ impl Engine {
         max_output_tokens: Option<u64>,
         now_ms: u64,
     ) -> Result<Option<Snapshot>, StoreError> {
+        self.snapshot_of(
+            store,
+            hashes,
+            prompt_tokens,
+            max_output_tokens,
+            None,
+            now_ms,
+        )
+    }
+
+    /// [`snapshot`](Self::snapshot) for a prompt of `text_bytes` bytes of
+    /// text (`None`: token IDs or exact counts). With `charsPerToken:
+    /// "auto"` and a learnt bytes-per-token figure, a text prompt's tokens,
+    /// its block size in tokens and the endpoints' capacity in index blocks
+    /// are in the servers' real tokens (`collector::bytes_per_token`).
+    fn snapshot_of(
+        &self,
+        store: &dyn Store,
+        hashes: &[u64],
+        prompt_tokens: u64,
+        max_output_tokens: Option<u64>,
+        text_bytes: Option<u64>,
+        now_ms: u64,
+    ) -> Result<Option<Snapshot>, StoreError> {
         let load_read = store.get(LOAD_KEY)?;
         let load_cas = load_read.as_ref().map(|(_, cas)| *cas);
         let load = LoadTable::decode(load_read.as_ref().map(|(b, _)| b.as_slice()));
@@ -365,6 +405,30 @@ impl Engine {
             return Ok(None);
         }
         let stale_after = self.config.collector.metrics_stale_after_ms;
+        // Real tokens for a text prompt, once the servers taught us the
+        // model's bytes per token.
+        let bs = self.config.prefix.blocks.block_size_tokens.max(1);
+        let (prompt_tokens, block_tokens) = match text_bytes
+            .filter(|_| self.config.prefix.learn_bytes_per_token)
+            .and_then(|b| {
+                bytes_per_token::fleet_estimate(endpoints.iter().filter_map(|e| {
+                    metrics
+                        .get(e.slot, e.generation)
+                        .filter(|m| m.is_fresh(now_ms, stale_after))
+                        .and_then(|m| bytes_per_token::estimate(&m.bytes_per_token))
+                }))
+                .map(|bpt| (b, bpt))
+            }) {
+            Some((bytes, bpt)) => {
+                let block_bytes =
+                    f64::from(bs) * f64::from(self.config.prefix.blocks.chars_per_token.max(1));
+                (
+                    (bytes as f64 / bpt).ceil() as u64,
+                    ((block_bytes / bpt).round() as u32).max(1),
+                )
+            }
+            None => (prompt_tokens, bs),
+        };
 
         let holders: Vec<Holder> = endpoints
             .iter()
@@ -374,7 +438,8 @@ impl Engine {
                 insert_counter: load
                     .get(e.slot, e.generation)
                     .map_or(0, |r| r.insert_counter),
-                capacity_blocks: self.capacity_blocks(metrics.get(e.slot, e.generation)),
+                capacity_blocks: self
+                    .capacity_blocks_in(metrics.get(e.slot, e.generation), block_tokens),
             })
             .collect();
         let matches = index::longest_prefixes(store, &self.geometry, hashes, &holders)?;
@@ -382,7 +447,8 @@ impl Engine {
         let candidates: Vec<Candidate> = endpoints
             .iter()
             .zip(&matches.matched_blocks)
-            .map(|(e, &matched)| {
+            .zip(&holders)
+            .map(|((e, &matched), h)| {
                 let rec = load.get(e.slot, e.generation);
                 let m = metrics
                     .get(e.slot, e.generation)
@@ -391,10 +457,15 @@ impl Engine {
                     matched_blocks: matched,
                     inflight_tokens: rec.map_or(0, |r| r.inflight_tokens()),
                     inflight_requests: rec.map_or(0, |r| r.inflight_requests()),
+                    inflight_prefill_tokens: rec.map_or(0, |r| r.inflight_prompt_tokens()),
+                    inflight_held_tokens: rec.map_or(0, |r| r.inflight_output_tokens()),
+                    inserted_blocks: h.insert_counter,
+                    capacity_blocks: h.capacity_blocks,
                     metrics: m.map(|m| EndpointMetrics {
                         waiting_requests: m.waiting,
                         running_requests: m.running,
                         kv_cache_usage: m.kv_cache_usage,
+                        kv_capacity_tokens: m.capacity_tokens().unwrap_or(0),
                     }),
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
                     prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),
@@ -405,7 +476,7 @@ impl Engine {
         let view = RequestView {
             prompt_tokens,
             total_blocks: hashes.len() as u32,
-            block_size_tokens: self.config.prefix.blocks.block_size_tokens,
+            block_size_tokens: block_tokens,
             max_output_tokens,
             tie_key: tie_key(hashes, &candidates),
         };
@@ -437,6 +508,7 @@ impl Engine {
             prompt_tokens,
             None,
             max_output_tokens,
+            None,
             now_ms,
             rng,
         )
@@ -498,7 +570,10 @@ impl Engine {
     }
 
     /// [`route_parsed`](Self::route_parsed) with precise mode's input:
-    /// the request's vLLM hashes and exact token count, if it has them.
+    /// the request's vLLM hashes and exact token count, if it has them, and
+    /// a text prompt's `text_bytes` (counted on the endpoint for the
+    /// bytes-per-token learner, and scaled with it; see
+    /// [`snapshot_of`](Self::snapshot_of)).
     /// The approximate index is kept up to date either way (it is the
     /// fallback), from `hashes`.
     #[allow(clippy::too_many_arguments)]
@@ -509,10 +584,18 @@ impl Engine {
         prompt_tokens: u64,
         precise: Option<(&[u64], u64)>,
         max_output_tokens: Option<u64>,
+        text_bytes: Option<u64>,
         now_ms: u64,
         rng: &mut Rng,
     ) -> Result<Option<Routed>, StoreError> {
-        let Some(snap) = self.snapshot(store, hashes, prompt_tokens, max_output_tokens, now_ms)?
+        let Some(snap) = self.snapshot_of(
+            store,
+            hashes,
+            prompt_tokens,
+            max_output_tokens,
+            text_bytes,
+            now_ms,
+        )?
         else {
             return Ok(None);
         };
@@ -575,7 +658,7 @@ impl Engine {
             LoadTable::decode,
             LoadTable::encode,
             |t: &mut LoadTable| {
-                t.charge(
+                let charged = t.charge(
                     chosen.slot,
                     chosen.generation,
                     now_ms,
@@ -584,7 +667,11 @@ impl Engine {
                     charge.output_tokens,
                     new_blocks,
                     cold_stamp,
-                )
+                );
+                if let (Some(_), Some(b)) = (&charged, text_bytes) {
+                    t.add_routed_bytes(chosen.slot, chosen.generation, b);
+                }
+                charged
             },
         );
         let charged = charged?;
@@ -742,6 +829,16 @@ impl Engine {
     ) -> Result<Option<String>, StoreError> {
         let parsed = result.map(vllm_metrics::parse);
         let prefill = self.prefill_rate_params();
+        // The text bytes routed to this endpoint so far, for the
+        // bytes-per-token learner (read only when the server counts tokens).
+        let routed_bytes = match &parsed {
+            Ok(Ok(v)) if v.prompt_tokens.is_some() => {
+                LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()))
+                    .get(slot, generation)
+                    .map_or(0, |r| r.routed_prompt_bytes)
+            }
+            _ => 0,
+        };
         let mut problem = None;
         update(
             store,
@@ -763,6 +860,9 @@ impl Engine {
                         m.prefix_queries = v.prefix_queries;
                         m.prefix_hits = v.prefix_hits;
                         prefill_rate::observe(&mut m.prefill, v.prefill, now_ms, &prefill);
+                        if let Some(tokens) = v.prompt_tokens {
+                            bytes_per_token::observe(&mut m.bytes_per_token, tokens, routed_bytes);
+                        }
                     }
                     Ok(Err(e)) => {
                         m.failures = m.failures.saturating_add(1);
@@ -842,6 +942,8 @@ impl Engine {
                     "reapedRequests": rec.map_or(0, |r| r.reaped_requests),
                     "capacityBlocks": self.capacity_blocks(m),
                     "gatePrefillTokensPerS": gate_rate,
+                    "routedPromptBytes": rec.map_or(0, |r| r.routed_prompt_bytes),
+                    "bytesPerToken": m.and_then(|m| bytes_per_token::estimate(&m.bytes_per_token)),
                     "metrics": m.filter(|m| m.ok_at_ms != 0).map(|m| serde_json::json!({
                         "waiting": m.waiting,
                         "running": m.running,

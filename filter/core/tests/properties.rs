@@ -4,10 +4,11 @@ use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::collector::prefill_rate::PrefillRateParams;
 use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
 use kvroute_core::scheduling::active_request::ActiveRequestScorer;
-use kvroute_core::scheduling::affinity_filter::AffinityFilter;
+use kvroute_core::scheduling::affinity_filter::{AffinityFilter, LoadSignal};
 use kvroute_core::scheduling::charge::InflightConfig;
 use kvroute_core::scheduling::max_score::TieBreak;
 use kvroute_core::scheduling::prefix_cache::PrefixCacheScorer;
+use kvroute_core::scheduling::saturation::KvrouteLoadScorer;
 use kvroute_core::scheduling::token_load::TokenLoadScorer;
 use kvroute_core::scheduling::{
     Candidate, EndpointMetrics, Picker, RequestView, Rng, Scheduler, Scorer,
@@ -22,20 +23,31 @@ fn candidate() -> impl Strategy<Value = Candidate> {
         proptest::option::of((0.0f64..50.0, 0.0f64..50.0, 0.0f64..1.0)),
         proptest::option::of(1u64..1000),
         proptest::option::of(1.0f64..1e6),
+        (0u64..=2_000_000, 0u64..1_000_000, 0u64..100_000, 0u64..5000),
     )
-        .prop_map(|(matched, tokens, requests, m, cold, rate)| Candidate {
-            matched_blocks: matched,
-            inflight_tokens: tokens,
-            inflight_requests: requests,
-            metrics: m.map(|(w, r, u)| EndpointMetrics {
-                waiting_requests: w,
-                running_requests: r,
-                kv_cache_usage: u,
-            }),
-            last_cold_pick: cold,
-            prefill_tokens_per_s: rate,
-            key: 0,
-        })
+        .prop_map(
+            |(matched, tokens, requests, m, cold, rate, (prefill, cap, inserted, cap_blocks))| {
+                let prefill = prefill.min(tokens);
+                Candidate {
+                    matched_blocks: matched,
+                    inflight_tokens: tokens,
+                    inflight_requests: requests,
+                    inflight_prefill_tokens: prefill,
+                    inflight_held_tokens: tokens - prefill,
+                    inserted_blocks: inserted,
+                    capacity_blocks: cap_blocks,
+                    metrics: m.map(|(w, r, u)| EndpointMetrics {
+                        waiting_requests: w,
+                        running_requests: r,
+                        kv_cache_usage: u,
+                        kv_capacity_tokens: cap,
+                    }),
+                    last_cold_pick: cold,
+                    prefill_tokens_per_s: rate,
+                    key: 0,
+                }
+            },
+        )
 }
 
 fn scheduler() -> impl Strategy<Value = Scheduler> {
@@ -45,7 +57,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
         0.0f64..100_000.0,
         1.0f64..100_000.0,
         0.0f64..=1.0,
-        0usize..6,
+        0usize..8,
         proptest::bool::ANY,
         0usize..5,
         proptest::bool::ANY,
@@ -62,6 +74,11 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                         max_tokens_in_flight_penalty: 0,
                         // Half the cases read each candidate's estimate.
                         prefill_auto: (tput > 50_000.0).then(PrefillRateParams::default),
+                        load_signal: if scorer >= 6 {
+                            LoadSignal::Saturation
+                        } else {
+                            LoadSignal::Inflight
+                        },
                     }]
                 } else {
                     vec![]
@@ -73,7 +90,9 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                         2 => Scorer::Queue,
                         3 => Scorer::KvCacheUtilization,
                         4 => Scorer::PrefixCache(PrefixCacheScorer::default()),
-                        _ => Scorer::NoHitLru,
+                        5 => Scorer::NoHitLru,
+                        6 => Scorer::KvrouteLoad(KvrouteLoadScorer::default()),
+                        _ => Scorer::CacheBalance,
                     },
                     1.5,
                 )],
@@ -89,6 +108,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                     add_estimated_output_tokens: out,
                     output_ratio: ratio,
                     max_estimated_output_tokens: None,
+                    hold_kv_until_end: out && ratio > 2.0,
                 },
                 max_fallbacks: fallbacks,
             },
@@ -122,11 +142,13 @@ proptest! {
         // The charge never exceeds prompt tokens plus the output estimate.
         let c = s.inflight.charge(&req, &cands[d.primary]);
         prop_assert!(c.prompt_tokens <= req.prompt_tokens);
+        // With holdKvUntilEnd the held part also carries the uncached prompt.
+        let held_prompt = if s.inflight.hold_kv_until_end { c.prompt_tokens } else { 0 };
         if !s.inflight.add_estimated_output_tokens {
-            prop_assert_eq!(c.output_tokens, 0);
+            prop_assert_eq!(c.output_tokens, held_prompt);
         }
         if let Some(m) = max_out {
-            prop_assert!(c.output_tokens <= m);
+            prop_assert!(c.output_tokens <= m + held_prompt);
         }
     }
 

@@ -2,8 +2,10 @@
 //! KV-event relay's answers (`kv_events`, with how they are applied) and
 //! Envoy's admin `/clusters?format=json`. Pure functions; the singleton glue
 //! fetches the bytes. `prefill_rate` turns successive polls into an
-//! endpoint's prefill-throughput estimate.
+//! endpoint's prefill-throughput estimate, `bytes_per_token` its bytes per
+//! token (from `vllm:prompt_tokens_total` against the bytes routed to it).
 
+pub mod bytes_per_token;
 pub mod envoy_clusters;
 pub mod kv_events;
 pub mod prefill_rate;

@@ -26,6 +26,9 @@ pub struct VllmMetrics {
     pub prefix_hits: f64,
     /// The two per-request prefill histograms, when the server exports both.
     pub prefill: Option<PrefillTotals>,
+    /// `vllm:prompt_tokens_total` (prompt tokens the server processed,
+    /// cached or not, summed over engines), if exported.
+    pub prompt_tokens: Option<f64>,
 }
 
 /// Sums of vLLM's two prefill histograms, which it observes together for
@@ -92,6 +95,9 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
             }
             "vllm:prefix_cache_queries_total" => m.prefix_queries += value,
             "vllm:prefix_cache_hits_total" => m.prefix_hits += value,
+            "vllm:prompt_tokens_total" => {
+                *m.prompt_tokens.get_or_insert(0.0) += value;
+            }
             "vllm:request_prefill_kv_computed_tokens_sum" => {
                 prefill.computed_tokens += value;
                 prefill_seen[0] = true;
@@ -127,6 +133,7 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
     m.running = sane(m.running);
     m.prefix_queries = sane(m.prefix_queries);
     m.prefix_hits = sane(m.prefix_hits);
+    m.prompt_tokens = m.prompt_tokens.map(sane);
     if prefill_seen.iter().all(|&s| s) {
         m.prefill = Some(PrefillTotals {
             computed_tokens: sane(prefill.computed_tokens),
@@ -213,6 +220,13 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(small.num_gpu_blocks, Some(256));
+        assert_eq!(small.prompt_tokens, Some(14067.0));
+        assert_eq!(
+            parse(b"vllm:num_requests_running 0\n")
+                .unwrap()
+                .prompt_tokens,
+            None
+        );
         // The capture: 15 requests, 10093 computed tokens (= its
         // prompt_tokens_by_source{local_compute}), 0.374 s of prefill.
         let p = m.prefill.unwrap();

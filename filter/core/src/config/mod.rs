@@ -13,10 +13,11 @@ use crate::blocks::BlockConfig;
 use crate::collector::prefill_rate::PrefillRateParams;
 use crate::precise::{self, PreciseConfig, TokenizerConfig};
 use crate::scheduling::active_request::ActiveRequestScorer;
-use crate::scheduling::affinity_filter::AffinityFilter;
+use crate::scheduling::affinity_filter::{AffinityFilter, LoadSignal};
 use crate::scheduling::charge::InflightConfig;
 use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
+use crate::scheduling::saturation::KvrouteLoadScorer;
 use crate::scheduling::token_load::TokenLoadScorer;
 use crate::scheduling::{Picker, Scheduler, Scorer};
 use serde::de::DeserializeOwned;
@@ -191,6 +192,11 @@ pub struct PrefixProducerConfig {
     /// blocks per endpoint when metrics give none; 0 = unknown (only the
     /// index's byte budget bounds what is remembered)
     pub lru_capacity_per_server: u64,
+    /// `charsPerToken: "auto"`: text prompts' tokens (charges, capacity, τ)
+    /// use the bytes per token learnt from the servers
+    /// (`collector::bytes_per_token`); blocks stay cut at
+    /// `blockSizeTokens × chars_per_token` bytes, so the index never moves.
+    pub learn_bytes_per_token: bool,
 }
 
 /// The whole validated configuration.
@@ -366,8 +372,8 @@ struct ApproxPrefixParams {
     max_prefix_blocks_to_match: Option<u64>,
     max_prefix_tokens_to_match: Option<u64>,
     lru_capacity_per_server: Option<u64>,
-    /// kvroute extension: bytes per estimated token.
-    chars_per_token: Option<u64>,
+    /// kvroute extension: bytes per estimated token, or `"auto"`.
+    chars_per_token: Option<Value>,
 }
 
 /// `precise-prefix-cache-producer` (and the deprecated
@@ -437,6 +443,9 @@ struct InflightParams {
     /// Only acts with llm-d's cross-replica syncer, which kvroute does not
     /// have; either value means "local to this gateway".
     sync_cross_replica_state: Option<bool>,
+    /// kvroute: the output part holds the whole prompt until the stream
+    /// ends (`scheduling::charge`).
+    hold_kv_until_end: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -454,6 +463,8 @@ struct AffinityParams {
     prefix_match_info_producer_name: Option<String>,
     in_flight_load_producer_name: Option<String>,
     latency_prediction_info_producer_name: Option<String>,
+    /// kvroute: `"inflight"` (llm-d's) or `"saturation"`.
+    load_signal: Option<String>,
 }
 
 /// `peakPrefillThroughput: {"auto": true, …}`.
@@ -558,6 +569,13 @@ struct TokenLoadParams {
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct KvrouteLoadParams {
+    queue_threshold_tokens: Option<u64>,
+    kv_capacity_tokens: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct ActiveRequestParams {
     idle_threshold: Option<i64>,
     max_busy_score: Option<f64>,
@@ -644,7 +662,7 @@ const SUPPORTED_TYPES: &str = "approx-prefix-cache-producer, precise-prefix-cach
 precise-prefix-cache-scorer (deprecated in llm-d), token-producer (or tokenizer), inflight-load-producer, \
 prefix-cache-affinity-filter, token-load-scorer, active-request-scorer, queue-scorer, \
 kv-cache-utilization-scorer, prefix-cache-scorer, no-hit-lru-scorer, max-score-picker, \
-weighted-random-picker (and, accepted with nothing to do: single-profile-handler, \
+weighted-random-picker, kvroute's kvroute-load-scorer and cache-balance-scorer (and, accepted with nothing to do: single-profile-handler, \
 decode-filter, utilization-detector, concurrency-detector, openai-parser, llm-d's data-layer \
 sources and extractors)";
 
@@ -739,9 +757,20 @@ fn compile_plugin(
                 65_536,
                 "tokens",
             )?;
+            let (cpt_value, learn) = match &q.chars_per_token {
+                None | Some(Value::Null) => (None, false),
+                Some(Value::String(a)) if a == "auto" => (None, true),
+                Some(Value::Number(n)) if n.as_u64().is_some() => (n.as_u64(), false),
+                Some(other) => {
+                    return Err(err(
+                        format!("{ppath}.charsPerToken"),
+                        format!("{other} is not allowed: give a whole number of bytes per token (1..=64) or \"auto\" (learn it from the servers)"),
+                    ))
+                }
+            };
             let cpt = range_u64(
                 &format!("{ppath}.charsPerToken"),
-                q.chars_per_token,
+                cpt_value,
                 4,
                 1,
                 64,
@@ -764,6 +793,7 @@ fn compile_plugin(
                 },
                 auto_tune: q.auto_tune.unwrap_or(true),
                 lru_capacity_per_server: q.lru_capacity_per_server.unwrap_or(0),
+                learn_bytes_per_token: learn,
             })
         }
         "precise-prefix-cache-producer" | "precise-prefix-cache-scorer" => {
@@ -919,6 +949,7 @@ fn compile_plugin(
                 add_estimated_output_tokens: q.add_estimated_output_tokens.unwrap_or(false),
                 output_ratio: ratio,
                 max_estimated_output_tokens: cap,
+                hold_kv_until_end: q.hold_kv_until_end.unwrap_or(false),
             })
         }
         "prefix-cache-affinity-filter" => {
@@ -988,6 +1019,16 @@ fn compile_plugin(
                 peak_prefill_throughput: peak,
                 max_tokens_in_flight_penalty: token_penalty,
                 prefill_auto,
+                load_signal: match q.load_signal.as_deref() {
+                    None | Some("inflight") => LoadSignal::Inflight,
+                    Some("saturation") => LoadSignal::Saturation,
+                    Some(other) => {
+                        return Err(err(
+                            format!("{ppath}.loadSignal"),
+                            format!("\"{other}\" is not a load signal; use \"inflight\" (llm-d's) or \"saturation\""),
+                        ))
+                    }
+                },
             };
             if f.max_ttft_penalty_ms > 0.0 && f.peak_prefill_throughput <= 0.0 {
                 return Err(err(
@@ -1039,6 +1080,32 @@ fn compile_plugin(
                     "must be in [0, 1]",
                 )?,
             }))
+        }
+        "kvroute-load-scorer" => {
+            let q: KvrouteLoadParams = strict_value(&p.parameters, &ppath)?;
+            let d = KvrouteLoadScorer::default();
+            Compiled::Scorer(Scorer::KvrouteLoad(KvrouteLoadScorer {
+                queue_threshold_tokens: range_u64(
+                    &format!("{ppath}.queueThresholdTokens"),
+                    q.queue_threshold_tokens,
+                    d.queue_threshold_tokens as u64,
+                    1,
+                    1 << 40,
+                    "tokens",
+                )? as f64,
+                kv_capacity_tokens: range_u64(
+                    &format!("{ppath}.kvCapacityTokens"),
+                    q.kv_capacity_tokens,
+                    d.kv_capacity_tokens as u64,
+                    1,
+                    1 << 40,
+                    "tokens",
+                )? as f64,
+            }))
+        }
+        "cache-balance-scorer" => {
+            strict_value::<NoParams>(&p.parameters, &ppath)?;
+            Compiled::Scorer(Scorer::CacheBalance)
         }
         "queue-scorer" => {
             strict_value::<NoParams>(&p.parameters, &ppath)?;
@@ -1369,6 +1436,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         blocks: BlockConfig::default(),
         auto_tune: true,
         lru_capacity_per_server: 0,
+        learn_bytes_per_token: false,
     });
 
     let endpoints = match raw.endpoints {

@@ -900,3 +900,85 @@ fn shipped_config_breaks_ties_by_prefix() {
     let c = Config::from_json(v.to_string().as_bytes()).unwrap();
     assert_eq!(c.scheduler.picker, Picker::MaxScore(TieBreak::Prefix));
 }
+
+/// The shipped default profile (`kvroute-default`), in both shipped files,
+/// compiles to kvroute's own plugins; llm-d's matched set (the same file
+/// with llm-d's plugin names) compiles to exactly llm-d's semantics.
+#[test]
+fn shipped_files_run_the_kvroute_default_profile() {
+    use crate::scheduling::affinity_filter::LoadSignal;
+    for bytes in [
+        &include_bytes!("../../../../envoy/kvroute-config.json")[..],
+        &include_bytes!("../../../../istio/kvroute-plugin.json")[..],
+    ] {
+        let mut v: Value = serde_json::from_slice(bytes).unwrap();
+        assert_eq!(v["schedulingProfiles"][0]["name"], "kvroute-default");
+        v["endpoints"] = serde_json::json!({"static": ["127.0.0.1:1"]});
+        let c = Config::from_json(v.to_string().as_bytes()).unwrap();
+        let s = &c.scheduler;
+        assert_eq!(s.filters[0].load_signal, LoadSignal::Saturation);
+        assert!(s.inflight.hold_kv_until_end && s.inflight.add_estimated_output_tokens);
+        assert!(c.prefix.learn_bytes_per_token);
+        assert_eq!(
+            c.prefix.blocks.chars_per_token, 4,
+            "blocks stay cut at 4 bytes/token"
+        );
+        let names: Vec<_> = s.scorers.iter().map(|(x, _)| x.type_name()).collect();
+        assert_eq!(names, ["kvroute-load-scorer", "cache-balance-scorer"]);
+        assert_eq!(s.picker, Picker::MaxScore(TieBreak::Prefix));
+    }
+    // llm-d's matched profile: nothing of kvroute's switched on.
+    let c = Config::from_json(with_endpoints(BASELINE).as_bytes()).unwrap();
+    let s = &c.scheduler;
+    assert_eq!(s.filters[0].load_signal, LoadSignal::Inflight);
+    assert!(!s.inflight.hold_kv_until_end);
+    assert!(!c.prefix.learn_bytes_per_token);
+    assert_eq!(s.scorers[0].0.type_name(), "token-load-scorer");
+}
+
+#[test]
+fn kvroute_plugin_parameters_are_checked() {
+    let bad = |plugin: &str, field: &str| {
+        let doc = format!(
+            r#"{{"plugins":[{plugin},{{"type":"max-score-picker"}}],
+            "schedulingProfiles":[{{"name":"d","plugins":[{{"pluginRef":"x"}},{{"pluginRef":"max-score-picker"}}]}}]}}"#
+        );
+        let e = Config::from_json(doc.as_bytes()).unwrap_err();
+        assert!(e.to_string().contains(field), "{e}");
+    };
+    bad(
+        r#"{"type":"prefix-cache-affinity-filter","name":"x","parameters":{"loadSignal":"kv"}}"#,
+        "loadSignal",
+    );
+    bad(
+        r#"{"type":"kvroute-load-scorer","name":"x","parameters":{"queueThresholdTokens":0}}"#,
+        "queueThresholdTokens",
+    );
+    bad(
+        r#"{"type":"kvroute-load-scorer","name":"x","parameters":{"kvCapacity":5}}"#,
+        "kvCapacity",
+    );
+    bad(
+        r#"{"type":"cache-balance-scorer","name":"x","parameters":{"weight":5}}"#,
+        "weight",
+    );
+    // charsPerToken: a whole number, or "auto".
+    let producer = |v: &str| {
+        Config::from_json(
+            with_endpoints(&format!(
+                r#"{{"plugins":[{{"type":"approx-prefix-cache-producer","parameters":{{"charsPerToken":{v}}}}}]}}"#
+            ))
+            .as_bytes(),
+        )
+    };
+    let auto = producer(r#""auto""#).unwrap();
+    assert!(auto.prefix.learn_bytes_per_token);
+    assert_eq!(auto.prefix.blocks.chars_per_token, 4);
+    let fixed = producer("3").unwrap();
+    assert!(!fixed.prefix.learn_bytes_per_token);
+    assert_eq!(fixed.prefix.blocks.chars_per_token, 3);
+    for wrong in [r#""learn""#, "2.5", "-1", "0", "65"] {
+        let e = producer(wrong).unwrap_err();
+        assert!(e.to_string().contains("charsPerToken"), "{wrong}: {e}");
+    }
+}

@@ -23,8 +23,14 @@
 //!   apply: every candidate passes.
 //!
 //! Both penalties 0 means "always stick" (the hot-spotting baseline).
+//!
+//! `loadSignal` (kvroute's parameter): `"inflight"` (the default, llm-d's
+//! semantics above, exactly) or `"saturation"`, where both gates read
+//! [`saturation::signal`](super::saturation)'s `P* + O` instead of
+//! `inflight_tokens`: the prefill queue merged with the server's waiting
+//! requests, plus the wait for KV admission when the server's KV is full.
 
-use super::{Candidate, RequestView, Rng};
+use super::{saturation, Candidate, RequestView, Rng};
 use crate::collector::prefill_rate::PrefillRateParams;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -39,6 +45,18 @@ pub struct AffinityFilter {
     /// `peakPrefillThroughput: "auto"`: use each candidate's estimate
     /// ([`Candidate::prefill_tokens_per_s`]) when it has one.
     pub prefill_auto: Option<PrefillRateParams>,
+    /// What the gates compare (`loadSignal`).
+    pub load_signal: LoadSignal,
+}
+
+/// The load the saturation gate compares.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LoadSignal {
+    /// llm-d's: in-flight tokens.
+    #[default]
+    Inflight,
+    /// kvroute's: [`saturation::signal`]'s `P* + O`.
+    Saturation,
 }
 
 impl Default for AffinityFilter {
@@ -50,6 +68,7 @@ impl Default for AffinityFilter {
             exploration_probability: 0.0,
             max_tokens_in_flight_penalty: 0,
             prefill_auto: None,
+            load_signal: LoadSignal::Inflight,
         }
     }
 }
@@ -84,6 +103,26 @@ impl AffinityFilter {
         }
     }
 
+    /// The tokens the gates compare for `c`: in-flight tokens, or the
+    /// saturation signal's `P* + O` (`loadSignal`).
+    pub fn gate_tokens(&self, req: &RequestView, c: &Candidate) -> f64 {
+        match self.load_signal {
+            LoadSignal::Inflight => c.inflight_tokens as f64,
+            LoadSignal::Saturation => saturation::signal(req, c).ttft_tokens(),
+        }
+    }
+
+    /// The gate's TTFT estimate in ms: [`gate_tokens`](Self::gate_tokens)
+    /// over the prefill rate.
+    pub fn gate_ttft_ms(&self, req: &RequestView, c: &Candidate) -> f64 {
+        let rate = self.prefill_tokens_per_s(c);
+        if rate > 0.0 {
+            self.gate_tokens(req, c) / rate * 1000.0
+        } else {
+            0.0
+        }
+    }
+
     /// Narrows `passing` (indices into `cands`) in place and says why.
     pub fn apply(
         &self,
@@ -107,8 +146,12 @@ impl AffinityFilter {
         let mut any_sticky = false;
         let mut any_other = false;
         for &i in passing.iter() {
-            let t = self.ttft_ms(&cands[i]);
-            let n = cands[i].inflight_tokens;
+            let t = self.gate_ttft_ms(req, &cands[i]);
+            // Whole tokens, as llm-d compares them.
+            let n = match self.load_signal {
+                LoadSignal::Inflight => cands[i].inflight_tokens,
+                LoadSignal::Saturation => self.gate_tokens(req, &cands[i]) as u64,
+            };
             if is_sticky(i) {
                 any_sticky = true;
                 best_sticky = best_sticky.min(t);
@@ -358,6 +401,114 @@ mod tests {
         assert_eq!(
             run(&auto, &r, &[unknown, cold]).0,
             FilterBranch::SaturationRelease
+        );
+    }
+
+    /// llm-d's gate, stated as a token gap: with a fixed rate r tok/s and
+    /// penalty p ms it releases exactly when min_sticky − min_other
+    /// in-flight tokens > τ = r × p / 1000. Checked at llm-d's shipped
+    /// defaults (τ = 15928 × 18 = 286,704 tokens) on both sides of τ, and
+    /// for other rates and penalties, against the token gate given τ
+    /// directly (`maxTokensInFlightPenalty`, llm-d's earlier interface).
+    #[test]
+    fn ttft_gate_is_llm_ds_token_gap() {
+        for (rate, penalty_ms) in [(15_928.0, 18_000.0), (1000.0, 2000.0), (20_480.0, 250.0)] {
+            let tau = (rate * penalty_ms / 1000.0) as u64;
+            let ttft = AffinityFilter {
+                max_ttft_penalty_ms: penalty_ms,
+                peak_prefill_throughput: rate,
+                ..Default::default()
+            };
+            let tokens = AffinityFilter {
+                max_ttft_penalty_ms: 0.0,
+                max_tokens_in_flight_penalty: tau,
+                ..Default::default()
+            };
+            let saturation_without_metrics = AffinityFilter {
+                load_signal: LoadSignal::Saturation,
+                ..ttft.clone()
+            };
+            let r = req(10);
+            for other in [0, 1, 12_345] {
+                for gap in [0, tau - 1, tau, tau + 1, tau + 2, 2 * tau] {
+                    let c = [cand(10, other + gap), cand(0, other)];
+                    let want = gap > tau;
+                    let fired =
+                        |f: &AffinityFilter| run(f, &r, &c).0 == FilterBranch::SaturationRelease;
+                    // At exactly τ the TTFT form compares two float64
+                    // quotients (as llm-d's does), whose rounding decides;
+                    // one token either side it is exact.
+                    if gap != tau {
+                        assert_eq!(fired(&ttft), want, "ttft gate, τ {tau}, gap {gap}");
+                    }
+                    assert_eq!(fired(&tokens), want, "token gate, τ {tau}, gap {gap}");
+                    // Own counts only (one gateway, no fresh metrics), in
+                    // flight split between prefill and held: the saturation
+                    // signal decides exactly as llm-d's.
+                    let llm_d = fired(&ttft);
+                    let c = c.map(|x| Candidate {
+                        inflight_prefill_tokens: x.inflight_tokens / 3,
+                        inflight_held_tokens: x.inflight_tokens - x.inflight_tokens / 3,
+                        ..x
+                    });
+                    assert_eq!(
+                        run(&saturation_without_metrics, &r, &c).0
+                            == FilterBranch::SaturationRelease,
+                        llm_d,
+                        "saturation gate, τ {tau}, gap {gap}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A warm server full of another gateway's decoding requests, with its
+    /// KV full and a queue: llm-d's gate sees only our 500 held tokens
+    /// (0.5 s) and sticks; under `loadSignal: "saturation"` the server's
+    /// counts show the queue and it releases. With stale metrics (`None`)
+    /// only our counts remain, and it sticks.
+    #[test]
+    fn saturation_gate_sees_other_gateways_and_full_kv() {
+        use crate::scheduling::EndpointMetrics;
+        let inflight = AffinityFilter {
+            max_ttft_penalty_ms: 1000.0,
+            peak_prefill_throughput: 1000.0,
+            ..Default::default()
+        };
+        let saturation = AffinityFilter {
+            load_signal: LoadSignal::Saturation,
+            ..inflight.clone()
+        };
+        let full = Candidate {
+            inflight_requests: 2,
+            inflight_held_tokens: 500,
+            metrics: Some(EndpointMetrics {
+                waiting_requests: 8.0,
+                running_requests: 32.0,
+                kv_cache_usage: 1.0,
+                kv_capacity_tokens: 50_000,
+            }),
+            ..cand(8, 500)
+        };
+        let r = req(10);
+        assert_eq!(
+            run(&inflight, &r, &[full, cand(0, 0)]).0,
+            FilterBranch::Sticky
+        );
+        assert_eq!(
+            run(&saturation, &r, &[full, cand(0, 0)]).0,
+            FilterBranch::SaturationRelease
+        );
+        // Ours 500 + (40 − 2.5 − 1) foreign × 250 each, plus the KV
+        // overflow 50000 + 9 × 20 uncached − 50000, at 1000 tok/s.
+        assert_eq!(saturation.gate_ttft_ms(&r, &full), 9805.0);
+        let stale = Candidate {
+            metrics: None,
+            ..full
+        };
+        assert_eq!(
+            run(&saturation, &r, &[stale, cand(0, 0)]).0,
+            FilterBranch::Sticky
         );
     }
 }

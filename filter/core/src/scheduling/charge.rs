@@ -5,6 +5,18 @@
 //! output part (only with `addEstimatedOutputTokens`) =
 //! min(round(prompt_tokens × outputRatio), max_output_tokens, maxEstimatedOutputTokens),
 //! released with the request count at the end of the stream.
+//!
+//! With `holdKvUntilEnd` (kvroute's parameter, off in llm-d's profile) the
+//! output part also holds the request's uncached prompt tokens, so it
+//! becomes the new KV the request occupies on the server until its stream
+//! ends: held = uncached prompt tokens + output estimate (0 without
+//! `addEstimatedOutputTokens`). Between the first token and the end of the
+//! stream a request then still counts, as it does in vLLM's KV cache; the
+//! prompt part (the prefill in flight) is released at the first token as
+//! before. The cached part is left out on purpose: the server holds a
+//! shared prefix once however many requests read it, and counting it per
+//! request overstates KV use many times over on shared-prefix traffic
+//! (measured: the gate then saw KV admission waits that were not there).
 
 use super::{Candidate, RequestView};
 
@@ -15,6 +27,9 @@ pub struct InflightConfig {
     pub output_ratio: f64,
     /// tokens; `None` = no cap
     pub max_estimated_output_tokens: Option<u64>,
+    /// kvroute: the output part holds the uncached prompt tokens as well
+    /// (the new KV the request occupies until its stream ends).
+    pub hold_kv_until_end: bool,
 }
 
 impl Default for InflightConfig {
@@ -24,6 +39,7 @@ impl Default for InflightConfig {
             // llm-d's DefaultOutputRatio (inflightload/token_estimator.go)
             output_ratio: 1.5,
             max_estimated_output_tokens: None,
+            hold_kv_until_end: false,
         }
     }
 }
@@ -63,6 +79,11 @@ impl InflightConfig {
         } else {
             0
         };
+        let output_tokens = if self.hold_kv_until_end {
+            output_tokens.saturating_add(prompt_tokens)
+        } else {
+            output_tokens
+        };
         Charge {
             prompt_tokens,
             output_tokens,
@@ -99,6 +120,7 @@ mod tests {
             add_estimated_output_tokens: true,
             output_ratio: 0.5,
             max_estimated_output_tokens: None,
+            hold_kv_until_end: false,
         };
         assert_eq!(
             on.charge(&r, &Candidate::default()),
@@ -112,5 +134,39 @@ mod tests {
             ..on
         };
         assert_eq!(capped.charge(&r, &warm).output_tokens, 10);
+    }
+
+    #[test]
+    fn hold_kv_keeps_the_uncached_prompt_until_the_end() {
+        let r = RequestView {
+            prompt_tokens: 1000,
+            total_blocks: 15,
+            block_size_tokens: 64,
+            max_output_tokens: Some(300),
+            tie_key: None,
+        };
+        let warm = Candidate {
+            matched_blocks: 10,
+            ..Default::default()
+        };
+        let hold = InflightConfig {
+            hold_kv_until_end: true,
+            ..Default::default()
+        };
+        // Prefill part and held part: the 360 uncached tokens (the 640
+        // cached ones are on the server already, shared).
+        assert_eq!(
+            hold.charge(&r, &warm),
+            Charge {
+                prompt_tokens: 360,
+                output_tokens: 360
+            }
+        );
+        let both = InflightConfig {
+            add_estimated_output_tokens: true,
+            ..hold
+        };
+        // + min(1000 × 1.5, max_tokens 300).
+        assert_eq!(both.charge(&r, &warm).output_tokens, 660);
     }
 }

@@ -8,13 +8,16 @@
 //!
 //! One concept per file, each with its formula at the top:
 //! [`affinity_filter`], the scorers ([`token_load`], [`active_request`],
-//! [`queue`], [`kv_cache_utilization`], [`prefix_cache`], [`no_hit_lru`]),
+//! [`queue`], [`kv_cache_utilization`], [`prefix_cache`], [`no_hit_lru`],
+//! and kvroute's own: [`saturation`]'s `kvroute-load-scorer` and
+//! [`cache_balance`]),
 //! the pickers ([`max_score`], [`weighted_random`]), [`rng`],
 //! [`scheduler`] which runs a profile, and [`charge`] for the in-flight
 //! accounting a decision causes.
 
 pub mod active_request;
 pub mod affinity_filter;
+pub mod cache_balance;
 pub mod charge;
 pub mod kv_cache_utilization;
 pub mod max_score;
@@ -22,6 +25,7 @@ pub mod no_hit_lru;
 pub mod prefix_cache;
 pub mod queue;
 pub mod rng;
+pub mod saturation;
 pub mod scheduler;
 pub mod token_load;
 pub mod weighted_random;
@@ -59,6 +63,9 @@ pub struct EndpointMetrics {
     pub running_requests: f64,
     /// `vllm:kv_cache_usage_perc`, in [0, 1].
     pub kv_cache_usage: f64,
+    /// The server's KV capacity in its own tokens
+    /// (`vllm:cache_config_info` `num_gpu_blocks × block_size`); 0 = unknown.
+    pub kv_capacity_tokens: u64,
 }
 
 /// One candidate endpoint as the scheduler sees it.
@@ -72,6 +79,18 @@ pub struct Candidate {
     pub inflight_tokens: u64,
     /// In-flight requests on this endpoint.
     pub inflight_requests: u64,
+    /// The prompt part of `inflight_tokens`: uncached prompt tokens of
+    /// requests that have not sent their first token (prefill in flight).
+    pub inflight_prefill_tokens: u64,
+    /// The rest of `inflight_tokens`: the output estimates, or with
+    /// `holdKvUntilEnd` the KV each in-flight request holds (prompt +
+    /// output estimate), released at the end of the stream.
+    pub inflight_held_tokens: u64,
+    /// The endpoint's insert counter in the prefix index (blocks ever
+    /// inserted for it, monotone): how much new cache it has been given.
+    pub inserted_blocks: u64,
+    /// Its index capacity in blocks (what `inserted_blocks` is aged against).
+    pub capacity_blocks: u64,
     pub metrics: Option<EndpointMetrics>,
     /// When this endpoint last received a cold request (a monotone stamp,
     /// larger = more recent), for `no-hit-lru-scorer`; `None` if never.

@@ -10,8 +10,9 @@ use super::active_request::ActiveRequestScorer;
 use super::affinity_filter::{AffinityFilter, FilterBranch};
 use super::charge::InflightConfig;
 use super::prefix_cache::PrefixCacheScorer;
+use super::saturation::KvrouteLoadScorer;
 use super::token_load::TokenLoadScorer;
-use super::{kv_cache_utilization, max_score, no_hit_lru, queue, weighted_random};
+use super::{cache_balance, kv_cache_utilization, max_score, no_hit_lru, queue, weighted_random};
 use super::{Candidate, RequestView, Rng};
 
 /// A scorer of the profile.
@@ -23,6 +24,10 @@ pub enum Scorer {
     KvCacheUtilization,
     PrefixCache(PrefixCacheScorer),
     NoHitLru,
+    /// kvroute's: the saturation-aware load signal (`saturation`).
+    KvrouteLoad(KvrouteLoadScorer),
+    /// kvroute's: balance the fleet's cache working sets (`cache_balance`).
+    CacheBalance,
 }
 
 impl Scorer {
@@ -35,6 +40,8 @@ impl Scorer {
             Scorer::KvCacheUtilization => "kv-cache-utilization-scorer",
             Scorer::PrefixCache(_) => "prefix-cache-scorer",
             Scorer::NoHitLru => "no-hit-lru-scorer",
+            Scorer::KvrouteLoad(_) => "kvroute-load-scorer",
+            Scorer::CacheBalance => "cache-balance-scorer",
         }
     }
 }
@@ -166,6 +173,24 @@ impl Scheduler {
         } else {
             Vec::new()
         };
+        // The KV this request would hold on each candidate, for
+        // kvroute-load-scorer: its uncached tokens there plus any output estimate.
+        let held: Vec<u64> = if self
+            .scorers
+            .iter()
+            .any(|(s, _)| matches!(s, Scorer::KvrouteLoad(_)))
+        {
+            let hold = InflightConfig {
+                hold_kv_until_end: true,
+                ..self.inflight.clone()
+            };
+            cands
+                .iter()
+                .map(|c| hold.charge(req, c).output_tokens)
+                .collect()
+        } else {
+            Vec::new()
+        };
         for (scorer, weight) in &self.scorers {
             match scorer {
                 Scorer::TokenLoad(s) => s.score(cands, &lookahead, &passing, &mut buf),
@@ -176,6 +201,13 @@ impl Scheduler {
                 }
                 Scorer::PrefixCache(s) => s.score(req, cands, &passing, &mut buf),
                 Scorer::NoHitLru => no_hit_lru::score(req, cands, &passing, &mut buf),
+                Scorer::KvrouteLoad(s) => s.score(req, cands, &held, &passing, &mut buf),
+                Scorer::CacheBalance => {
+                    // Only for a request with no sticky endpoint: a warm or
+                    // released one is the load scorer's to place.
+                    let cold = !matches!(branch, Branch::Sticky | Branch::SaturationRelease);
+                    cache_balance::score(cands, &passing, cold, &mut buf)
+                }
             }
             for (t, s) in totals.iter_mut().zip(&buf) {
                 *t += weight * s;
@@ -208,7 +240,7 @@ impl Scheduler {
             .iter()
             .map(|c| CandidateReport {
                 affinity: c.affinity(req),
-                ttft_ms: ttft.ttft_ms(c),
+                ttft_ms: ttft.gate_ttft_ms(req, c),
                 passed_filter: false,
                 score: None,
             })
@@ -325,6 +357,7 @@ mod tests {
                 waiting_requests: w,
                 running_requests: 0.0,
                 kv_cache_usage: u,
+                kv_capacity_tokens: 0,
             })
         };
         // e0: full hit, busy queue; e1: no hit, idle.

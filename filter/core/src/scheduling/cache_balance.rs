@@ -1,0 +1,101 @@
+//! `cache-balance-scorer` (kvroute's): place new cache where the fleet's
+//! working sets stay balanced.
+//!
+//! Each endpoint's insert counter `I(e)` (blocks the index has recorded for
+//! it, ever; the eviction clock of `shared-state/src/index.rs`) says how
+//! much new cache it has been given. An endpoint with capacity `cap(e)`
+//! blocks holds the last `cap(e)` of them, so the endpoint that has been
+//! given the least recently is the one whose cache a new prefix disturbs
+//! least, and placing cold work there keeps every endpoint's share of the
+//! fleet's working set even:
+//!
+//! `score(e) = 1 − min(1, (I(e) − min_passing I) / cap(e))`
+//!
+//! `cap(e) = 0` (unbounded index) uses the passing set's spread
+//! `max I − min I` instead. The least-given endpoint scores 1; one a whole
+//! cache ahead scores 0. It scores only requests with no sticky endpoint
+//! (the filter's `no-affinity` branch, or no filter): a sticky request
+//! stays where its cache is, and one the gate released is placed by load
+//! (measured: balancing released requests too cost shared-prefix and skew
+//! throughput); every candidate then scores 1.
+//!
+//! Exact ties (a fresh fleet) are left to the picker's `tieBreak`; after
+//! each placement the chosen endpoint's counter moves on, so the next cold
+//! request goes elsewhere — ties rotate deterministically, with no random
+//! draw. Identical cold prompts in a burst still go together: the first
+//! one's blocks are in the index at decision time, so the next sees it as
+//! sticky (`engine` tests).
+
+use super::Candidate;
+
+/// `cold`: the request has no sticky endpoint (else every score is 1).
+pub fn score(cands: &[Candidate], idx: &[usize], cold: bool, out: &mut [f64]) {
+    if !cold {
+        out.iter_mut().for_each(|o| *o = 1.0);
+        return;
+    }
+    let min = idx
+        .iter()
+        .map(|&i| cands[i].inserted_blocks)
+        .min()
+        .unwrap_or(0);
+    let max = idx
+        .iter()
+        .map(|&i| cands[i].inserted_blocks)
+        .max()
+        .unwrap_or(0);
+    for (o, &i) in out.iter_mut().zip(idx) {
+        let c = &cands[i];
+        let ahead = c.inserted_blocks - min;
+        let scale = if c.capacity_blocks > 0 {
+            c.capacity_blocks
+        } else {
+            max - min
+        };
+        *o = if ahead == 0 || scale == 0 {
+            1.0
+        } else {
+            1.0 - (ahead as f64 / scale as f64).min(1.0)
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(inserted: u64, cap: u64) -> Candidate {
+        Candidate {
+            inserted_blocks: inserted,
+            capacity_blocks: cap,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn least_given_scores_one_and_a_cache_ahead_scores_zero() {
+        let c = [cand(500, 1000), cand(1000, 1000), cand(2500, 1000)];
+        let mut out = [0.0; 3];
+        score(&c, &[0, 1, 2], true, &mut out);
+        assert_eq!(out, [1.0, 0.5, 0.0]);
+        // A sticky or released request: neutral.
+        score(&c, &[0, 1, 2], false, &mut out);
+        assert_eq!(out, [1.0; 3]);
+        // Only the passing set counts: without endpoint 0, 1 is least given.
+        let mut out = [0.0; 2];
+        score(&c, &[1, 2], true, &mut out);
+        assert_eq!(out, [1.0, 0.0]);
+    }
+
+    #[test]
+    fn unbounded_capacity_uses_the_spread_and_equal_is_a_tie() {
+        let c = [cand(10, 0), cand(30, 0), cand(20, 0)];
+        let mut out = [0.0; 3];
+        score(&c, &[0, 1, 2], true, &mut out);
+        assert_eq!(out, [1.0, 0.0, 0.5]);
+        let fresh = [cand(0, 0), cand(0, 100)];
+        let mut out = [0.0; 2];
+        score(&fresh, &[0, 1], true, &mut out);
+        assert_eq!(out, [1.0, 1.0]);
+    }
+}

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Every arm on every workload of quality.py, several seeds, in the fleet
+simulator (kvroute-simulate): knee throughput over round robin's, median and
+worst seed. A benchmark, not a test: it prints figures and never fails on them.
+
+    python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x]
+
+The fleet, workloads, ramps, SLO and knee rule are quality.py's own (imported
+from it). `kvroute-default` is the shipped plugin JSON (envoy/kvroute-config.json)
+with the fleet's block size and the calibrated peak, as quality.py's arm of
+the same name; the other arms are kvroute-simulate's --arm (quality.py's arms).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import quality  # noqa: E402
+
+ARMS = ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "active-request"]
+
+
+def stage_rows(report, rates):
+    rows = []
+    for s, rate in zip(report["stages"], rates):
+        shares = [e["request_share"] for e in s.get("endpoints", [])]
+        rows.append({"rate": rate, "ttft_p90_s": s["ttft_s"]["p90"] if s["ok"] else None,
+                     "error_rate": s["error_rate"], "ok": s["ok"],
+                     "input_tps": s["input_tokens_per_s"], "output_tps": s["output_tokens_per_s"],
+                     "hit_ratio": s["hit_ratio"], "max_token_share": max(shares) if shares else 0})
+    return rows
+
+
+def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor):
+    rates = w["rates"]
+    stages = "rate:" + ",".join(f"{r:g}" for r in rates) + f"@{w['stage_s']}s"
+    out = os.path.join(work, f"{wname}-{arm}-{seed}.json")
+    cmd = [sim, "--workload", w.get("workload", wname), *w["loadgen"], "--stages", stages,
+           "--seed", str(seed), "--time-scale", str(w["time_scale"]),
+           "--endpoints", str(quality.FLEET["endpoints"]),
+           "--num-gpu-blocks", str(quality.FLEET["num_gpu_blocks"]),
+           "--block-size", str(quality.FLEET["block_size"]),
+           "--max-num-batched-tokens", str(quality.FLEET["max_num_batched_tokens"]),
+           "--prefill-tps", str(quality.FLEET["prefill_tps"]),
+           "--peak", f"{peak:g}", "--stop-after-ttft-p90", f"{slo_s * stop_factor:g}", "--json", out]
+    if arm == "kvroute-default":
+        cfg = quality.plugin_config(arm, peak, 2000.0, 100)
+        path = os.path.join(work, "kvroute-default.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        cmd += ["--config", path]
+    else:
+        cmd += ["--arm", arm, "--tau", "2000"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        rep = json.load(f)
+    rows = stage_rows(rep, rates)
+    k = quality.knee(rows, slo_s, w["bound"])
+    return k, rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sim", default=os.path.join(REPO, "target", "release", "kvroute-simulate"))
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--workloads", default=",".join(quality.WORKLOADS))
+    p.add_argument("--slo-s", type=float, default=2.0)
+    p.add_argument("--json", default=None, help="write every knee here")
+    a = p.parse_args()
+    seeds = [int(s) for s in a.seeds.split(",")]
+    arms = a.arms.split(",")
+    work = tempfile.mkdtemp(prefix="kvroute-sweep.")
+    # The emulated fleet's prefill rate is known exactly; quality.py
+    # measures it (B / median TTFT), which lands within a few % of it.
+    peak = float(quality.FLEET["prefill_tps"])
+    results = {}
+    for wname in a.workloads.split(","):
+        w = quality.WORKLOADS[wname]
+        results[wname] = {}
+        for arm in arms:
+            results[wname][arm] = {}
+            for seed in seeds:
+                k, _ = run(a.sim, wname, w, arm, seed, peak, work, a.slo_s, 4.0)
+                results[wname][arm][seed] = k
+    print("Knee throughput over round robin's (same seed), median [worst] of seeds " + a.seeds + ":\n")
+    print("| workload | " + " | ".join(x for x in arms if x != "round-robin") + " |")
+    print("|---|" + "---|" * (len(arms) - 1))
+    for wname, per_arm in results.items():
+        cells = []
+        for arm in arms:
+            if arm == "round-robin":
+                continue
+            ratios = []
+            for seed in seeds:
+                rr = per_arm.get("round-robin", {}).get(seed)
+                k = per_arm[arm][seed]
+                if rr and rr["throughput"] > 0:
+                    ratios.append((k["throughput"] if k else 0.0) / rr["throughput"])
+            cells.append(f"{statistics.median(ratios):.2f} [{min(ratios):.2f}]" if ratios else "–")
+        print(f"| {wname} | " + " | ".join(cells) + " |")
+    print("\nHit ratio at the knee, median of seeds:\n")
+    print("| workload | " + " | ".join(arms) + " |")
+    print("|---|" + "---|" * len(arms))
+    for wname, per_arm in results.items():
+        cells = []
+        for arm in arms:
+            h = [k["hit_ratio"] for k in per_arm[arm].values() if k]
+            cells.append(f"{statistics.median(h):.2f}" if h else "–")
+        print(f"| {wname} | " + " | ".join(cells) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
