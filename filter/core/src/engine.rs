@@ -530,21 +530,7 @@ impl Engine {
         let Some(p) = &self.config.precise else {
             return Ok(None);
         };
-        let status = kvroute_shared_state::held::HeldTable::read(store)?;
-        let eps: Vec<(u16, u16)> = snap
-            .endpoints
-            .iter()
-            .map(|e| (e.slot, e.generation))
-            .collect();
-        let m = kvroute_shared_state::held::longest_held(
-            store,
-            &self.held_geometry(),
-            &status,
-            &eps,
-            vllm_hashes,
-            now_ms,
-            self.config.kv_events.stale_ms,
-        )?;
+        let m = self.held_prefixes(store, &snap.endpoints, vllm_hashes, now_ms)?;
         if !m.iter().all(|x| x.fresh) {
             return Ok(None);
         }

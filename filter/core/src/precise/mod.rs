@@ -138,18 +138,24 @@ impl PreciseConfig {
         t.tokenizer.as_deref().ok_or(Fallback::NoTokenizer)
     }
 
-    /// The request's prompt as vLLM token IDs.
-    pub fn token_ids(&self, req: &InferenceRequest, body: &[u8]) -> Result<Vec<u32>, Fallback> {
+    /// The request's prompt as vLLM token IDs (a token-ID prompt is
+    /// borrowed, not copied).
+    pub fn token_ids<'r>(
+        &self,
+        req: &'r InferenceRequest,
+        body: &[u8],
+    ) -> Result<std::borrow::Cow<'r, [u32]>, Fallback> {
+        use std::borrow::Cow;
         match (&req.prompt, req.kind) {
-            (Prompt::TokenIds(ids), _) => Ok(ids.clone()),
+            (Prompt::TokenIds(ids), _) => Ok(Cow::Borrowed(ids.as_slice())),
             (Prompt::Text(text), ApiKind::Completions) => {
                 let tok = self.tokenizer_for(&req.model)?;
                 let text = std::str::from_utf8(text).map_err(|_| Fallback::Tokenize)?;
-                Ok(tok.completion_ids(body, text)?)
+                Ok(Cow::Owned(tok.completion_ids(body, text)?))
             }
             (Prompt::Text(_), ApiKind::ChatCompletions) => {
                 let tok = self.tokenizer_for(&req.model)?;
-                Ok(tok.chat_ids(body)?)
+                Ok(Cow::Owned(tok.chat_ids(body)?))
             }
             (Prompt::Text(_), _) => Err(Fallback::Unsupported),
         }

@@ -220,7 +220,11 @@ impl Scheduler {
         }
         let order = match self.picker {
             Picker::MaxScore(tie) => {
-                let keys: Vec<u64> = passing.iter().map(|&i| cands[i].key).collect();
+                // Endpoint keys matter only to the rendezvous tie break.
+                let keys: Vec<u64> = match tie {
+                    max_score::TieBreak::Prefix => passing.iter().map(|&i| cands[i].key).collect(),
+                    max_score::TieBreak::Random => Vec::new(),
+                };
                 max_score::rank(&totals, tie, req.tie_key, &keys, rng)
             }
             Picker::WeightedRandom => weighted_random::rank(&totals, rng),
