@@ -9,10 +9,16 @@
 //! request path outside the model: HTTP on loopback, JSON of 8192 IDs and
 //! their block hashes, about 5–10 ms in a debug build against a 683 ms
 //! TTFT (time scale 1; at scale 2 the same overhead doubles the error).
+//!
+//! The emulator's prefill cost grows with the attended context
+//! (`StepCost::prefill_attention_context_tokens`), so what calibration
+//! measures is the effective rate for B-token prompts, [`effective_rate`],
+//! about 11 % below the configured peak at B = 8192.
 
 use kvroute_core::config::Config;
 use kvroute_sim::calibrate::{self, CalibrateConfig};
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
+use kvroute_sim::vllm_model::step_cost::attended_context;
 use kvroute_sim::vllm_model::{EngineConfig, StepCost};
 
 const RATE: f64 = 12_000.0;
@@ -32,6 +38,13 @@ fn emulator() -> EmulatorConfig {
     }
 }
 
+/// B cold tokens in one step: `(B + attended(0, B) / C) / RATE` seconds.
+fn effective_rate(b: u32) -> f64 {
+    let c = StepCost::default().prefill_attention_context_tokens;
+    let b = u64::from(b);
+    RATE * b as f64 / (b as f64 + attended_context(0, b) as f64 / c)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recovers_the_emulators_prefill_rate() {
     let fleet = Fleet::start(&emulator(), &[0]).await.unwrap();
@@ -47,13 +60,14 @@ async fn recovers_the_emulators_prefill_rate() {
     assert_eq!(c.model, "tiny", "the model comes from /v1/models");
     assert_eq!(c.ttft_s.len(), 7);
     let model_rate = c.peak_prefill_throughput / SCALE;
-    let err = (model_rate - RATE).abs() / RATE;
+    let want = effective_rate(8192);
+    let err = (model_rate - want).abs() / want;
     println!(
-        "measured {:.0} tok/s wall = {model_rate:.0} model tok/s vs {RATE} configured ({:.2}% off)",
+        "measured {:.0} tok/s wall = {model_rate:.0} model tok/s vs {want:.0} effective ({RATE} peak; {:.2}% off)",
         c.peak_prefill_throughput,
         err * 100.0
     );
-    assert!(err < 0.04, "{model_rate} vs {RATE}");
+    assert!(err < 0.04, "{model_rate} vs {want}");
     // Every request was cold: each one took the full prefill, none hit.
     let [min, ..] = calibrate::spread(&c.ttft_s);
     assert!(min > 0.9 * 8192.0 / RATE / SCALE, "{:?}", c.ttft_s);
@@ -121,7 +135,8 @@ async fn the_binary_runs_the_recipe_and_prints_json() {
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rate = v["peakPrefillThroughput"].as_f64().unwrap() / SCALE;
-    assert!((rate - RATE).abs() / RATE < 0.05, "{v}");
+    let want = effective_rate(4096);
+    assert!((rate - want).abs() / want < 0.05, "{v} vs {want}");
     assert_eq!(v["ttftSeconds"].as_array().unwrap().len(), 3);
     // Bad input: a clear error and exit status 2.
     let bad = calibrate_bin(&["--url", &url, "--tokens", "0"]).await;

@@ -4,6 +4,7 @@
 
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
+use kvroute_sim::emulator::tokenize::Tokenization;
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
 use kvroute_sim::loadgen::client::HttpClient;
 use kvroute_sim::prometheus::{find, parse};
@@ -13,11 +14,89 @@ use kvroute_sim::words::text_of_bytes;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
+/// The stand-in server most tests here check by hand: text counted as
+/// `bytes / 4` tokens (`--tokenizer estimate`), 64-token blocks, and the
+/// linear prefill cost. [`honest_cfg`] is the default emulator.
 fn cfg(time_scale: f64) -> EmulatorConfig {
+    let mut engine = EngineConfig {
+        block_size: 64,
+        num_gpu_blocks: 4096,
+        ..EngineConfig::default()
+    };
+    engine.step_cost.prefill_attention_context_tokens = 0.0;
+    EmulatorConfig {
+        time_scale,
+        engine,
+        tokenizer: Tokenization::Estimate,
+        ..EmulatorConfig::default()
+    }
+}
+
+/// The default emulator: the tiny BPE tokenizer and 16-token blocks.
+fn honest_cfg(time_scale: f64) -> EmulatorConfig {
     EmulatorConfig {
         time_scale,
         ..EmulatorConfig::default()
     }
+}
+
+#[tokio::test]
+async fn text_and_chat_prompts_count_the_tokenizers_tokens_in_16_token_blocks() {
+    let (_f, urls) = fleet(&honest_cfg(100.0), 1).await;
+    let Tokenization::Model(tok) = Tokenization::tiny() else {
+        unreachable!()
+    };
+    let c = HttpClient::new();
+    let prompt = text_of_bytes(3000, &mut SeededRng::new(21));
+    // Completions: the prompt as given (the tiny BPE adds no special tokens).
+    let want = tok.encode(&prompt, true).unwrap().len() as u64;
+    let url = format!("{}/v1/completions", urls[0]);
+    let first = c
+        .post(&url, completion(&prompt, 1, false), &[])
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(first["usage"]["prompt_tokens"], want);
+    // Not the router's estimate: this text is about 2.2 bytes per token.
+    assert!(want > 3000 / 3, "{want}");
+    let second = c
+        .post(&url, completion(&prompt, 1, false), &[])
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        (want - 1) / 16 * 16
+    );
+    // Chat: the chat template's text, tokenized.
+    let body = json!({"model": "tiny", "max_tokens": 1,
+                      "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "hi"}]});
+    let rendered = format!("<s>system: {prompt}\n<s>user: hi\n<s>assistant: ");
+    let want = tok.encode(&rendered, false).unwrap().len() as u64;
+    let r = c
+        .post(
+            &format!("{}/v1/chat/completions", urls[0]),
+            body.to_string(),
+            &[],
+        )
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(r["usage"]["prompt_tokens"], want);
+    // A template error is vLLM's 400, not a crash.
+    let bad = json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "continue_final_message": true});
+    let r = c
+        .post(
+            &format!("{}/v1/chat/completions", urls[0]),
+            bad.to_string(),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 400, "{}", r.text());
 }
 
 async fn fleet(c: &EmulatorConfig, n: usize) -> (Fleet, Vec<String>) {

@@ -25,8 +25,9 @@ fn fleet() -> FleetSpec {
         stream_interval: 8,
         ..FleetSpec::default()
     };
-    // Small caches, so the working set (12 × ~2300 tokens) does not fit one.
-    f.engine.num_gpu_blocks = 256;
+    // Small caches (16,384 tokens), so the working set (12 × ~2300 tokens)
+    // does not fit one.
+    f.engine.num_gpu_blocks = 1024;
     f
 }
 

@@ -49,12 +49,41 @@ fn ttft(outs: &[(TokenOutput, f64)], arrival: f64) -> f64 {
     t - arrival
 }
 
+/// 64-token blocks and no attention term: the linear cost model, so times
+/// are `tokens / PEAK` by hand.
 fn big_cache() -> EngineConfig {
-    EngineConfig {
+    let mut c = EngineConfig {
+        block_size: 64,
         num_gpu_blocks: 100_000,
         max_model_len: 1_000_000,
         ..EngineConfig::default()
-    }
+    };
+    c.step_cost.prefill_attention_context_tokens = 0.0;
+    c
+}
+
+#[test]
+fn prefill_after_a_cached_prefix_pays_for_attending_to_it() {
+    // The default attention term (C = 32,768): a 16,384-token prompt whose
+    // first 8192 tokens are cached computes 8192 tokens that attend to
+    // 8192·8192 + 8192·8193/2 = 100,667,392 tokens: (8192 + 100,667,392 /
+    // 32,768) / 20,480 = 0.550006 s, against 0.450006 s for 8192 cold ones.
+    let mut cfg = big_cache();
+    cfg.step_cost.prefill_attention_context_tokens = 32_768.0;
+    let mut e = Engine::new(cfg, false);
+    let mut now = 0.0;
+    let a = e.add_request(prompt(1, 8192 + 64, 64, 1), now).unwrap();
+    let cold = ttft(&run(&mut e, &mut now)[&a], 0.0);
+    let t0 = now;
+    let b = e.add_request(prompt(1, 16_384, 64, 1), now).unwrap();
+    let outs = run(&mut e, &mut now);
+    assert_eq!(outs[&b][0].0.cached_tokens, 8192 + 64);
+    let warm = ttft(&outs[&b], t0);
+    let want = (8128.0 + (8128.0 * 8256.0 + 8128.0 * 8129.0 / 2.0) / 32_768.0) / PEAK;
+    assert!((warm - want).abs() < 1e-9, "{warm} vs {want}");
+    // 8256 cold tokens: (8192 + attended(0, 8192)/C) / PEAK, then 64 more
+    // after 8192 in a second step.
+    assert!(cold > 8256.0 / PEAK, "{cold}");
 }
 
 #[test]

@@ -200,7 +200,7 @@ fn emulator_token_id_requests_hash_like_vllm() {
             continue;
         };
         let hasher = VllmBlockHasher::new(Some(&cfg.python_hash_seed));
-        let er = engine_request(&req, &cfg, &hasher, true);
+        let er = engine_request(&req, body.as_bytes(), &cfg, &hasher, true).unwrap();
         let want64: Vec<u64> = c["block_hashes_u64"]
             .as_array()
             .unwrap()

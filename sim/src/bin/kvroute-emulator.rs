@@ -5,6 +5,7 @@
 //! serves until SIGTERM or SIGINT, on which it exits 0.
 
 use kvroute_sim::cli::Flags;
+use kvroute_sim::emulator::tokenize::Tokenization;
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
 use kvroute_sim::vllm_model::{EngineConfig, StepCost};
 use std::io::Write;
@@ -17,17 +18,21 @@ Emulated vLLM endpoints (OpenAI API, vLLM /metrics, KV events) on 127.0.0.1.
   --ports LIST                   comma-separated ports; 0 picks a free port (required)
   --model NAME                   served model name [tiny]
   --accept-any-model             serve any model name instead of answering 404
-  --block-size N                 tokens per KV block [64]
-  --num-gpu-blocks N             KV cache size in blocks [4096]
+  --block-size N                 tokens per KV block [16]
+  --num-gpu-blocks N             KV cache size in blocks [16384]
   --max-num-batched-tokens N     token budget per iteration, B [8192]
   --max-num-seqs N               sequences per batch [256]
   --max-model-len N              longest prompt + output, tokens [40960]
   --prefill-tps X                peak prefill tokens/s [20480]
+  --prefill-attention-tokens X   attended context that doubles a prefill token's cost; 0 = off [32768]
   --decode-step-ms X             floor of one forward pass, ms [25]
   --decode-ms-per-seq X          extra per decoding sequence, ms [0.1]
   --decode-ns-per-context-token X  extra per attended context token, ns [40]
   --time-scale X                 model seconds per wall second [1.0]
-  --chars-per-token N            text bytes per estimated token [4]
+  --tokenizer T                  text/chat prompts: tiny (the compiled-in BPE of
+                                 testdata/tokenizer/tiny-bpe-4096), a tokenizer.json
+                                 or its directory, or estimate (bytes / --chars-per-token) [tiny]
+  --chars-per-token N            text bytes per token with --tokenizer estimate [4]
   --default-max-tokens N         output tokens when the client sets none [16]
   --stream-interval N            output tokens per streamed chunk [1]
   --kv-events-port-base P        publish KV events on ZMQ ports P, P+1, …; 0 = free ports [off]
@@ -45,10 +50,12 @@ const FLAGS: &[(&str, bool)] = &[
     ("max-num-seqs", true),
     ("max-model-len", true),
     ("prefill-tps", true),
+    ("prefill-attention-tokens", true),
     ("decode-step-ms", true),
     ("decode-ms-per-seq", true),
     ("decode-ns-per-context-token", true),
     ("time-scale", true),
+    ("tokenizer", true),
     ("chars-per-token", true),
     ("default-max-tokens", true),
     ("stream-interval", true),
@@ -74,6 +81,10 @@ fn config(f: &Flags) -> Result<(EmulatorConfig, Vec<u16>), String> {
             max_model_len: f.get("max-model-len", de.max_model_len)?,
             step_cost: StepCost {
                 prefill_tokens_per_s: f.get("prefill-tps", ds.prefill_tokens_per_s)?,
+                prefill_attention_context_tokens: f.get(
+                    "prefill-attention-tokens",
+                    ds.prefill_attention_context_tokens,
+                )?,
                 decode_step_ms: f.get("decode-step-ms", ds.decode_step_ms)?,
                 decode_ms_per_seq: f.get("decode-ms-per-seq", ds.decode_ms_per_seq)?,
                 decode_ns_per_context_token: f.get(
@@ -83,6 +94,10 @@ fn config(f: &Flags) -> Result<(EmulatorConfig, Vec<u16>), String> {
             },
         },
         model: f.get("model", d.model)?,
+        tokenizer: match f.str("tokenizer") {
+            None => d.tokenizer,
+            Some(t) => Tokenization::from_arg(t).map_err(|e| format!("kvroute-emulator: {e}"))?,
+        },
         chars_per_token: f.get("chars-per-token", d.chars_per_token)?,
         time_scale: f.get("time-scale", d.time_scale)?,
         kv_events_port_base: match f.str("kv-events-port-base") {
@@ -113,6 +128,12 @@ fn config(f: &Flags) -> Result<(EmulatorConfig, Vec<u16>), String> {
     }
     if !(e.step_cost.prefill_tokens_per_s > 0.0 && e.step_cost.prefill_tokens_per_s.is_finite()) {
         return Err("kvroute-emulator: --prefill-tps must be positive".into());
+    }
+    let c = e.step_cost.prefill_attention_context_tokens;
+    if !(c >= 0.0 && c.is_finite()) {
+        return Err(
+            "kvroute-emulator: --prefill-attention-tokens must be 0 (off) or positive".into(),
+        );
     }
     Ok((cfg, ports))
 }

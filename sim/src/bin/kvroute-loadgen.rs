@@ -23,7 +23,7 @@ kvroute-loadgen --target http://127.0.0.1:PORT --workload NAME --stages SPEC [op
                             time, latencies are reported in model time [1.0]
   --model NAME              model field of requests [tiny]
   --api chat|completions    API the requests use [chat]
-  --chars-per-token N       bytes per token when sizing prompts [4]
+  --chars-per-token X       bytes per token when sizing prompts [2.17, the emulator's tokenizer]
   --groups N                groups / conversations / users [workload default]
   --prompts-per-group N     questions per group / turns per conversation [workload default]
   --system-tokens N         shared or system prompt length [workload default]

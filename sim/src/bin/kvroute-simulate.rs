@@ -119,7 +119,7 @@ fn scenario(f: &Flags) -> Result<Scenario, String> {
                 kind,
                 model: fleet.model.clone(),
                 api,
-                chars_per_token: fleet.chars_per_token,
+                chars_per_token: d.chars_per_token,
                 groups: f.get("groups", d.groups)?,
                 prompts_per_group: f.get("prompts-per-group", d.prompts_per_group)?,
                 system_tokens: f.get("system-tokens", d.system_tokens)?,

@@ -315,7 +315,10 @@ async fn completion(
                 .and_then(|b| b.as_bool())
         })
         .unwrap_or(false);
-    let ereq = engine_request(&parsed, &ep.cfg, &ep.hasher, ep.kv_events_enabled());
+    let ereq = match engine_request(&parsed, body, &ep.cfg, &ep.hasher, ep.kv_events_enabled()) {
+        Ok(r) => r,
+        Err(e) => return error_response(ep, StatusCode::BAD_REQUEST, &e),
+    };
     let prompt_tokens = ereq.prompt_tokens;
     let interval = if parsed.stream {
         ep.cfg.stream_interval.max(1)

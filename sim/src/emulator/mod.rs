@@ -7,6 +7,7 @@ pub mod http;
 pub mod kv_publisher;
 pub mod metrics_text;
 pub mod openai;
+pub mod tokenize;
 
 use crate::vllm_model::EngineConfig;
 use endpoint::Endpoint;
@@ -21,7 +22,10 @@ pub struct EmulatorConfig {
     pub engine: EngineConfig,
     /// Served model name (`--model`); requests for another model get 404.
     pub model: String,
-    /// Bytes of text per estimated token (`--chars-per-token`), as the filter.
+    /// How text and chat prompts become tokens (`--tokenizer`).
+    pub tokenizer: tokenize::Tokenization,
+    /// Bytes of text per token with `--tokenizer estimate`
+    /// (`--chars-per-token`), as the filter's estimate.
     pub chars_per_token: u32,
     /// Model seconds per wall-clock second (`--time-scale`); 10 runs ten
     /// times faster than the modelled hardware.
@@ -46,6 +50,7 @@ impl Default for EmulatorConfig {
         EmulatorConfig {
             engine: EngineConfig::default(),
             model: "tiny".into(),
+            tokenizer: tokenize::Tokenization::tiny(),
             chars_per_token: 4,
             time_scale: 1.0,
             kv_events_port_base: None,

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible surface as vLLM serves it: turning a parsed request
 //! into engine input, and the JSON bodies and SSE chunks of the answers.
 
+use super::tokenize::Tokenization;
 use super::EmulatorConfig;
 use crate::vllm_hash::VllmBlockHasher;
 use crate::vllm_model::EngineRequest;
@@ -14,24 +15,42 @@ const STAND_IN_VOCAB: u32 = 151_936;
 
 /// Engine input for a request.
 ///
-/// Text prompts use kvroute-core's token estimate and block hashes, so the
-/// emulated server cuts blocks exactly where the filter does. Token-ID
-/// prompts use vLLM's `sha256_cbor` hashes, so KV events match a real
-/// server started with the same `PYTHONHASHSEED`.
+/// With a model tokenizer ([`Tokenization::Model`], the default) text and
+/// chat prompts are tokenized as vLLM does (see [`super::tokenize`]) and,
+/// like token-ID prompts, hashed with vLLM's `sha256_cbor` block hashes, so
+/// KV events match a real server with the same tokenizer and
+/// `PYTHONHASHSEED`. With [`Tokenization::Estimate`], and for the Responses
+/// API (not modelled), text prompts count `bytes / chars_per_token` tokens
+/// and use kvroute-core's block hashes. `Err` is a prompt the template or
+/// tokenizer refuses (vLLM answers 400).
 pub fn engine_request(
     req: &InferenceRequest,
+    body: &[u8],
     cfg: &EmulatorConfig,
     hasher: &VllmBlockHasher,
     with_event_tokens: bool,
-) -> EngineRequest {
+) -> Result<EngineRequest, String> {
     let bs = cfg.engine.block_size;
     let output_tokens = req
         .max_output_tokens
         .unwrap_or(u64::from(cfg.default_max_tokens))
         .clamp(1, u64::from(u32::MAX)) as u32;
     let salt = req.cache_salt.as_deref().filter(|s| !s.is_empty());
+    let token_request = |ids: &[u32]| EngineRequest {
+        prompt_tokens: ids.len().min(u32::MAX as usize) as u32,
+        block_hashes: hasher.block_hashes_u64(ids, bs, salt, usize::MAX),
+        event_token_ids: with_event_tokens.then(|| ids.to_vec().into()),
+        first_block_extra_keys: salt.map(|s| vec![s.to_owned()]),
+        output_tokens,
+    };
     match &req.prompt {
         Prompt::Text(text) => {
+            if let Tokenization::Model(tok) = &cfg.tokenizer {
+                let text = String::from_utf8_lossy(text);
+                if let Some(ids) = tok.prompt_ids(req.kind, body, &text) {
+                    return ids.map(|ids| token_request(&ids));
+                }
+            }
             let blocks = prompt_blocks(
                 req,
                 &BlockConfig {
@@ -46,21 +65,15 @@ pub fn engine_request(
                     .collect::<Vec<u32>>()
                     .into()
             });
-            EngineRequest {
+            Ok(EngineRequest {
                 prompt_tokens: blocks.prompt_tokens.min(u64::from(u32::MAX)) as u32,
                 block_hashes: blocks.block_hashes,
                 event_token_ids,
                 first_block_extra_keys: None,
                 output_tokens,
-            }
+            })
         }
-        Prompt::TokenIds(ids) => EngineRequest {
-            prompt_tokens: ids.len().min(u32::MAX as usize) as u32,
-            block_hashes: hasher.block_hashes_u64(ids, bs, salt, usize::MAX),
-            event_token_ids: with_event_tokens.then(|| ids.clone().into()),
-            first_block_extra_keys: salt.map(|s| vec![s.to_owned()]),
-            output_tokens,
-        },
+        Prompt::TokenIds(ids) => Ok(token_request(ids)),
     }
 }
 

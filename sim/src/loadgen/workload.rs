@@ -1,6 +1,9 @@
 //! Workloads (DESIGN.md §5), each a deterministic stream of requests whose
-//! prompts are real words of the stated token lengths (`tokens × chars per
-//! token` bytes, the filter's estimate).
+//! prompts are real words of about the stated token lengths: `tokens ×
+//! chars_per_token` bytes, where the default [`TEXT_BYTES_PER_TOKEN`] is what
+//! the emulator's default tokenizer (the tiny BPE) averages on this text. The
+//! exact count is whatever the server's tokenizer makes of it; kvroute's
+//! estimate (4 bytes per token unless learned) is not used here.
 //!
 //! | workload | prompt | output |
 //! |---|---|---|
@@ -49,6 +52,11 @@ impl WorkloadKind {
     }
 }
 
+/// Bytes per token of [`crate::words`] text under the emulator's default
+/// tokenizer (`testdata/tokenizer/tiny-bpe-4096`), measured on 500 KB of it
+/// (`tests::text_sizing_matches_the_tiny_tokenizer`).
+pub const TEXT_BYTES_PER_TOKEN: f64 = 2.17;
+
 /// Which OpenAI API the requests use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Api {
@@ -62,7 +70,8 @@ pub struct WorkloadSpec {
     pub kind: WorkloadKind,
     pub model: String,
     pub api: Api,
-    pub chars_per_token: u32,
+    /// Bytes of text per token when sizing prompts (`--chars-per-token`).
+    pub chars_per_token: f64,
     /// shared-prefix: groups; code-generation: conversations; chat-lab: users.
     pub groups: u32,
     /// shared-prefix: questions per group; multi-turn: turns per conversation.
@@ -83,7 +92,7 @@ impl WorkloadSpec {
             kind,
             model: "tiny".into(),
             api: Api::Chat,
-            chars_per_token: 4,
+            chars_per_token: TEXT_BYTES_PER_TOKEN,
             groups: 0,
             prompts_per_group: 0,
             system_tokens: 0,
@@ -198,7 +207,7 @@ impl Workload {
     }
 
     fn bytes(&self, tokens: u32) -> usize {
-        tokens as usize * self.spec.chars_per_token.max(1) as usize
+        (f64::from(tokens) * self.spec.chars_per_token.max(1.0)).round() as usize
     }
 
     /// Deterministic text `(kind, a, b)` of `tokens` tokens.
@@ -366,5 +375,26 @@ impl Workload {
             prompt_bytes,
             group,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::emulator::tokenize::Tokenization;
+
+    #[test]
+    fn text_sizing_matches_the_tiny_tokenizer() {
+        let Tokenization::Model(tok) = Tokenization::tiny() else {
+            unreachable!()
+        };
+        let mut rng = SeededRng::new(3);
+        let text = text_of_bytes(500_000, &mut rng);
+        let n = tok.encode(&text, false).unwrap().len();
+        let bpt = text.len() as f64 / n as f64;
+        assert!(
+            (bpt - TEXT_BYTES_PER_TOKEN).abs() < 0.03,
+            "{bpt:.3} bytes per token; update TEXT_BYTES_PER_TOKEN"
+        );
     }
 }

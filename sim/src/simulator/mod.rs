@@ -603,9 +603,12 @@ impl Sim {
     /// A text request: the router gets the body, the server what the
     /// emulator builds from it.
     fn body_request(&self, kind: ApiKind, body: Vec<u8>) -> SimRequest {
-        let server = match parse_request(kind, &body, &self.limits) {
-            Ok(req) => engine_request(&req, &self.emu, &self.hasher, false),
-            // The emulator would answer 400; an empty prompt makes the
+        let server = match parse_request(kind, &body, &self.limits)
+            .map_err(|e| e.to_string())
+            .and_then(|req| engine_request(&req, &body, &self.emu, &self.hasher, false))
+        {
+            Ok(r) => r,
+            // The emulator would answer 400; an over-long prompt makes the
             // server refuse it too (counted as dropped).
             Err(_) => crate::vllm_model::EngineRequest {
                 prompt_tokens: u32::MAX,
@@ -1077,6 +1080,7 @@ pub const FLEET_FLAGS: &[(&str, bool)] = &[
     ("max-num-seqs", true),
     ("max-model-len", true),
     ("prefill-tps", true),
+    ("prefill-attention-tokens", true),
     ("decode-step-ms", true),
     ("decode-ms-per-seq", true),
     ("decode-ns-per-context-token", true),
@@ -1089,12 +1093,13 @@ pub const FLEET_USAGE: &str = "\
 Fleet (each modelled server is the emulator's model; the emulator's flag names):
   --endpoints N                  servers in the fleet [4]
   --model NAME                   served model name [tiny]
-  --block-size N                 tokens per KV block [64]
-  --num-gpu-blocks N             KV cache size in blocks [4096]
+  --block-size N                 tokens per KV block [16]
+  --num-gpu-blocks N             KV cache size in blocks [16384]
   --max-num-batched-tokens N     token budget per iteration, B [8192]
   --max-num-seqs N               sequences per batch [256]
   --max-model-len N              longest prompt + output, tokens [40960]
   --prefill-tps X                peak prefill tokens/s [20480]
+  --prefill-attention-tokens X   attended context that doubles a prefill token's cost; 0 = off [32768]
   --decode-step-ms X             floor of one forward pass, ms [25]
   --decode-ms-per-seq X          extra per decoding sequence, ms [0.1]
   --decode-ns-per-context-token X  extra per attended context token, ns [40]
@@ -1120,6 +1125,10 @@ pub fn fleet_from_flags(f: &crate::cli::Flags, program: &str) -> Result<FleetSpe
             max_model_len: f.get("max-model-len", de.max_model_len)?,
             step_cost: crate::vllm_model::StepCost {
                 prefill_tokens_per_s: f.get("prefill-tps", ds.prefill_tokens_per_s)?,
+                prefill_attention_context_tokens: f.get(
+                    "prefill-attention-tokens",
+                    ds.prefill_attention_context_tokens,
+                )?,
                 decode_step_ms: f.get("decode-step-ms", ds.decode_step_ms)?,
                 decode_ms_per_seq: f.get("decode-ms-per-seq", ds.decode_ms_per_seq)?,
                 decode_ns_per_context_token: f.get(
@@ -1153,6 +1162,12 @@ pub fn fleet_from_flags(f: &crate::cli::Flags, program: &str) -> Result<FleetSpe
         if !(v > 0.0 && v.is_finite()) {
             return Err(format!("{program}: {name} must be positive"));
         }
+    }
+    let c = sc.prefill_attention_context_tokens;
+    if !(c >= 0.0 && c.is_finite()) {
+        return Err(format!(
+            "{program}: --prefill-attention-tokens must be 0 (off) or positive"
+        ));
     }
     Ok(fleet)
 }

@@ -626,6 +626,7 @@ mod tests {
         ))
         .unwrap();
         let mut fleet = FleetSpec::default();
+        fleet.engine.block_size = 64;
         fleet.engine.num_gpu_blocks = 4;
         let c = conditions(&t, &fleet);
         // Block ceiling: 3 × 320 / 1110 = 320/370 = 86.5 %.

@@ -52,11 +52,12 @@ pub struct EngineConfig {
 }
 
 impl Default for EngineConfig {
-    /// Qwen3-32B on 2×H100 with a 4096 × 64-token cache.
+    /// Qwen3-32B on 2×H100 with vLLM's 16-token blocks: 16,384 blocks
+    /// (262,144 tokens of KV).
     fn default() -> Self {
         EngineConfig {
-            block_size: 64,
-            num_gpu_blocks: 4096,
+            block_size: 16,
+            num_gpu_blocks: 16_384,
             max_num_batched_tokens: 8192,
             max_num_seqs: 256,
             max_model_len: 40_960,
@@ -479,6 +480,7 @@ impl Engine {
 
         // 3. Cost of the iteration.
         let mut prefill_tokens = 0u64;
+        let mut prefill_attended = 0u64;
         let mut decode_seqs = 0u64;
         let mut context_tokens = 0u64;
         for &(id, n) in &scheduled {
@@ -489,12 +491,16 @@ impl Engine {
                 context_tokens += u64::from(st.computed);
             } else {
                 prefill_tokens += u64::from(n);
+                prefill_attended +=
+                    step_cost::attended_context(u64::from(st.computed), u64::from(n));
             }
         }
-        let duration_s =
-            self.cfg
-                .step_cost
-                .iteration_seconds(prefill_tokens, decode_seqs, context_tokens);
+        let duration_s = self.cfg.step_cost.iteration_seconds(
+            prefill_tokens,
+            prefill_attended,
+            decode_seqs,
+            context_tokens,
+        );
         let end_s = now_s + duration_s;
 
         // 4. Credit the computed tokens at the iteration's end.
