@@ -18,8 +18,8 @@
 #   DEMO_SECONDS       seconds per run (default 30)
 #   DEMO_CONCURRENCY   requests in flight (default 8)
 #   DEMO_GROUPS        shared-prefix groups (default 16; 6000-token system prompts)
-#   DEMO_GPU_BLOCKS    KV cache per server in 64-token blocks (default 600, about
-#                      6 groups: the working set does not fit on every server)
+#   DEMO_GPU_BLOCKS    KV cache per server in 16-token blocks (default 2400, 38,400
+#                      tokens, about 6 groups: the working set does not fit on every server)
 #   DEMO_PROFILE       cargo profile of the emulator and load generator (default
 #                      release; scripts/demo-check.sh uses debug, already built by CI)
 #   DEMO_PID_FILE      where to write the PIDs of the processes it starts, one a
@@ -35,7 +35,7 @@ state_port="${DEMO_STATE_PORT:-$((admin_port + 2))}"
 seconds="${DEMO_SECONDS:-30}"
 concurrency="${DEMO_CONCURRENCY:-8}"
 groups="${DEMO_GROUPS:-16}"
-gpu_blocks="${DEMO_GPU_BLOCKS:-600}"
+gpu_blocks="${DEMO_GPU_BLOCKS:-2400}"
 profile="${DEMO_PROFILE:-release}"
 ports="$base_port,$((base_port + 1)),$((base_port + 2)),$((base_port + 3))"
 endpoints="127.0.0.1:${ports//,/,127.0.0.1:}"

@@ -38,7 +38,7 @@ def stage_rows(report, rates):
     return rows
 
 
-def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor):
+def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
     rates = w["rates"]
     stages = "rate:" + ",".join(f"{r:g}" for r in rates) + f"@{w['stage_s']}s"
     out = os.path.join(work, f"{wname}-{arm}-{seed}.json")
@@ -50,6 +50,11 @@ def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor):
            "--max-num-batched-tokens", str(quality.FLEET["max_num_batched_tokens"]),
            "--prefill-tps", str(quality.FLEET["prefill_tps"]),
            "--peak", f"{peak:g}", "--stop-after-ttft-p90", f"{slo_s * stop_factor:g}", "--json", out]
+    if exact:
+        # Text bodies: the router parses and estimates them as in Envoy, the
+        # modelled server tokenizes them (the segments form gives the router
+        # exact token counts, which flatters fixed-estimate arms).
+        cmd.append("--exact-prompts")
     if arm == "kvroute-default":
         cfg = quality.plugin_config(arm, peak, 2000.0, 100)
         path = os.path.join(work, "kvroute-default.json")
@@ -74,13 +79,17 @@ def main():
     p.add_argument("--workloads", default=",".join(quality.WORKLOADS))
     p.add_argument("--slo-s", type=float, default=2.0)
     p.add_argument("--json", default=None, help="write every knee here")
+    p.add_argument("--segments", action="store_true",
+                   help="segment prompts (exact token counts for the router) instead of text bodies")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     arms = a.arms.split(",")
     work = tempfile.mkdtemp(prefix="kvroute-sweep.")
-    # The emulated fleet's prefill rate is known exactly; quality.py
-    # measures it (B / median TTFT), which lands within a few % of it.
-    peak = float(quality.FLEET["prefill_tps"])
+    # quality.py measures the fleet's rate (B / median TTFT of cold B-token
+    # prompts); with the emulator's attention term that is the peak times
+    # B / (B + B(B+1)/2 / C) (sim/src/vllm_model/step_cost.rs).
+    b, c = quality.FLEET["max_num_batched_tokens"], 32768.0
+    peak = round(float(quality.FLEET["prefill_tps"]) * b / (b + b * (b + 1) / 2 / c))
     results = {}
     for wname in a.workloads.split(","):
         w = quality.WORKLOADS[wname]
@@ -88,7 +97,7 @@ def main():
         for arm in arms:
             results[wname][arm] = {}
             for seed in seeds:
-                k, _ = run(a.sim, wname, w, arm, seed, peak, work, a.slo_s, 4.0)
+                k, _ = run(a.sim, wname, w, arm, seed, peak, work, a.slo_s, 4.0, exact=not a.segments)
                 results[wname][arm][seed] = k
     print("Knee throughput over round robin's (same seed), median [worst] of seeds " + a.seeds + ":\n")
     print("| workload | " + " | ".join(x for x in arms if x != "round-robin") + " |")

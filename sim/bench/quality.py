@@ -60,8 +60,11 @@ KVROUTE_ARMS = {"kvroute", "kvroute-default", "always-sticky", "legacy-blend", "
 # The fleet and the workloads.
 #
 # Every emulated server models the emulator's default (Qwen3-32B on 2xH100:
-# B = 8192 tokens per step at 20,480 prefill tok/s, 4096 KV blocks of 64
-# tokens = 262,144 tokens). The KV cache is the emulator's default on purpose:
+# B = 8192 tokens per step at 20,480 peak prefill tok/s, prefill cost growing
+# with the attended context, 16,384 KV blocks of 16 tokens = 262,144 tokens,
+# text tokenized by the emulator's tiny BPE at ~2.17 bytes per token, which
+# kvroute's fixed estimate of 4 bytes per token gets 1.8x wrong). The KV
+# cache is the emulator's default on purpose:
 # it holds about a quarter of the shared-prefix working set (150 x 6000-token
 # system prompts = 900k tokens) and far less of code-generation's, so the
 # working set does NOT fit on every server and affinity can pay
@@ -70,8 +73,8 @@ KVROUTE_ARMS = {"kvroute", "kvroute-default", "always-sticky", "legacy-blend", "
 
 FLEET = {
     "endpoints": 4,
-    "num_gpu_blocks": 4096,
-    "block_size": 64,
+    "num_gpu_blocks": 16384,
+    "block_size": 16,
     "max_num_batched_tokens": 8192,
     "prefill_tps": 20480,
     "stream_interval": 32,

@@ -37,7 +37,7 @@ impl Default for ArmParams {
             peak_prefill_tps: 20_480.0,
             max_ttft_penalty_ms: 2000.0,
             affinity_threshold: 0.8,
-            block_size: 64,
+            block_size: 16,
             metrics_poll_ms: 100,
         }
     }
