@@ -594,7 +594,10 @@ mod tests {
             assert_eq!(WorkloadKind::parse(name).unwrap().name(), *name);
         }
         let e = WorkloadKind::parse("agent").unwrap_err();
-        assert!(e.contains("agent-session") && e.contains("bursty-cold-start"), "{e}");
+        assert!(
+            e.contains("agent-session") && e.contains("bursty-cold-start"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -615,7 +618,8 @@ mod tests {
         for kind in NEW {
             for api in [Api::Chat, Api::Completions] {
                 let spec = WorkloadSpec { api, ..small(kind) };
-                let (mut text, mut parts) = (Workload::new(spec.clone(), 3), Workload::new(spec, 3));
+                let (mut text, mut parts) =
+                    (Workload::new(spec.clone(), 3), Workload::new(spec, 3));
                 for i in 0..300 {
                     let r = text.next_request();
                     let p = parts.next_parts();
@@ -623,8 +627,7 @@ mod tests {
                     // The text the parts stand for is the text sent.
                     let mut rendered = Vec::new();
                     for (role, segs) in &p.messages {
-                        let t: Vec<String> =
-                            segs.iter().map(|s| parts.segment_text(*s)).collect();
+                        let t: Vec<String> = segs.iter().map(|s| parts.segment_text(*s)).collect();
                         rendered.push((role.to_string(), t.join("\n")));
                     }
                     match api {
@@ -665,7 +668,10 @@ mod tests {
             assert!(*n <= turns);
             if turn == 0 {
                 // A new session: a private context never seen before.
-                assert!(contexts.insert(ctx.to_owned()), "request {i}: context reused");
+                assert!(
+                    contexts.insert(ctx.to_owned()),
+                    "request {i}: context reused"
+                );
             }
             if let Some(&j) = last.get(&r.group) {
                 // Other requests between two turns of one session.
@@ -677,7 +683,10 @@ mod tests {
                 assert_eq!(m.len(), prev.len() + 2);
                 assert_eq!(m[prev.len()].0, "assistant");
                 let flat = |v: &[(String, String)]| {
-                    v.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>().join("\n")
+                    v.iter()
+                        .map(|(_, t)| t.as_str())
+                        .collect::<Vec<_>>()
+                        .join("\n")
                 };
                 assert!(flat(&m).starts_with(&flat(&prev)));
             }
@@ -719,14 +728,22 @@ mod tests {
                 // Never reused across rounds.
                 assert_eq!(*doc_round.entry(doc.clone()).or_insert(round), round);
                 // Repeats share the document and differ in the question.
-                assert!(doc_questions.entry(doc.clone()).or_default().insert(question));
+                assert!(doc_questions
+                    .entry(doc.clone())
+                    .or_default()
+                    .insert(question));
                 *docs.entry(doc).or_insert(0u32) += 1;
             }
             // Every document of the round, and only those, in this round.
             assert_eq!(docs.len() as u32, groups, "round {round}");
-            let repeated = docs.values().filter(|&&n| n == spec.prompts_per_group).count();
+            let repeated = docs
+                .values()
+                .filter(|&&n| n == spec.prompts_per_group)
+                .count();
             assert_eq!(repeated as u32, groups / 2, "round {round}");
-            assert!(docs.values().all(|&n| n == 1 || n == spec.prompts_per_group));
+            assert!(docs
+                .values()
+                .all(|&n| n == 1 || n == spec.prompts_per_group));
         }
         // Shuffled within a round: the repeats are not all at the end.
         let first = &reqs[..per_round];
