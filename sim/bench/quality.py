@@ -135,7 +135,8 @@ WORKLOADS = {
         "loadgen": ["--groups", "32"],
         "time_scale": 10,
         "stage_s": 150,
-        "rates": [0.5, 1, 1.5, 2, 2.5, 3, 4, 5],
+        # simulator (block 64, 2026-12-01): round robin's knee 5, kvroute's 6
+        "rates": [1, 2, 3, 4, 5, 6, 8, 10],
         "arms": list(ALL_ARMS),
         "target": None,
         # per arm and stage: hit ratio / the stream's ceiling (issue 15's >= 0.98 target)
@@ -148,7 +149,8 @@ WORKLOADS = {
         "loadgen": [],
         "time_scale": 10,
         "stage_s": 150,
-        "rates": [2, 4, 6, 8, 10, 12, 14, 16],
+        # simulator (block 64, 2026-12-01): round robin's knee 14, kvroute's 20
+        "rates": [4, 8, 12, 14, 16, 18, 20, 24],
         "arms": list(ALL_ARMS),
         "target": None,
     },
