@@ -3,7 +3,7 @@
 simulator (kvroute-simulate): knee throughput over round robin's, median and
 worst seed. A benchmark, not a test: it prints figures and never fails on them.
 
-    python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x]
+    python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x] [--exact-prompts]
 
 The fleet, workloads, ramps, SLO and knee rule are quality.py's own (imported
 from it). `kvroute-default` is the shipped plugin JSON (envoy/kvroute-config.json)
@@ -41,7 +41,7 @@ def stage_rows(report, rates):
     return rows
 
 
-def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor):
+def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=False):
     rates = w["rates"]
     stages = "rate:" + ",".join(f"{r:g}" for r in rates) + f"@{w['stage_s']}s"
     out = os.path.join(work, f"{wname}-{arm}-{seed}.json")
@@ -53,6 +53,8 @@ def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor):
            "--max-num-batched-tokens", str(quality.FLEET["max_num_batched_tokens"]),
            "--prefill-tps", str(quality.FLEET["prefill_tps"]),
            "--peak", f"{peak:g}", "--stop-after-ttft-p90", f"{slo_s * stop_factor:g}", "--json", out]
+    if exact:
+        cmd.append("--exact-prompts")
     if arm == "kvroute-default":
         cfg = quality.plugin_config(arm, peak, 2000.0, 100)
         path = os.path.join(work, "kvroute-default.json")
@@ -81,6 +83,10 @@ def main():
     p.add_argument("--workloads", default=",".join(quality.WORKLOADS))
     p.add_argument("--slo-s", type=float, default=2.0)
     p.add_argument("--json", default=None, help="write every knee here")
+    p.add_argument("--exact-prompts", action="store_true",
+                   help="kvroute-simulate --exact-prompts: real request bodies through the filter's whole text path "
+                   "(what Envoy runs; needed where the router learns bytes per token, charsPerToken \"auto\"); "
+                   "slower")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     arms = a.arms.split(",")
@@ -95,7 +101,7 @@ def main():
         for arm in arms:
             results[wname][arm] = {}
             for seed in seeds:
-                k, _ = run(a.sim, wname, w, arm, seed, peak, work, a.slo_s, 4.0)
+                k, _ = run(a.sim, wname, w, arm, seed, peak, work, a.slo_s, 4.0, a.exact_prompts)
                 results[wname][arm][seed] = k
     print("Knee throughput over round robin's (same seed), median [worst] of seeds " + a.seeds + ":\n")
     print("| workload | " + " | ".join(x for x in arms if x != "round-robin") + " |")
