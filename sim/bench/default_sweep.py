@@ -85,8 +85,7 @@ def main():
     p.add_argument("--json", default=None, help="write every knee here")
     p.add_argument("--exact-prompts", action="store_true",
                    help="kvroute-simulate --exact-prompts: real request bodies through the filter's whole text path "
-                   "(what Envoy runs; needed where the router learns bytes per token, charsPerToken \"auto\"); "
-                   "slower")
+                   "(what Envoy runs; on agent-session the segments path misjudges the shipped profile); slower")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     arms = a.arms.split(",")
