@@ -784,7 +784,7 @@ def markdown(results, img_rel, stages=False):
     L.append("")
     L.append("```sh")
     L.append("python3 sim/bench/quality.py            # full run, ~1 h; rewrites this section, the plots and results/quality.json")
-    L.append("python3 sim/bench/quality.py --smoke    # CI: every arm serves (~3 min after the builds)")
+    L.append("python3 sim/bench/quality.py --smoke    # CI: every arm serves (~5 min after the builds)")
     L.append("```")
     L.append("")
     commit = a.get("commit") or "not recorded"
