@@ -3,7 +3,7 @@
 simulator (kvroute-simulate): knee throughput over round robin's, median and
 worst seed. A benchmark, not a test: it prints figures and never fails on them.
 
-    python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x]
+    python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x] [--exact-prompts]
 
 The fleet, workloads, ramps, SLO and knee rule are quality.py's own (imported
 from it). `kvroute-default` is the shipped plugin JSON (envoy/kvroute-config.json)
@@ -34,7 +34,10 @@ def stage_rows(report, rates):
         rows.append({"rate": rate, "ttft_p90_s": s["ttft_s"]["p90"] if s["ok"] else None,
                      "error_rate": s["error_rate"], "ok": s["ok"],
                      "input_tps": s["input_tokens_per_s"], "output_tps": s["output_tokens_per_s"],
-                     "hit_ratio": s["hit_ratio"], "max_token_share": max(shares) if shares else 0})
+                     "hit_ratio": s["hit_ratio"], "max_token_share": max(shares) if shares else 0,
+                     "hit_ratio_ceiling": s.get("hit_ratio_ceiling"),
+                     "hit_over_ceiling": (s["hit_ratio"] / s["hit_ratio_ceiling"]
+                                          if s["hit_ratio"] is not None and s.get("hit_ratio_ceiling") else None)})
     return rows
 
 
@@ -68,6 +71,10 @@ def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
         rep = json.load(f)
     rows = stage_rows(rep, rates)
     k = quality.knee(rows, slo_s, w["bound"])
+    if k:
+        # the stages up to the knee: the lowest share of the ceiling the arm reached there
+        within = [r["hit_over_ceiling"] for r in rows if r["rate"] <= k["rate"] and r["hit_over_ceiling"] is not None]
+        k["min_hit_over_ceiling"] = min(within) if within else None
     return k, rows
 
 
@@ -123,6 +130,18 @@ def main():
         for arm in arms:
             h = [k["hit_ratio"] for k in per_arm[arm].values() if k]
             cells.append(f"{statistics.median(h):.2f}" if h else "–")
+        print(f"| {wname} | " + " | ".join(cells) + " |")
+    print("\nHit ratio ÷ the stream's ceiling at the knee, median [worst] of seeds (and the worst stage up to "
+          "the knee, worst seed):\n")
+    print("| workload | " + " | ".join(arms) + " |")
+    print("|---|" + "---|" * len(arms))
+    for wname, per_arm in results.items():
+        cells = []
+        for arm in arms:
+            h = [k["hit_over_ceiling"] for k in per_arm[arm].values() if k and k.get("hit_over_ceiling") is not None]
+            m = [k["min_hit_over_ceiling"] for k in per_arm[arm].values()
+                 if k and k.get("min_hit_over_ceiling") is not None]
+            cells.append(f"{statistics.median(h):.3f} [{min(h):.3f}] ({min(m):.3f})" if h else "–")
         print(f"| {wname} | " + " | ".join(cells) + " |")
     if a.json:
         with open(a.json, "w") as f:

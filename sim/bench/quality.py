@@ -125,6 +125,38 @@ WORKLOADS = {
         "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky"],
         "target": None,
     },
+    # Issue 15. Sized in tokens (the fleet's KV is ~262k tokens per server
+    # at any block size): 32 sessions whose cached contexts average ~13k
+    # tokens (8.7k at the first turn, 17.3k at the tenth, plus the answer)
+    # are ~420k tokens, 1.6 servers' KV, 40 % of the fleet's.
+    "agent-session": {
+        "what": "32 agent sessions at once x 10 turns, served in seeded rounds (think time ~32 requests); "
+                "2000-token system prompt shared by all, 6000-token private repository/tool context per session, "
+                "+700-token user/tool turn and +250-token replayed answer per turn, 250 output tokens; working set "
+                "~420k tokens (1.6 servers' KV)",
+        "bound": "prefill",
+        "loadgen": ["--groups", "32"],
+        "time_scale": 10,
+        "stage_s": 150,
+        # simulator (block 64, 2026-12-01): round robin's knee 5, kvroute's 6
+        "rates": [1, 2, 3, 4, 5, 6, 8, 10],
+        "arms": list(ALL_ARMS),
+        "target": None,
+        # per arm and stage: hit ratio / the stream's ceiling (issue 15's >= 0.98 target)
+        "report_ceiling": True,
+    },
+    "bursty-cold-start": {
+        "what": "rounds of 24 brand-new 4000-token documents, shuffled within the round: one 300-token question "
+                "per document plus 3 more for a seeded half of them; 200 output tokens",
+        "bound": "prefill",
+        "loadgen": [],
+        "time_scale": 10,
+        "stage_s": 150,
+        # simulator (block 64, 2026-12-01): round robin's knee 14, kvroute's 20
+        "rates": [4, 8, 12, 14, 16, 18, 20, 24],
+        "arms": list(ALL_ARMS),
+        "target": None,
+    },
 }
 
 # Smoke: tiny prompts, one short stage per arm; proves every arm runs and
@@ -141,6 +173,12 @@ SMOKE = {
     "shared-prefix-skew": {"loadgen": ["--groups", "2", "--prompts-per-group", "20", "--system-tokens", "1024",
                                        "--question-tokens", "128", "--output-tokens", "16"],
                            "rates": [4], "stage_s": 40},
+    "agent-session": {"loadgen": ["--groups", "4", "--prompts-per-group", "3", "--system-tokens", "256",
+                                  "--persona-tokens", "512", "--question-tokens", "128", "--output-tokens", "16"],
+                      "rates": [3], "stage_s": 40},
+    "bursty-cold-start": {"loadgen": ["--groups", "4", "--system-tokens", "512", "--question-tokens", "64",
+                                      "--output-tokens", "16"],
+                          "rates": [4], "stage_s": 40},
 }
 
 
@@ -476,8 +514,8 @@ class Bench:
         return out
 
     # -- arms ----------------------------------------------------------------
-    def run_arm(self, wname, w, arm, endpoints, peak):
-        tag = f"{wname}.{arm}"
+    def run_arm(self, wname, w, arm, endpoints, peak, seed):
+        tag = f"{wname}.{arm}" + (f".seed{seed}" if len(self.args.seeds) > 1 else "")
         out = os.path.join(self.work, f"{tag}.json")
         admin = None
         if arm == "smg-cache-aware":
@@ -489,7 +527,8 @@ class Bench:
             rates = ",".join(f"{r:g}" for r in w["rates"])
             argv = [self.loadgen, "--target", f"http://127.0.0.1:{port}", "--endpoints", ",".join(endpoints),
                     "--workload", w.get("workload", wname), "--stages", f"rate:{rates}@{w['stage_s']}s",
-                    "--time-scale", str(w["time_scale"]), "--seed", str(self.args.seed), "--json", out,
+                    "--time-scale", str(w["time_scale"]), "--seed", str(seed), "--json", out,
+                    "--ceiling-block-size", str(FLEET["block_size"]),
                     "--request-timeout-s", str(self.args.request_timeout_s),
                     "--stop-after-ttft-p90", str(self.args.slo_s * self.args.stop_factor), *w["loadgen"]]
             t0 = time.time()
@@ -511,7 +550,8 @@ class Bench:
         results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": git_commit(), "smoke": a.smoke,
                    "fleet": FLEET,
                    "slo_s": a.slo_s, "penalty_ms": a.penalty_ms, "metrics_poll_ms": a.metrics_poll_ms,
-                   "envoy_concurrency": a.envoy_concurrency, "seed": a.seed, "workloads": {},
+                   "envoy_concurrency": a.envoy_concurrency, "seed": a.seeds[0], "seeds": a.seeds,
+                   "workloads": {},
                    "command": "python3 sim/bench/quality.py " + " ".join(sys.argv[1:])}
         failures = []
         try:
@@ -523,29 +563,38 @@ class Bench:
                 fleet, endpoints = self.start_fleet(wname, w["time_scale"])
                 wres = {"what": w["what"], "bound": w["bound"], "time_scale": w["time_scale"],
                         "stage_s": w["stage_s"], "rates": w["rates"], "loadgen_extra": w["loadgen"],
-                        "target": w.get("target"), "arms": {}}
+                        "target": w.get("target"), "report_ceiling": bool(w.get("report_ceiling")),
+                        # "arms": the first seed's runs (tables, plots); "seeds": every seed's
+                        "arms": {}, "seeds": {str(seed): {} for seed in a.seeds}}
                 results["workloads"][wname] = wres
                 try:
                     cal = self.calibrate(wname, endpoints, w["time_scale"])
                     wres["calibration"] = cal
-                    for arm in arms:
-                        log(f"{wname}: arm {arm}")
-                        try:
-                            if arm == "smg-cache-aware" and self.smg is None:
-                                self.smg = find_smg(a.smg_venv)
-                            res = self.run_arm(wname, w, arm, endpoints, cal["peak"])
-                            wres["arms"][arm] = res
-                            res["knee"] = knee(res["stages"], a.slo_s, w["bound"])
-                            problems = check_arm(res)
-                            if problems:
-                                failures.append(f"{wname}/{arm}: {problems}")
-                            k = res.get("knee")
-                            log(f"{wname}/{arm}: {len(res['stages'])} stage(s) in {res['wall_s']:.0f} s; "
-                                f"knee {k['rate'] if k else 'none'} req/s" + (f"; problems: {problems}" if problems else ""))
-                        except Exception as e:  # noqa: BLE001 -- one arm's failure is reported, the rest run
-                            failures.append(f"{wname}/{arm}: {e}")
-                            wres["arms"][arm] = {"error": str(e)}
-                            log(f"{wname}/{arm}: FAILED: {e}")
+                    for seed in a.seeds:
+                        runs = wres["seeds"][str(seed)]
+                        if seed == a.seeds[0]:
+                            wres["arms"] = runs
+                        for arm in arms:
+                            name = f"{wname}/{arm}" + (f" seed {seed}" if len(a.seeds) > 1 else "")
+                            log(f"{name}: start")
+                            try:
+                                if arm == "smg-cache-aware" and self.smg is None:
+                                    self.smg = find_smg(a.smg_venv)
+                                res = self.run_arm(wname, w, arm, endpoints, cal["peak"], seed)
+                                runs[arm] = res
+                                res["knee"] = knee(res["stages"], a.slo_s, w["bound"])
+                                problems = check_arm(res)
+                                if problems:
+                                    failures.append(f"{name}: {problems}")
+                                k = res.get("knee")
+                                log(f"{name}: {len(res['stages'])} stage(s) in {res['wall_s']:.0f} s; "
+                                    f"knee {k['rate'] if k else 'none'} req/s; hit / ceiling by stage "
+                                    + ", ".join(fmt(st["hit_over_ceiling"], ".3f") for st in res["stages"])
+                                    + (f"; problems: {problems}" if problems else ""))
+                            except Exception as e:  # noqa: BLE001 -- one arm's failure is reported, the rest run
+                                failures.append(f"{name}: {e}")
+                                runs[arm] = {"error": str(e)}
+                                log(f"{name}: FAILED: {e}")
                 finally:
                     self.procs.stop(fleet)
                 add_headlines(wres, a.slo_s)
@@ -590,6 +639,11 @@ def summarize_arm(report, w, stats, wall):
             "input_tps": st["input_tokens_per_s"],
             "output_tps": st["output_tokens_per_s"],
             "hit_ratio": st["hit_ratio"],
+            # the stream's hit-ratio ceiling (one infinite cache, whole blocks; kvroute-loadgen
+            # --ceiling-block-size) and how much of it the arm reached
+            "hit_ratio_ceiling": st.get("hit_ratio_ceiling"),
+            "hit_over_ceiling": (st["hit_ratio"] / st["hit_ratio_ceiling"]
+                                 if st["hit_ratio"] is not None and st.get("hit_ratio_ceiling") else None),
             "client_cached_ratio": st["client_cached_ratio"],
             "host_lag_s": st["emulator_host_lag_s"],
             "span_s": st["span_s"],
@@ -611,7 +665,8 @@ def knee(stages, slo_s, bound):
         return None
     tput = best["output_tps"] if bound == "decode" else best["input_tps"]
     return {"rate": best["rate"], "throughput": tput, "metric": "output tok/s" if bound == "decode" else "input tok/s",
-            "ttft_p90_s": best["ttft_p90_s"], "hit_ratio": best["hit_ratio"], "max_token_share": best["max_token_share"]}
+            "ttft_p90_s": best["ttft_p90_s"], "hit_ratio": best["hit_ratio"], "max_token_share": best["max_token_share"],
+            "hit_ratio_ceiling": best.get("hit_ratio_ceiling"), "hit_over_ceiling": best.get("hit_over_ceiling")}
 
 
 def knee_interpolated(stages, slo_s, bound):
@@ -634,24 +689,66 @@ def knee_interpolated(stages, slo_s, bound):
     return None
 
 
-def add_headlines(wres, slo_s):
-    for arm, res in wres["arms"].items():
+def seed_ratios(runs, slo_s, bound):
+    """Knees of one seed's arms, and (knee, interpolated, 5 s) ratios over that seed's round robin."""
+    for arm, res in runs.items():
         if "stages" in res:
-            res["knee"] = knee(res["stages"], slo_s, wres["bound"])
-            res["knee_5s"] = knee(res["stages"], max(slo_s, 5.0), wres["bound"])
-            res["knee_interp"] = knee_interpolated(res["stages"], slo_s, wres["bound"])
-    rr_arm = wres["arms"].get("round-robin", {})
+            res["knee"] = knee(res["stages"], slo_s, bound)
+            res["knee_5s"] = knee(res["stages"], max(slo_s, 5.0), bound)
+            res["knee_interp"] = knee_interpolated(res["stages"], slo_s, bound)
+    rr_arm = runs.get("round-robin", {})
     heads, heads_i, heads_5 = {}, {}, {}
-    for arm, res in wres["arms"].items():
+    for arm, res in runs.items():
         if arm == "round-robin":
             continue
         for key, out in (("knee", heads), ("knee_interp", heads_i), ("knee_5s", heads_5)):
             k, rr = res.get(key), rr_arm.get(key)
             if k and rr and rr["throughput"] > 0:
                 out[arm] = k["throughput"] / rr["throughput"]
-    wres["ratios_vs_rr"] = heads
-    wres["ratios_vs_rr_interp"] = heads_i
-    wres["ratios_vs_rr_5s"] = heads_5
+    return heads, heads_i, heads_5
+
+
+def add_headlines(wres, slo_s):
+    # results of an earlier run (one seed, no "seeds") read the same way
+    seeds = wres.get("seeds") or {"1": wres["arms"]}
+    per_seed = {}
+    for seed, runs in seeds.items():
+        per_seed[seed] = seed_ratios(runs, slo_s, wres["bound"])
+    first = next(iter(seeds))
+    wres["ratios_vs_rr"], wres["ratios_vs_rr_interp"], wres["ratios_vs_rr_5s"] = per_seed[first]
+    # Over seeds: knee / round robin (same seed), median and worst; a seed where the arm
+    # had no knee but round robin did counts as 0.
+    stats = {}
+    arms = {arm for runs in seeds.values() for arm in runs if arm != "round-robin"}
+    for arm in sorted(arms):
+        vals = {}
+        for seed, runs in seeds.items():
+            rr = (runs.get("round-robin") or {}).get("knee")
+            res = runs.get(arm) or {}
+            if rr and rr["throughput"] > 0 and "stages" in res:
+                vals[seed] = per_seed[seed][0].get(arm, 0.0)
+        if vals:
+            worst = min(vals, key=vals.get)
+            stats[arm] = {"by_seed": vals, "median": median(list(vals.values())), "worst": vals[worst],
+                          "worst_seed": worst}
+    wres["ratios_over_seeds"] = stats
+
+
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
+def ceiling_rows(wres):
+    """(seed, arm, stage rate, hit ratio, ceiling, hit / ceiling) of every stage of every run."""
+    rows = []
+    for seed, runs in (wres.get("seeds") or {"1": wres["arms"]}).items():
+        for arm, res in runs.items():
+            for st in res.get("stages", []):
+                rows.append((seed, arm, st["rate"], st["hit_ratio"], st.get("hit_ratio_ceiling"),
+                             st.get("hit_over_ceiling")))
+    return rows
 
 
 def check_arm(res):
@@ -690,7 +787,7 @@ def markdown(results, img_rel, stages=False):
     L.append("")
     L.append("```sh")
     L.append("python3 sim/bench/quality.py            # full run, ~1 h; rewrites this section, the plots and results/quality.json")
-    L.append("python3 sim/bench/quality.py --smoke    # CI: every arm serves (~3 min after the builds)")
+    L.append("python3 sim/bench/quality.py --smoke    # CI: every arm serves (~5 min after the builds)")
     L.append("```")
     L.append("")
     commit = a.get("commit") or "not recorded"
@@ -725,6 +822,34 @@ def markdown(results, img_rel, stages=False):
         L.append(f"| {wname} | {tgt_s} | {cell('kvroute')} | {cell('always-sticky')} | {cell('legacy-blend')} | "
                  f"{cell('active-request')} | {cell('smg-cache-aware')} |")
     L.append("")
+    seeds = a.get("seeds") or [a.get("seed", 1)]
+    if len(seeds) > 1:
+        L.append(f"Over seeds {', '.join(str(x) for x in seeds)} (each arm's knee ÷ round robin's of the same seed): "
+                 "median [worst, its seed]:")
+        L.append("")
+        L.append("| workload | " + " | ".join(x for x in ALL_ARMS if x != "round-robin") + " |")
+        L.append("|---|" + "---|" * (len(ALL_ARMS) - 1))
+        for wname, w in a["workloads"].items():
+            st = w.get("ratios_over_seeds", {})
+            cells = [f"{st[x]['median']:.2f}× [{st[x]['worst']:.2f}×, {st[x]['worst_seed']}]" if x in st else "–"
+                     for x in ALL_ARMS if x != "round-robin"]
+            L.append(f"| {wname} | " + " | ".join(cells) + " |")
+        L.append("")
+    for wname, w in a["workloads"].items():
+        if not w.get("report_ceiling"):
+            continue
+        L.append(f"{wname}: hit ratio ÷ the stream's ceiling (the fraction of prompt tokens one infinite cache "
+                 "could serve: blocks an earlier request already had), per arm and stage"
+                 + (", seed by seed" if len(seeds) > 1 else "") + ":")
+        L.append("")
+        L.append("| arm | seed | " + " | ".join(f"{r:g}/s" for r in w["rates"]) + " |")
+        L.append("|---|---|" + "---|" * len(w["rates"]))
+        by = {}
+        for seed, arm, rate, _h, _c, hc in ceiling_rows(w):
+            by.setdefault((arm, seed), {})[rate] = hc
+        for (arm, seed), vals in by.items():
+            L.append(f"| {arm} | {seed} | " + " | ".join(fmt(vals.get(r), ".3f") for r in w["rates"]) + " |")
+        L.append("")
     for wname, w in a["workloads"].items():
         L.append(f"### {wname}")
         L.append("")
@@ -837,6 +962,14 @@ def print_headlines(results):
             print(f"  {wname:<20} {arm:<16} {desc}")
         if rr is None and "round-robin" in w["arms"]:
             print(f"  {wname:<20} (round robin has no stage within the SLO; ratios undefined)")
+        if len(results.get("seeds") or [1]) > 1:
+            for arm, st in w.get("ratios_over_seeds", {}).items():
+                print(f"  {wname:<20} {arm:<16} over seeds: median {st['median']:.2f}x, worst {st['worst']:.2f}x "
+                      f"(seed {st['worst_seed']})")
+        if w.get("report_ceiling"):
+            for seed, arm, rate, h, c, hc in ceiling_rows(w):
+                print(f"  {wname:<20} {arm:<16} seed {seed} rate {rate:g}: hit {fmt(h, '.3f')} / ceiling "
+                      f"{fmt(c, '.3f')} = {fmt(hc, '.3f')}")
 
 
 def main(argv=None):
@@ -861,7 +994,10 @@ def main(argv=None):
     p.add_argument("--metrics-poll-ms", type=int, default=100, help="kvroute collector /metrics poll period, wall ms [100]")
     p.add_argument("--envoy-concurrency", type=int, default=2)
     p.add_argument("--request-timeout-s", type=float, default=300.0, help="wall-clock limit per request [300]")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="kvroute-loadgen --seed (prompts and arrivals) [1]")
+    p.add_argument("--seeds", default=None,
+                   help="comma list: run every (workload, arm) once per seed and report, per workload, the median "
+                   "and the worst seed of knee / round robin (same seed) [--seed]")
     p.add_argument("--kv-blocks", type=int, default=None, help=f"override KV blocks per server [{FLEET['num_gpu_blocks']}]")
     p.add_argument("--rates", default=None, help="override the offered rates of every selected workload (comma list)")
     p.add_argument("--loadgen-extra", default=None, help="extra kvroute-loadgen flags for every selected workload, "
@@ -875,6 +1011,12 @@ def main(argv=None):
         if w not in WORKLOADS:
             p.error(f"unknown workload {w!r}")
     args.arms = args.arms.split(",") if args.arms else None
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [args.seed]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r}: a comma list of integers")
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error("--seeds: a seed is listed twice")
     if args.smoke:
         args.request_timeout_s = min(args.request_timeout_s, 60.0)
     if args.kv_blocks:

@@ -153,6 +153,7 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
         time_scale: 50.0,
         request_timeout: Duration::from_secs(10),
         reset: true,
+        ceiling_block_size: Some(64),
     };
     let report = run(cfg, &|_| {}).await.unwrap();
     assert_eq!(report.stages.len(), 2);
@@ -170,6 +171,9 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
     }
     // Four distinct prompts: once warm, almost everything is cached.
     assert!(report.stages[1].hit_ratio.unwrap() > 0.8);
+    // The stream's ceiling is reported, and warm it is as high.
+    assert!(report.stages[0].hit_ratio_ceiling.unwrap() > 0.0);
+    assert!(report.stages[1].hit_ratio_ceiling.unwrap() > 0.8);
 
     // Counters that cannot be read make the ratio unknown, not wrong.
     let c = HttpClient::new();
@@ -192,8 +196,10 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
         time_scale: 50.0,
         request_timeout: Duration::from_secs(10),
         reset: false,
+        ceiling_block_size: None,
     };
     let report = run(cfg, &|_| {}).await.unwrap();
     assert_eq!(report.stages[0].hit_ratio, None);
+    assert_eq!(report.stages[0].hit_ratio_ceiling, None);
     assert!(report.stages[0].endpoints[0].hit_ratio.is_some());
 }

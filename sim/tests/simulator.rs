@@ -163,3 +163,44 @@ fn affinity_beats_round_robin_on_hits_when_the_working_set_exceeds_one_cache() {
         kv.shared_data_bytes
     );
 }
+
+#[test]
+fn stages_report_the_streams_hit_ratio_ceiling_and_no_arm_exceeds_it() {
+    // The new workloads, small (6 sessions / documents, 4 turns /
+    // requests); caches big enough for everything.
+    let spec = WorkloadSpec {
+        groups: 6,
+        prompts_per_group: 4,
+        system_tokens: 512,
+        persona_tokens: 1024,
+        question_tokens: 256,
+        output_tokens: 32,
+        ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+    };
+    let run = |arm: &str, kind: WorkloadKind| {
+        let mut c = cfg(arm, "rate:2@60s;rate:2@60s", 4, false);
+        c.fleet.engine.num_gpu_blocks = 4096;
+        c.load = Load::Workload {
+            spec: WorkloadSpec {
+                kind,
+                ..spec.clone()
+            },
+            stages: parse_stages("rate:2@60s;rate:2@60s").unwrap(),
+            exact_prompts: false,
+        };
+        simulate(c).unwrap()
+    };
+    for kind in [WorkloadKind::AgentSession, WorkloadKind::BurstyColdStart] {
+        for arm in ["round-robin", "always-sticky"] {
+            let r = run(arm, kind);
+            for s in &r.stages {
+                let (h, c) = (s.hit_ratio.unwrap(), s.hit_ratio_ceiling.unwrap());
+                assert!(c > 0.3 && c < 1.0, "{kind:?} {arm}: ceiling {c}");
+                assert!(
+                    h <= c + 1e-9,
+                    "{kind:?} {arm}: hit {h} above the ceiling {c}"
+                );
+            }
+        }
+    }
+}

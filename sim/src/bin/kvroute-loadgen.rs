@@ -6,7 +6,7 @@ use kvroute_sim::cli::Flags;
 use kvroute_sim::loadgen::report::render_table;
 use kvroute_sim::loadgen::run::{run_until, RunConfig};
 use kvroute_sim::loadgen::stages::parse_stages;
-use kvroute_sim::loadgen::workload::{Api, WorkloadKind, WorkloadSpec};
+use kvroute_sim::loadgen::workload::{Api, WorkloadKind, WorkloadSpec, WORKLOAD_NAMES};
 use std::time::Duration;
 
 const USAGE: &str = "\
@@ -15,7 +15,8 @@ kvroute-loadgen --target http://127.0.0.1:PORT --workload NAME --stages SPEC [op
   --target URL              where requests go: Envoy or one endpoint (required)
   --endpoints LIST          host:port of each model server; counters are read from
                             their /metrics before and after each stage [target's host:port]
-  --workload NAME           shared-prefix | code-generation | reasoning | chat-lab (required)
+  --workload NAME           shared-prefix | code-generation | reasoning | chat-lab |
+                            agent-session | bursty-cold-start (required)
   --stages SPEC             rate:3,10,30@20s | concurrency:4,8@30s, joined with ';' (required)
   --seed N                  fixes every prompt and arrival [1]
   --json PATH               also write the report as JSON
@@ -24,13 +25,18 @@ kvroute-loadgen --target http://127.0.0.1:PORT --workload NAME --stages SPEC [op
   --model NAME              model field of requests [tiny]
   --api chat|completions    API the requests use [chat]
   --chars-per-token X       bytes per token when sizing prompts [2.17, the emulator's tokenizer]
-  --groups N                groups / conversations / users [workload default]
-  --prompts-per-group N     questions per group / turns per conversation [workload default]
-  --system-tokens N         shared or system prompt length [workload default]
-  --persona-tokens N        chat-lab persona length [200]
+  --groups N                groups / conversations / users / sessions at once /
+                            documents per round [workload default]
+  --prompts-per-group N     questions per group / turns per conversation / requests per
+                            repeated document [workload default]
+  --system-tokens N         shared or system prompt (or document) length [workload default]
+  --persona-tokens N        chat-lab persona / agent-session private context length
+                            [workload default]
   --question-tokens N       question / turn length [workload default]
   --output-tokens N         max_tokens of each request [workload default]
   --request-timeout-s X     wall-clock limit per request [600]
+  --ceiling-block-size B    the servers' KV block size: each stage also reports the
+                            stream's hit-ratio ceiling (hit_ratio_ceiling) in B-token blocks [off]
   --no-reset                do not POST /emulator/reset to the endpoints first
   --stop-after-ttft-p90 X   end the ramp after the first stage whose TTFT p90 (model
                             seconds) is above X, or that had no successful request [off]
@@ -54,6 +60,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("question-tokens", true),
     ("output-tokens", true),
     ("request-timeout-s", true),
+    ("ceiling-block-size", true),
     ("no-reset", false),
     ("stop-after-ttft-p90", true),
 ];
@@ -66,10 +73,12 @@ fn config(f: &Flags) -> Result<Parsed, String> {
         .ok_or("kvroute-loadgen: --target is required, e.g. --target http://127.0.0.1:10000")?
         .trim_end_matches('/')
         .to_owned();
-    let kind = WorkloadKind::parse(
-        f.str("workload")
-            .ok_or("kvroute-loadgen: --workload is required (shared-prefix, code-generation, reasoning, chat-lab)")?,
-    )
+    let kind = WorkloadKind::parse(f.str("workload").ok_or_else(|| {
+        format!(
+            "kvroute-loadgen: --workload is required ({})",
+            WORKLOAD_NAMES.join(", ")
+        )
+    })?)
     .map_err(|e| format!("kvroute-loadgen: --workload: {e}"))?;
     let stages = parse_stages(
         f.str("stages")
@@ -139,6 +148,17 @@ fn config(f: &Flags) -> Result<Parsed, String> {
             time_scale,
             request_timeout: Duration::from_secs_f64(timeout),
             reset: !f.has("no-reset"),
+            ceiling_block_size: match f.str("ceiling-block-size") {
+                None => None,
+                Some(_) => match f.get("ceiling-block-size", 0u32)? {
+                    0 => {
+                        return Err(
+                            "kvroute-loadgen: --ceiling-block-size must be at least 1".into()
+                        )
+                    }
+                    b => Some(b),
+                },
+            },
         },
         f.str("json").map(str::to_owned),
         stop,

@@ -22,7 +22,8 @@ the collector's /metrics updates), in virtual time: no sockets, no sleeps.
 Prints the load generator's per-stage table (model time).
 
 Load:
-  --workload NAME           shared-prefix | code-generation | reasoning | chat-lab
+  --workload NAME           shared-prefix | code-generation | reasoning | chat-lab |
+                            agent-session | bursty-cold-start
   --stages SPEC             rate:3,10,30@20s | concurrency:4,8@30s, joined with ';'
                             (the load generator's grammar; model time) [rate:2@300s]
   --exact-prompts           build the real request bodies and run the filter's whole

@@ -2,6 +2,7 @@
 //! fixed-concurrency stages, and per-stage reports that read the endpoints'
 //! own prefix-cache counters before and after each stage.
 
+pub mod ceiling;
 pub mod client;
 pub mod report;
 pub mod run;

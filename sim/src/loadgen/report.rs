@@ -37,6 +37,9 @@ pub struct RequestRecord {
     pub completion_tokens: u64,
     pub cached_tokens: u64,
     pub served_by: Option<String>,
+    /// `(reusable, prompt)` tokens of the hit-ratio ceiling
+    /// ([`super::ceiling::Ceiling`]), when it is computed.
+    pub ceiling: Option<(u64, u64)>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -102,6 +105,10 @@ pub struct StageReport {
     pub prefix_cache_queries: Option<f64>,
     pub prefix_cache_hits: Option<f64>,
     pub hit_ratio: Option<f64>,
+    /// The hit-ratio ceiling of the stage's requests (every request sent,
+    /// given all requests before it, one infinite cache); `None` unless
+    /// computed for every request (`--ceiling-block-size`).
+    pub hit_ratio_ceiling: Option<f64>,
     /// From the responses' `usage.prompt_tokens_details.cached_tokens`.
     pub client_cached_ratio: Option<f64>,
     /// Model seconds the emulators fell behind during the stage (summed over
@@ -197,6 +204,7 @@ pub fn stage_report(
         prefix_cache_queries: complete.then_some(q),
         prefix_cache_hits: complete.then_some(h),
         hit_ratio: (complete && q > 0.0).then(|| h / q),
+        hit_ratio_ceiling: super::ceiling::Ceiling::ratio(records.iter().map(|r| r.ceiling)),
         client_cached_ratio: (prompt > 0).then(|| cached as f64 / prompt as f64),
         emulator_host_lag_s: complete.then_some(lag),
         endpoints: shares,

@@ -1,12 +1,15 @@
 //! Drives a target (Envoy or one endpoint) through the stages and builds the
 //! reports. Counters are read directly from each endpoint's `/metrics`.
 
+use super::ceiling::Ceiling;
 use super::client::{HttpClient, Timed};
 use super::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
 use super::stages::{Stage, StageKind};
 use super::workload::{Workload, WorkloadSpec};
 use crate::prometheus;
 use crate::rng::SeededRng;
+use crate::simulator::prompt::{piece_block_hashes, Piece};
+use crate::simulator::segment_id;
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -26,6 +29,36 @@ pub struct RunConfig {
     pub request_timeout: Duration,
     /// POST /emulator/reset to every endpoint before the first stage.
     pub reset: bool,
+    /// The servers' KV block size (tokens): when set, each stage reports
+    /// the stream's hit-ratio ceiling in blocks of this size.
+    pub ceiling_block_size: Option<u32>,
+}
+
+/// The workload and the ceiling of what it has sent so far.
+struct Source {
+    workload: Workload,
+    ceiling: Option<Ceiling>,
+}
+
+impl Source {
+    fn next(&mut self) -> (super::workload::GenRequest, Option<(u64, u64)>) {
+        let req = self.workload.next_request();
+        let ceiling = self.ceiling.as_mut().map(|c| {
+            let pieces: Vec<Piece> = req
+                .parts
+                .messages
+                .iter()
+                .flat_map(|(_, segs)| segs.iter())
+                .map(|s| Piece {
+                    id: segment_id(s),
+                    tokens: s.tokens,
+                })
+                .collect();
+            let tokens = pieces.iter().map(|p| u64::from(p.tokens)).sum();
+            c.add(tokens, &piece_block_hashes(&pieces, c.block_size(), 0))
+        });
+        (req, ceiling)
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -182,7 +215,7 @@ fn classify_transport(e: &str) -> String {
 async fn send_one(
     client: &HttpClient,
     cfg: &RunConfig,
-    req: super::workload::GenRequest,
+    (req, ceiling): (super::workload::GenRequest, Option<(u64, u64)>),
     stage_start: Instant,
 ) -> RequestRecord {
     let sent_at_s = stage_start.elapsed().as_secs_f64() * cfg.time_scale;
@@ -192,6 +225,7 @@ async fn send_one(
         .await;
     let mut r = record(sent_at_s, res, cfg.time_scale);
     r.end_s = r.end_s.max(sent_at_s);
+    r.ceiling = ceiling;
     r
 }
 
@@ -199,7 +233,7 @@ async fn send_one(
 async fn run_stage(
     client: &HttpClient,
     cfg: &Arc<RunConfig>,
-    workload: &Arc<Mutex<Workload>>,
+    workload: &Arc<Mutex<Source>>,
     stage: &Stage,
     stage_no: u64,
 ) -> Vec<RequestRecord> {
@@ -207,8 +241,7 @@ async fn run_stage(
     let start = Instant::now();
     let records = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    let next =
-        |w: &Arc<Mutex<Workload>>| w.lock().unwrap_or_else(|p| p.into_inner()).next_request();
+    let next = |w: &Arc<Mutex<Source>>| w.lock().unwrap_or_else(|p| p.into_inner()).next();
     match stage.kind {
         StageKind::Rate(rate) => {
             let mut rng = SeededRng::derive(cfg.seed, 0x5EED ^ stage_no);
@@ -285,7 +318,10 @@ pub async fn run_until(
         }
     }
     let cfg = Arc::new(cfg);
-    let workload = Arc::new(Mutex::new(Workload::new(cfg.workload.clone(), cfg.seed)));
+    let workload = Arc::new(Mutex::new(Source {
+        workload: Workload::new(cfg.workload.clone(), cfg.seed),
+        ceiling: cfg.ceiling_block_size.map(Ceiling::new),
+    }));
     let mut stages = Vec::new();
     for (i, stage) in cfg.stages.iter().enumerate() {
         log(&format!(

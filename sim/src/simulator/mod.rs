@@ -35,6 +35,7 @@ use crate::emulator::endpoint::Snapshot;
 use crate::emulator::metrics_text::render_parts;
 use crate::emulator::openai::engine_request;
 use crate::emulator::EmulatorConfig;
+use crate::loadgen::ceiling::Ceiling;
 use crate::loadgen::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
 use crate::loadgen::stages::{Stage, StageKind};
 use crate::loadgen::workload::{GenParts, Workload, WorkloadSpec};
@@ -308,6 +309,9 @@ pub struct Sim {
     /// Closed-loop clients whose request ended (concurrency stages).
     client_queue: Vec<usize>,
     use_: Utilization,
+    /// The hit-ratio ceiling of the requests so far, in the modelled
+    /// servers' own blocks.
+    ceiling: Ceiling,
 }
 
 impl Sim {
@@ -439,6 +443,7 @@ impl Sim {
             reap_s,
             client_queue: Vec::new(),
             use_: Utilization::default(),
+            ceiling: Ceiling::new(cfg.fleet.engine.block_size),
             cfg,
         })
     }
@@ -727,10 +732,17 @@ impl Sim {
         client: Option<usize>,
     ) -> Result<(), String> {
         self.totals.arrived += 1;
+        let ceiling = (req.server.prompt_tokens != u32::MAX).then(|| {
+            self.ceiling.add(
+                u64::from(req.server.prompt_tokens),
+                &req.server.block_hashes,
+            )
+        });
         let rec = RequestRecord {
             sent_at_s: self.now - stage_t0,
             end_s: self.now - stage_t0,
             prompt_tokens: u64::from(req.server.prompt_tokens),
+            ceiling: Some(ceiling.unwrap_or((0, 0))),
             ..Default::default()
         };
         let Some(routed) = self.route(&req.router)? else {
@@ -1054,7 +1066,8 @@ impl Sim {
 }
 
 /// A stable id for a workload segment.
-fn segment_id(s: &crate::loadgen::workload::Segment) -> u64 {
+/// The piece id of a workload segment (segments form).
+pub(crate) fn segment_id(s: &crate::loadgen::workload::Segment) -> u64 {
     let mut h = kvroute_core::blocks::chain(0x5E6, &[s.kind]);
     h = kvroute_core::blocks::chain(h, &s.a.to_le_bytes());
     h = kvroute_core::blocks::chain(h, &s.b.to_le_bytes());
