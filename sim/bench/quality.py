@@ -175,10 +175,13 @@ SMOKE = {
                            "rates": [4], "stage_s": 40},
     "agent-session": {"loadgen": ["--groups", "4", "--prompts-per-group", "3", "--system-tokens", "256",
                                   "--persona-tokens", "512", "--question-tokens", "128", "--output-tokens", "16"],
-                      "rates": [3], "stage_s": 40},
+                      "rates": [3], "stage_s": 40,
+                      # every arm is smoked on reasoning; these two workloads smoke their generators
+                      # through the two profiles that matter (keeps CI's smoke step near 4 min)
+                      "arms": ["round-robin", "kvroute", "kvroute-default"]},
     "bursty-cold-start": {"loadgen": ["--groups", "4", "--system-tokens", "512", "--question-tokens", "64",
                                       "--output-tokens", "16"],
-                          "rates": [4], "stage_s": 40},
+                          "rates": [4], "stage_s": 40, "arms": ["round-robin", "kvroute", "kvroute-default"]},
 }
 
 
