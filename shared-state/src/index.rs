@@ -31,14 +31,22 @@ pub const ENTRY_BYTES: usize = 16;
 pub const WAYS: usize = 4;
 /// Sets per shard.
 pub const SETS: usize = SHARD_BYTES / ENTRY_BYTES / WAYS;
-/// Consecutive blocks that share a shard. 32 (2,048 tokens at llm-d's
-/// default 64-token blocks): a prompt of up to 8 KiB is one group, so its
-/// lookup reads one shard and its insert writes one, and a long new prompt
-/// takes half the read-modify-writes that 16-block groups took (each a
-/// get, an allocation callback and a set: ≈ 7 K instructions less per
-/// 8 KiB request and ≈ 100 K less per 400 KiB one in Envoy, by callgrind).
-/// A group fills at most an eighth of a shard.
-pub const GROUP_BLOCKS: usize = 32;
+/// Consecutive blocks that share a shard: 8.
+///
+/// A group lives in the shard of its first block's hash, so every prompt
+/// that shares a group's first block writes that group into one shard of
+/// 256 entries. When a shared prefix (a system prompt) ends inside a group,
+/// the private blocks of every session or question that follows it land in
+/// that one shard. With 32-block groups a session brought up to 31 private
+/// blocks there: 32 agent sessions overflowed its sets, random ways were
+/// overwritten, the binary search below met holes, and sessions lost their
+/// affinity (the simulator's agent-session, seed 2: 0.73 of the ceiling's
+/// hit ratio at 1 req/s; 8-block groups: 0.99; `docs/benchmarks.md`,
+/// "kvroute-default against every arm"). With 8 a session brings at most 7.
+/// The price is more shard round trips for long new prompts (one
+/// read-modify-write per 8 blocks, 512 bytes of text at 16-token blocks);
+/// lookups stay about log2(blocks) reads.
+pub const GROUP_BLOCKS: usize = 8;
 
 /// Shard layout derived from the byte budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -636,15 +644,22 @@ mod tests {
 
         // A seed that went stale (another worker wrote the shard since):
         // the CAS fails, the insert re-reads, and neither write is lost.
-        let b = chain(12, 16);
+        let b = chain(12, G);
         mem.set(&geo.shard_key(b[0]), &[0; SHARD_BYTES], 0).unwrap();
         let m = longest_prefixes(&mem, &geo, &b, &[holder(2, 0, 0)]).unwrap();
         assert!(m.shards[0].is_some());
-        insert(&mem, &geo, &b, 0, &holder(3, 16, 0), ALWAYS).unwrap();
-        let st = insert_seeded(&mem, &geo, &b, 0, &holder(2, 16, 0), ALWAYS, m.shards).unwrap();
+        insert(&mem, &geo, &b, 0, &holder(3, G as u64, 0), ALWAYS).unwrap();
+        let st =
+            insert_seeded(&mem, &geo, &b, 0, &holder(2, G as u64, 0), ALWAYS, m.shards).unwrap();
         assert_eq!((st.shard_writes, st.cas_retries), (1, 1));
-        let m = longest_prefixes(&mem, &geo, &b, &[holder(2, 16, 0), holder(3, 16, 0)]).unwrap();
-        assert_eq!(m.matched_blocks, vec![16, 16]);
+        let m = longest_prefixes(
+            &mem,
+            &geo,
+            &b,
+            &[holder(2, G as u64, 0), holder(3, G as u64, 0)],
+        )
+        .unwrap();
+        assert_eq!(m.matched_blocks, vec![G as u32, G as u32]);
     }
 
     #[test]
