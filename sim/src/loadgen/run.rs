@@ -8,8 +8,8 @@ use super::stages::{Stage, StageKind};
 use super::workload::{Workload, WorkloadSpec};
 use crate::prometheus;
 use crate::rng::SeededRng;
-use crate::simulator::prompt::{piece_block_hashes, Piece};
-use crate::simulator::segment_id;
+use crate::simulator::parts_pieces;
+use crate::simulator::prompt::piece_block_hashes;
 use serde::Serialize;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -44,16 +44,7 @@ impl Source {
     fn next(&mut self) -> (super::workload::GenRequest, Option<(u64, u64)>) {
         let req = self.workload.next_request();
         let ceiling = self.ceiling.as_mut().map(|c| {
-            let pieces: Vec<Piece> = req
-                .parts
-                .messages
-                .iter()
-                .flat_map(|(_, segs)| segs.iter())
-                .map(|s| Piece {
-                    id: segment_id(s),
-                    tokens: s.tokens,
-                })
-                .collect();
+            let pieces = parts_pieces(&req.parts);
             let tokens = pieces.iter().map(|p| u64::from(p.tokens)).sum();
             c.add(tokens, &piece_block_hashes(&pieces, c.block_size(), 0))
         });

@@ -585,15 +585,7 @@ impl Sim {
     }
 
     fn parts_request(&self, model: &str, parts: &GenParts) -> SimRequest {
-        let pieces: Vec<Piece> = parts
-            .messages
-            .iter()
-            .flat_map(|(_, segs)| segs.iter())
-            .map(|s| Piece {
-                id: segment_id(s),
-                tokens: s.tokens,
-            })
-            .collect();
+        let pieces = parts_pieces(parts);
         let (rbs, rmax) = self.router_blocks();
         from_pieces(
             model,
@@ -1065,7 +1057,19 @@ impl Sim {
     }
 }
 
-/// A stable id for a workload segment.
+/// A request's messages as segments-form pieces, in order.
+pub(crate) fn parts_pieces(parts: &GenParts) -> Vec<Piece> {
+    parts
+        .messages
+        .iter()
+        .flat_map(|(_, segs)| segs.iter())
+        .map(|s| Piece {
+            id: segment_id(s),
+            tokens: s.tokens,
+        })
+        .collect()
+}
+
 /// The piece id of a workload segment (segments form).
 pub(crate) fn segment_id(s: &crate::loadgen::workload::Segment) -> u64 {
     let mut h = kvroute_core::blocks::chain(0x5E6, &[s.kind]);
