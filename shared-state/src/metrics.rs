@@ -32,29 +32,64 @@ pub struct MetricsSnapshot {
     /// The online prefill-throughput estimate and its window baseline
     /// (`kvroute_core::collector::prefill_rate`).
     pub prefill: PrefillRate,
-    /// The bytes-per-token learner's state
+    /// Bytes per token: routed prompt bytes over `vllm:prompt_tokens_total`
     /// (`kvroute_core::collector::bytes_per_token`).
-    pub bytes_per_token: BytesPerToken,
+    pub bytes_per_token: RatioLearner,
+    /// Output tokens per finished request: `vllm:request_generation_tokens`
+    /// sum over count (`kvroute_core::collector::output_tokens`).
+    pub output_tokens: RatioLearner,
 }
 
-/// Samples the bytes-per-token learner keeps per endpoint.
-pub const BPT_SAMPLES: usize = 9;
+/// Samples a ratio learner keeps per endpoint.
+pub const RATIO_SAMPLES: usize = 9;
 
-/// The collector's bytes-per-token learner for one endpoint: the window's
-/// baseline and a ring of the last samples (bytes/token, as f32 bits).
+/// The collector's learner of one ratio of two growing totals
+/// (`kvroute_core::collector::ratio`) for one endpoint: the window's
+/// baseline and a ring of the last samples (as f32 bits).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct BytesPerToken {
+pub struct RatioLearner {
     /// A baseline has been taken.
     pub based: bool,
-    /// `vllm:prompt_tokens_total` at the window start.
-    pub base_tokens: f64,
-    /// The load table's `routed_prompt_bytes` at the window start.
-    pub base_bytes: u64,
-    pub samples: [f32; BPT_SAMPLES],
-    /// Samples kept (≤ `BPT_SAMPLES`).
+    /// The denominator's total at the window start.
+    pub base_den: f64,
+    /// The numerator's total at the window start.
+    pub base_num: f64,
+    pub samples: [f32; RATIO_SAMPLES],
+    /// Samples kept (≤ `RATIO_SAMPLES`).
     pub count: u8,
     /// Where the next sample goes.
     pub next: u8,
+}
+
+impl RatioLearner {
+    fn write(&self, w: &mut Writer) {
+        w.u8(u8::from(self.based));
+        w.f64(self.base_den);
+        w.f64(self.base_num);
+        for x in &self.samples {
+            w.u32(x.to_bits());
+        }
+        w.u8(self.count);
+        w.u8(self.next);
+    }
+
+    fn read(r: &mut Reader) -> Option<RatioLearner> {
+        let based = r.u8()? != 0;
+        let base_den = r.f64()?;
+        let base_num = r.f64()?;
+        let mut samples = [0f32; RATIO_SAMPLES];
+        for x in samples.iter_mut() {
+            *x = f32::from_bits(r.u32()?);
+        }
+        Some(RatioLearner {
+            based,
+            base_den,
+            base_num,
+            samples,
+            count: r.u8()?.min(RATIO_SAMPLES as u8),
+            next: r.u8()? % RATIO_SAMPLES as u8,
+        })
+    }
 }
 
 /// The collector's prefill-throughput estimate for one endpoint, kept in
@@ -104,12 +139,15 @@ pub struct MetricsTable {
     pub slots: Vec<MetricsSnapshot>,
 }
 
+/// One slot's encoded size.
+const SLOT_BYTES: usize = 236;
+
 /// Bumped when the layout changes, so a table of another layout reads as empty.
-const MAGIC: u8 = 0x40;
+const MAGIC: u8 = 0x41;
 
 impl MetricsTable {
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::with_capacity(3 + self.slots.len() * 181);
+        let mut w = Writer::with_capacity(3 + self.slots.len() * SLOT_BYTES);
         w.u8(MAGIC);
         w.u16(self.slots.len() as u16);
         for m in &self.slots {
@@ -132,15 +170,8 @@ impl MetricsTable {
             w.f64(p.tokens_per_s);
             w.u64(p.updated_at_ms);
             w.u32(p.samples);
-            let b = &m.bytes_per_token;
-            w.u8(u8::from(b.based));
-            w.f64(b.base_tokens);
-            w.u64(b.base_bytes);
-            for x in &b.samples {
-                w.u32(x.to_bits());
-            }
-            w.u8(b.count);
-            w.u8(b.next);
+            m.bytes_per_token.write(&mut w);
+            m.output_tokens.write(&mut w);
         }
         w.buf
     }
@@ -181,23 +212,8 @@ impl MetricsTable {
                     updated_at_ms: r.u64()?,
                     samples: r.u32()?,
                 },
-                bytes_per_token: {
-                    let based = r.u8()? != 0;
-                    let base_tokens = r.f64()?;
-                    let base_bytes = r.u64()?;
-                    let mut samples = [0f32; BPT_SAMPLES];
-                    for x in samples.iter_mut() {
-                        *x = f32::from_bits(r.u32()?);
-                    }
-                    BytesPerToken {
-                        based,
-                        base_tokens,
-                        base_bytes,
-                        samples,
-                        count: r.u8()?.min(BPT_SAMPLES as u8),
-                        next: r.u8()? % BPT_SAMPLES as u8,
-                    }
-                },
+                bytes_per_token: RatioLearner::read(&mut r)?,
+                output_tokens: RatioLearner::read(&mut r)?,
             });
         }
         Some(MetricsTable { slots })
@@ -251,18 +267,26 @@ mod tests {
             updated_at_ms: 10,
             samples: 1,
         };
-        m.bytes_per_token = BytesPerToken {
+        m.bytes_per_token = RatioLearner {
             based: true,
-            base_tokens: 5000.0,
-            base_bytes: 20_000,
-            samples: [3.5; BPT_SAMPLES],
+            base_den: 5000.0,
+            base_num: 20_000.0,
+            samples: [3.5; RATIO_SAMPLES],
             count: 4,
             next: 4,
+        };
+        m.output_tokens = RatioLearner {
+            based: true,
+            base_den: 12.0,
+            base_num: 9000.0,
+            samples: [750.0; RATIO_SAMPLES],
+            count: 2,
+            next: 2,
         };
         let enc = t.encode();
         let d = MetricsTable::decode(Some(&enc));
         assert_eq!(d, t);
-        assert_eq!(enc.len(), 3 + 3 * 181);
+        assert_eq!(enc.len(), 3 + 3 * SLOT_BYTES);
         assert_eq!(d.get(2, 5).unwrap().prefill.estimate(), Some(20480.0));
         assert_eq!(d.get(0, 0).unwrap().prefill.estimate(), None);
         assert_eq!(d.get(2, 5).unwrap().capacity_tokens(), Some(1600));

@@ -1,7 +1,9 @@
 """Real tokens in real Envoy (issue 15, part 3): with `charsPerToken: "auto"`
 (the shipped kvroute-default profile) the collector learns each endpoint's
 bytes per token from the server's `vllm:prompt_tokens_total` against the text
-bytes it routed there (filter/core/src/collector/bytes_per_token.rs).
+bytes it routed there (filter/core/src/collector/bytes_per_token.rs), and
+with `learnOutputTokens` its mean output per finished request from
+`vllm:request_generation_tokens` (collector/output_tokens.rs).
 
 The emulated servers tokenize with a real tokenizer (the tiny BPE,
 sim/src/emulator/tokenize.rs), at about 2 bytes per token on this text, so
@@ -18,6 +20,8 @@ def config():
     cfg = json.loads(json.dumps(SHIPPED_PLUGIN_CONFIG))
     producer = next(p for p in cfg["plugins"] if p["type"] == "approx-prefix-cache-producer")
     assert producer["parameters"].get("charsPerToken") == "auto", "the shipped profile learns bytes per token"
+    inflight = next(p for p in cfg["plugins"] if p["type"] == "inflight-load-producer")
+    assert inflight["parameters"].get("learnOutputTokens") is True, "the shipped profile learns output tokens"
     cfg["routing"].update({"debugHeader": True, "statePath": STATE_PATH, "seed": 3})
     cfg["collector"].update({"metricsPollIntervalMs": 200})
     return cfg
@@ -48,3 +52,28 @@ def test_bytes_per_token_is_learnt_from_the_servers_token_counts(fleet, envoy):
         print(f"{a}: learnt {got:.3f} bytes/token, servers' usage gives {want:.3f}")
         assert abs(got - want) <= 0.1 * want, (a, got, want)
         assert got < 3.0, "the tiny BPE packs ~2 bytes per token; 4 is the fixed default"
+
+
+def test_output_tokens_per_request_are_learnt_from_the_servers(fleet, envoy):
+    f = fleet(2)
+    e = envoy(config(), endpoints=f.addresses, state_listener=True)
+    out = {a: [] for a in f.addresses}
+    # Short distinct prompts with 20, 30 or 40 output tokens (mean 30, 1.5x
+    # the prompt would be ~15); each server needs 2 windows of >= 4
+    # finished requests after its first poll.
+    for i in range(36):
+        r = chat(e.port, [{"role": "user", "content": f"out-{i} " + text(f"o{i}", 40)}], max_tokens=20 + 10 * (i % 3))
+        assert r.status == 200, r
+        out[r.served_by].append(r.json()["usage"]["completion_tokens"])
+    assert all(len(v) >= 9 for v in out.values()), {a: len(v) for a, v in out.items()}
+
+    def learnt():
+        st = e.state_by_address()
+        return st if all(x.get("outputTokensPerRequest") for x in st.values()) else None
+
+    st = wait_until(learnt, timeout=10, what="an outputTokensPerRequest estimate for every endpoint")
+    for a, x in st.items():
+        want = sum(out[a]) / len(out[a])
+        got = x["outputTokensPerRequest"]
+        print(f"{a}: learnt {got:.1f} output tokens per request, the servers' usage gives {want:.1f}")
+        assert abs(got - want) <= 0.2 * want, (a, got, want)

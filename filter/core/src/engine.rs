@@ -6,8 +6,8 @@
 //! as it runs in Envoy. The glue only moves bytes and headers.
 
 use crate::blocks::prompt_blocks;
-use crate::collector::bytes_per_token;
 use crate::collector::prefill_rate::{self, PrefillRateParams};
+use crate::collector::{bytes_per_token, output_tokens};
 use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::precise::{Fallback, PreciseUse};
@@ -473,11 +473,24 @@ impl Engine {
                 }
             })
             .collect();
+        // The model's mean output per request, once the servers taught it.
+        let learnt_output_tokens = if self.config.scheduler.inflight.learn_output_tokens {
+            output_tokens::fleet_estimate(endpoints.iter().filter_map(|e| {
+                metrics
+                    .get(e.slot, e.generation)
+                    .filter(|m| m.is_fresh(now_ms, stale_after))
+                    .and_then(|m| output_tokens::estimate(&m.output_tokens))
+            }))
+            .map(|n| n.round() as u64)
+        } else {
+            None
+        };
         let view = RequestView {
             prompt_tokens,
             total_blocks: hashes.len() as u32,
             block_size_tokens: block_tokens,
             max_output_tokens,
+            learnt_output_tokens,
             tie_key: tie_key(hashes, &candidates),
         };
         Ok(Some(Snapshot {
@@ -550,6 +563,7 @@ impl Engine {
             total_blocks: vllm_hashes.len().min(u32::MAX as usize) as u32,
             block_size_tokens: p.block_size,
             max_output_tokens: snap.view.max_output_tokens,
+            learnt_output_tokens: snap.view.learnt_output_tokens,
             tie_key: tie_key(vllm_hashes, &candidates),
         };
         Ok(Some((candidates, view)))
@@ -849,6 +863,9 @@ impl Engine {
                         if let Some(tokens) = v.prompt_tokens {
                             bytes_per_token::observe(&mut m.bytes_per_token, tokens, routed_bytes);
                         }
+                        if let Some(g) = v.generation {
+                            output_tokens::observe(&mut m.output_tokens, g.tokens, g.requests);
+                        }
                     }
                     Ok(Err(e)) => {
                         m.failures = m.failures.saturating_add(1);
@@ -930,6 +947,7 @@ impl Engine {
                     "gatePrefillTokensPerS": gate_rate,
                     "routedPromptBytes": rec.map_or(0, |r| r.routed_prompt_bytes),
                     "bytesPerToken": m.and_then(|m| bytes_per_token::estimate(&m.bytes_per_token)),
+                    "outputTokensPerRequest": m.and_then(|m| output_tokens::estimate(&m.output_tokens)),
                     "metrics": m.filter(|m| m.ok_at_ms != 0).map(|m| serde_json::json!({
                         "waiting": m.waiting,
                         "running": m.running,

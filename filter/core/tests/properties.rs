@@ -109,6 +109,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                     output_ratio: ratio,
                     max_estimated_output_tokens: None,
                     hold_kv_until_end: out && ratio > 2.0,
+                    learn_output_tokens: out && ratio < 1.0,
                 },
                 max_fallbacks: fallbacks,
             },
@@ -121,7 +122,7 @@ proptest! {
     #[test]
     fn decisions_are_well_formed(s in scheduler(), cands in proptest::collection::vec(candidate(), 0..12),
                                  blocks in 0u32..200, extra in 0u64..64, max_out in proptest::option::of(0u64..5000), seed in any::<u64>()) {
-        let req = RequestView { prompt_tokens: u64::from(blocks) * 16 + extra, total_blocks: blocks, block_size_tokens: 16, max_output_tokens: max_out, tie_key: if blocks > 0 { Some(u64::from(blocks) * 31 + extra) } else { None }, };
+        let req = RequestView { prompt_tokens: u64::from(blocks) * 16 + extra, total_blocks: blocks, block_size_tokens: 16, max_output_tokens: max_out, learnt_output_tokens: (extra % 3 == 0).then_some(extra * 100), tie_key: if blocks > 0 { Some(u64::from(blocks) * 31 + extra) } else { None }, };
         let d = s.schedule(&req, &cands, &mut Rng::new(seed));
         if cands.is_empty() {
             prop_assert!(d.is_none());

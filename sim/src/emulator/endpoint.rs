@@ -109,6 +109,7 @@ pub struct Snapshot {
     pub ttft: Histogram,
     pub prefill_time: Histogram,
     pub prefill_kv_computed: Histogram,
+    pub generation_tokens: Histogram,
     pub fault_responses: u64,
     /// Model seconds lost to host lag since start (never reset).
     pub host_lag_model_s: f64,
@@ -127,6 +128,7 @@ impl Snapshot {
             ttft: engine.ttft.clone(),
             prefill_time: engine.prefill_time.clone(),
             prefill_kv_computed: engine.prefill_kv_computed.clone(),
+            generation_tokens: engine.generation_tokens.clone(),
             fault_responses: 0,
             host_lag_model_s: 0.0,
         }

@@ -119,6 +119,11 @@ pub fn render_parts(model: &str, cfg: &EngineConfig, created: f64, s: &Snapshot)
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             &s.prefill_kv_computed,
         ),
+        (
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            &s.generation_tokens,
+        ),
     ] {
         histogram(&mut e, name, help, h, &base, created);
     }

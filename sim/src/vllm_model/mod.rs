@@ -250,6 +250,9 @@ pub struct Engine {
     /// `vllm:request_prefill_kv_computed_tokens`: prompt − cached tokens;
     /// observed with `prefill_time`.
     pub prefill_kv_computed: Histogram,
+    /// `vllm:request_generation_tokens`: tokens generated; observed when a
+    /// request finishes.
+    pub generation_tokens: Histogram,
 }
 
 impl Engine {
@@ -266,6 +269,7 @@ impl Engine {
             ttft: Histogram::new(&TTFT_BUCKETS_S),
             prefill_time: Histogram::new(&REQUEST_LATENCY_BUCKETS_S),
             prefill_kv_computed: Histogram::new(&kv_buckets),
+            generation_tokens: Histogram::new(&kv_buckets),
         }
     }
 
@@ -340,6 +344,7 @@ impl Engine {
         self.ttft = Histogram::new(&TTFT_BUCKETS_S);
         self.prefill_time = Histogram::new(&REQUEST_LATENCY_BUCKETS_S);
         self.prefill_kv_computed = Histogram::new(&self.prefill_kv_computed.bounds.clone());
+        self.generation_tokens = Histogram::new(&self.generation_tokens.bounds.clone());
     }
 
     /// Events not yet handed out by `step` (e.g. from a reset).
@@ -535,6 +540,7 @@ impl Engine {
                 self.prefill_kv_computed.observe(f64::from(
                     st.req.prompt_tokens.saturating_sub(st.cached_tokens),
                 ));
+                self.generation_tokens.observe(f64::from(st.generated));
                 let blocks = std::mem::take(&mut st.blocks);
                 self.cache.free(&blocks);
                 self.requests.remove(&id);

@@ -27,7 +27,8 @@
 //! the endpoints' estimates that are fresh (`fleet_estimate`): one cluster
 //! serves one model, so this is the model's bytes per token.
 
-use kvroute_shared_state::metrics::{BytesPerToken, BPT_SAMPLES};
+pub use super::ratio::RatioLearner as BytesPerToken;
+use super::ratio::{self, Bounds};
 
 /// Bytes per token never learnt below this (1 byte per token).
 pub const FLOOR: f32 = 1.0;
@@ -38,61 +39,29 @@ pub const MIN_TOKENS: f64 = 4096.0;
 /// Windows before the estimate is used.
 pub const MIN_SAMPLES: u8 = 3;
 /// The ring's length.
-pub const SAMPLES: usize = BPT_SAMPLES;
+pub const SAMPLES: usize = ratio::RATIO_SAMPLES;
+
+const BOUNDS: Bounds = Bounds {
+    min_window: MIN_TOKENS,
+    floor: FLOOR,
+    ceiling: CEILING,
+    min_samples: MIN_SAMPLES,
+};
 
 /// Feeds one poll: the server's `vllm:prompt_tokens_total` and the bytes
 /// routed to it so far.
 pub fn observe(state: &mut BytesPerToken, prompt_tokens_total: f64, routed_bytes: u64) {
-    if !prompt_tokens_total.is_finite() || prompt_tokens_total < 0.0 {
-        return;
-    }
-    if !state.based || prompt_tokens_total < state.base_tokens || routed_bytes < state.base_bytes {
-        state.based = true;
-        state.base_tokens = prompt_tokens_total;
-        state.base_bytes = routed_bytes;
-        return;
-    }
-    let tokens = prompt_tokens_total - state.base_tokens;
-    if tokens < MIN_TOKENS {
-        return;
-    }
-    let bytes = (routed_bytes - state.base_bytes) as f64;
-    let sample = ((bytes / tokens) as f32).clamp(FLOOR, CEILING);
-    let at = usize::from(state.next) % SAMPLES;
-    state.samples[at] = sample;
-    state.next = ((at + 1) % SAMPLES) as u8;
-    state.count = state.count.saturating_add(1).min(SAMPLES as u8);
-    state.base_tokens = prompt_tokens_total;
-    state.base_bytes = routed_bytes;
+    ratio::observe(state, prompt_tokens_total, routed_bytes as f64, &BOUNDS);
 }
 
 /// The median of the kept samples, once there are `MIN_SAMPLES`.
 pub fn estimate(state: &BytesPerToken) -> Option<f64> {
-    if state.count < MIN_SAMPLES {
-        return None;
-    }
-    median(&state.samples[..usize::from(state.count).min(SAMPLES)])
+    ratio::estimate(state, &BOUNDS)
 }
 
 /// The median of the endpoints' estimates (`None` if none has one).
 pub fn fleet_estimate(estimates: impl IntoIterator<Item = f64>) -> Option<f64> {
-    let v: Vec<f32> = estimates.into_iter().map(|e| e as f32).collect();
-    median(&v)
-}
-
-fn median(v: &[f32]) -> Option<f64> {
-    let mut v: Vec<f32> = v.iter().copied().filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f32::total_cmp);
-    let n = v.len();
-    let m = if n % 2 == 1 {
-        f64::from(v[n / 2])
-    } else {
-        (f64::from(v[n / 2 - 1]) + f64::from(v[n / 2])) / 2.0
-    };
-    Some(m.clamp(f64::from(FLOOR), f64::from(CEILING)))
+    ratio::fleet_estimate(estimates, &BOUNDS)
 }
 
 #[cfg(test)]
@@ -169,12 +138,12 @@ mod tests {
         feed(&mut s, &mut t, &[(5000.0, 2.5); 3]);
         // The server restarted: its counter is back near 0.
         observe(&mut s, 10.0, t.1);
-        assert_eq!(s.base_tokens, 10.0);
+        assert_eq!(s.base_den, 10.0);
         assert_eq!(estimate(&s), Some(2.5));
         // A bad reading is ignored.
         observe(&mut s, f64::NAN, t.1);
         observe(&mut s, -1.0, t.1);
-        assert_eq!(s.base_tokens, 10.0);
+        assert_eq!(s.base_den, 10.0);
     }
 
     #[test]

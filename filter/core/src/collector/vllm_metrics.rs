@@ -29,6 +29,19 @@ pub struct VllmMetrics {
     /// `vllm:prompt_tokens_total` (prompt tokens the server processed,
     /// cached or not, summed over engines), if exported.
     pub prompt_tokens: Option<f64>,
+    /// `vllm:request_generation_tokens` (tokens generated per finished
+    /// request): its sum and count, when the server exports both.
+    pub generation: Option<GenerationTotals>,
+}
+
+/// Sum and count of `vllm:request_generation_tokens`, summed over engines
+/// (see `super::output_tokens`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GenerationTotals {
+    /// `_sum`: output tokens of every finished request.
+    pub tokens: f64,
+    /// `_count`: finished requests.
+    pub requests: f64,
 }
 
 /// Sums of vLLM's two prefill histograms, which it observes together for
@@ -72,6 +85,8 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
     let mut prefill = PrefillTotals::default();
     // Which of computed-tokens sum, time sum, time count were seen.
     let mut prefill_seen = [false; 3];
+    let mut generation = GenerationTotals::default();
+    let mut generation_seen = [false; 2];
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -110,6 +125,14 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
                 prefill.requests += value;
                 prefill_seen[2] = true;
             }
+            "vllm:request_generation_tokens_sum" => {
+                generation.tokens += value;
+                generation_seen[0] = true;
+            }
+            "vllm:request_generation_tokens_count" => {
+                generation.requests += value;
+                generation_seen[1] = true;
+            }
             "vllm:cache_config_info" => {
                 if let Some(bs) = label(labels, "block_size").and_then(|v| v.parse().ok()) {
                     m.block_size = Some(bs);
@@ -139,6 +162,12 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
             computed_tokens: sane(prefill.computed_tokens),
             seconds: sane(prefill.seconds),
             requests: sane(prefill.requests),
+        });
+    }
+    if generation_seen.iter().all(|&s| s) {
+        m.generation = Some(GenerationTotals {
+            tokens: sane(generation.tokens),
+            requests: sane(generation.requests),
         });
     }
     Ok(m)
@@ -232,6 +261,30 @@ mod tests {
         let p = m.prefill.unwrap();
         assert_eq!((p.computed_tokens, p.requests), (10093.0, 15.0));
         assert!((p.seconds - 0.374_412_347).abs() < 1e-6, "{}", p.seconds);
+        // 15 finished requests that generated 344 tokens.
+        assert_eq!(
+            m.generation,
+            Some(GenerationTotals {
+                tokens: 344.0,
+                requests: 15.0
+            })
+        );
+    }
+
+    #[test]
+    fn generation_totals_need_sum_and_count() {
+        let both = b"vllm:num_requests_running 0\n\
+vllm:request_generation_tokens_sum{engine=\"0\"} 900\n\
+vllm:request_generation_tokens_sum{engine=\"1\"} 100\n\
+vllm:request_generation_tokens_count{engine=\"0\"} 3\n\
+vllm:request_generation_tokens_count{engine=\"1\"} 1\n\
+vllm:request_generation_tokens_bucket{engine=\"0\",le=\"+Inf\"} 3\n";
+        let g = parse(both).unwrap().generation.unwrap();
+        assert_eq!((g.tokens, g.requests), (1000.0, 4.0));
+        let sum_only = b"vllm:num_requests_running 0\nvllm:request_generation_tokens_sum 5\n";
+        assert_eq!(parse(sum_only).unwrap().generation, None);
+        let negative = b"vllm:num_requests_running 0\nvllm:request_generation_tokens_sum -5\nvllm:request_generation_tokens_count 2\n";
+        assert_eq!(parse(negative).unwrap().generation.unwrap().tokens, 0.0);
     }
 
     #[test]

@@ -446,6 +446,9 @@ struct InflightParams {
     /// kvroute: the output part holds the whole prompt until the stream
     /// ends (`scheduling::charge`).
     hold_kv_until_end: Option<bool>,
+    /// kvroute: the output estimate is the servers' mean output per
+    /// finished request, learnt online (`collector::output_tokens`).
+    learn_output_tokens: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -950,6 +953,7 @@ fn compile_plugin(
                 output_ratio: ratio,
                 max_estimated_output_tokens: cap,
                 hold_kv_until_end: q.hold_kv_until_end.unwrap_or(false),
+                learn_output_tokens: q.learn_output_tokens.unwrap_or(false),
             })
         }
         "prefix-cache-affinity-filter" => {

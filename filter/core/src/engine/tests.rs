@@ -987,3 +987,76 @@ fn bytes_per_token_is_learnt_from_the_servers_and_a_fixed_value_overrides_it() {
         assert!(first.unwrap() > 0);
     }
 }
+
+fn generation_metrics(generated_sum: f64, finished: f64) -> Vec<u8> {
+    format!(
+        "vllm:num_requests_running{{engine=\"0\"}} 0\n\
+         vllm:num_requests_waiting{{engine=\"0\"}} 0\n\
+         vllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"1000\",engine=\"0\"}} 1\n\
+         vllm:request_generation_tokens_sum{{engine=\"0\",model_name=\"m\"}} {generated_sum}\n\
+         vllm:request_generation_tokens_count{{engine=\"0\",model_name=\"m\"}} {finished}\n"
+    )
+    .into_bytes()
+}
+
+/// With `learnOutputTokens` (the default profile) the held output estimate
+/// is the servers' mean output per finished request
+/// (`vllm:request_generation_tokens` sum over count), capped by the
+/// request's `max_tokens`; without it, or before it is learnt, or when the
+/// metrics are stale, it is `outputRatio × prompt` as in llm-d.
+#[test]
+fn output_tokens_are_learnt_from_the_servers() {
+    let body = chat(&"word ".repeat(400), "q");
+    let capped = String::from_utf8(body.clone())
+        .unwrap()
+        .replacen('{', r#"{"max_tokens":3000,"#, 1)
+        .into_bytes();
+    for learn in [true, false] {
+        let mut c = default_profile(r#""127.0.0.1:1""#);
+        c.scheduler.inflight.learn_output_tokens = learn;
+        let stale_after = c.collector.metrics_stale_after_ms;
+        let e = Engine::new(c);
+        let s = MemoryStore::new();
+        e.collector_init(&s).unwrap();
+        let mut rng = Rng::new(1);
+        // The held estimate of one routed request: inflight tokens are
+        // uncached (prefill) + uncached + output (held until the end).
+        let held_output = |body: &[u8], now: u64, rng: &mut Rng| {
+            let r = routed(e.route(&s, ApiKind::ChatCompletions, body, now, rng));
+            let v: serde_json::Value =
+                serde_json::from_str(&e.state_json(&s, now).unwrap()).unwrap();
+            let inflight = v["endpoints"][0]["inflightTokens"].as_u64().unwrap();
+            e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+            (inflight - 2 * r.uncached_tokens, r.uncached_tokens)
+        };
+        let mut now = 1_000;
+        let (before, prompt) = held_output(&body, now, &mut rng);
+        assert_eq!(before, (prompt as f64 * 1.5).round() as u64);
+        // Windows of 4 finished requests writing 6000 tokens each; one
+        // request of 1 token and one of 50,000 do not move the median.
+        let (mut sum, mut n) = (0.0, 0.0);
+        e.record_metrics(&s, 0, 1, Ok(&generation_metrics(sum, n)), now)
+            .unwrap();
+        for mean in [6000.0, 1.0, 6000.0, 50_000.0, 6000.0] {
+            sum += 4.0 * mean;
+            n += 4.0;
+            now += 100;
+            e.record_metrics(&s, 0, 1, Ok(&generation_metrics(sum, n)), now)
+                .unwrap();
+        }
+        let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, now).unwrap()).unwrap();
+        // Learnt and shown either way; used only with the parameter.
+        assert_eq!(v["endpoints"][0]["outputTokensPerRequest"], 6000.0);
+        let (after, _) = held_output(&body, now, &mut rng);
+        let (with_cap, _) = held_output(&capped, now, &mut rng);
+        let (stale, _) = held_output(&body, now + stale_after + 1, &mut rng);
+        if learn {
+            assert_eq!(after, 6000);
+            assert_eq!(with_cap, 3000);
+        } else {
+            assert_eq!(after, before);
+            assert_eq!(with_cap, 3000.min(before));
+        }
+        assert_eq!(stale, before, "stale metrics fall back to the ratio");
+    }
+}

@@ -189,6 +189,7 @@ mod tests {
             total_blocks: blocks,
             block_size_tokens: 10,
             max_output_tokens: None,
+            learnt_output_tokens: None,
             tie_key: None,
         }
     }

@@ -3,8 +3,11 @@
 //! prompt part = uncached prompt tokens of the request on that endpoint,
 //! released at the first response byte (prefill is done);
 //! output part (only with `addEstimatedOutputTokens`) =
-//! min(round(prompt_tokens × outputRatio), max_output_tokens, maxEstimatedOutputTokens),
-//! released with the request count at the end of the stream.
+//! min(estimate, max_output_tokens, maxEstimatedOutputTokens), released with
+//! the request count at the end of the stream. The estimate is llm-d's
+//! `round(prompt_tokens × outputRatio)`; with `learnOutputTokens`
+//! (kvroute's parameter) it is the servers' mean output per finished
+//! request once learnt (`collector::output_tokens`), the ratio until then.
 //!
 //! With `holdKvUntilEnd` (kvroute's parameter, off in llm-d's profile) the
 //! output part also holds the request's uncached prompt tokens, so it
@@ -30,6 +33,9 @@ pub struct InflightConfig {
     /// kvroute: the output part holds the uncached prompt tokens as well
     /// (the new KV the request occupies until its stream ends).
     pub hold_kv_until_end: bool,
+    /// kvroute: the output estimate is the learnt mean output per request
+    /// (`RequestView::learnt_output_tokens`) when there is one.
+    pub learn_output_tokens: bool,
 }
 
 impl Default for InflightConfig {
@@ -40,6 +46,7 @@ impl Default for InflightConfig {
             output_ratio: 1.5,
             max_estimated_output_tokens: None,
             hold_kv_until_end: false,
+            learn_output_tokens: false,
         }
     }
 }
@@ -61,7 +68,13 @@ impl InflightConfig {
     pub fn charge(&self, req: &RequestView, cand: &Candidate) -> Charge {
         let prompt_tokens = cand.uncached_tokens(req);
         let output_tokens = if self.add_estimated_output_tokens {
-            let est = (req.prompt_tokens as f64 * self.output_ratio).round();
+            let est = match req
+                .learnt_output_tokens
+                .filter(|_| self.learn_output_tokens)
+            {
+                Some(n) => n as f64,
+                None => (req.prompt_tokens as f64 * self.output_ratio).round(),
+            };
             let est = if est.is_finite() && est > 0.0 {
                 est as u64
             } else {
@@ -102,6 +115,7 @@ mod tests {
             total_blocks: 15,
             block_size_tokens: 64,
             max_output_tokens: Some(300),
+            learnt_output_tokens: None,
             tie_key: None,
         };
         let warm = Candidate {
@@ -121,6 +135,7 @@ mod tests {
             output_ratio: 0.5,
             max_estimated_output_tokens: None,
             hold_kv_until_end: false,
+            learn_output_tokens: false,
         };
         assert_eq!(
             on.charge(&r, &Candidate::default()),
@@ -143,6 +158,7 @@ mod tests {
             total_blocks: 15,
             block_size_tokens: 64,
             max_output_tokens: Some(300),
+            learnt_output_tokens: None,
             tie_key: None,
         };
         let warm = Candidate {
@@ -168,5 +184,47 @@ mod tests {
         };
         // + min(1000 × 1.5, max_tokens 300).
         assert_eq!(both.charge(&r, &warm).output_tokens, 660);
+    }
+
+    /// With `learnOutputTokens`, the servers' learnt mean replaces
+    /// `outputRatio × prompt`, capped like it; without a learnt figure (or
+    /// without the parameter) the ratio is used.
+    #[test]
+    fn learnt_output_replaces_the_ratio_and_is_capped() {
+        let mut r = RequestView {
+            prompt_tokens: 1000,
+            total_blocks: 15,
+            block_size_tokens: 64,
+            max_output_tokens: None,
+            learnt_output_tokens: Some(8000),
+            tie_key: None,
+        };
+        let learn = InflightConfig {
+            add_estimated_output_tokens: true,
+            learn_output_tokens: true,
+            ..Default::default()
+        };
+        let cold = Candidate::default();
+        assert_eq!(learn.charge(&r, &cold).output_tokens, 8000);
+        let ratio = InflightConfig {
+            learn_output_tokens: false,
+            ..learn.clone()
+        };
+        assert_eq!(ratio.charge(&r, &cold).output_tokens, 1500);
+        r.max_output_tokens = Some(2000);
+        assert_eq!(learn.charge(&r, &cold).output_tokens, 2000);
+        let capped = InflightConfig {
+            max_estimated_output_tokens: Some(700),
+            ..learn.clone()
+        };
+        assert_eq!(capped.charge(&r, &cold).output_tokens, 700);
+        r.learnt_output_tokens = None;
+        assert_eq!(learn.charge(&r, &cold).output_tokens, 1500);
+        let off = InflightConfig {
+            add_estimated_output_tokens: false,
+            ..learn
+        };
+        r.learnt_output_tokens = Some(8000);
+        assert_eq!(off.charge(&r, &cold).output_tokens, 0);
     }
 }

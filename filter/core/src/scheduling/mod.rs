@@ -44,6 +44,10 @@ pub struct RequestView {
     pub block_size_tokens: u32,
     /// The client's output cap (`max_tokens` and friends), if any.
     pub max_output_tokens: Option<u64>,
+    /// The fleet's learnt mean output tokens per request
+    /// (`collector::output_tokens`), when `inflight-load-producer` learns
+    /// it and the servers have taught it; else `None`.
+    pub learnt_output_tokens: Option<u64>,
     /// What `max-score-picker`'s `tieBreak: prefix` hashes: the request's
     /// block hash at index `min(m, blocks − 1)`, where `m` is the longest
     /// match any candidate has. It is the first block past what the fleet

@@ -217,6 +217,7 @@ mod tests {
             total_blocks: (tokens / 10) as u32,
             block_size_tokens: 10,
             max_output_tokens: None,
+            learnt_output_tokens: None,
             tie_key: None,
         }
     }

@@ -274,6 +274,7 @@ mod tests {
             total_blocks: blocks,
             block_size_tokens: 64,
             max_output_tokens: None,
+            learnt_output_tokens: None,
             tie_key: None,
         }
     }
