@@ -77,8 +77,16 @@
 //!   output estimate), which also favours the warm endpoint;
 //!   `C' = C` when known, else `kvCapacityTokens`.
 //!
-//! `Q` = `queueThresholdTokens` (default 65,536: four seconds of prefill at
-//! 16k tok/s; llm-d's 4M makes the score nearly flat, so only ties decide).
+//! `Q` = `queueThresholdTokens` (default 32,768: two seconds of prefill at
+//! 16k tok/s, the scale of a TTFT objective; llm-d's 4M makes the score
+//! nearly flat, so only ties decide). The lookahead `x` makes Q also the
+//! price of a cold prefill: with 65,536, a 6,000-token prefix recomputed on
+//! a cold endpoint weighed little against load, and on the skewed
+//! shared-prefix workload hot prefixes were copied more than needed
+//! (simulator, 3 seeds: the worst stage's hit ratio 0.93–0.94 of the
+//! ceiling at 65,536, 0.95–0.96 at 32,768; knee ÷ round robin 1.02
+//! [worst 0.96] and 1.10 [1.09]; the other workloads moved by less than
+//! the seeds differ; `docs/benchmarks.md`).
 //! An idle endpoint scores 1; the score is in [0, 1].
 
 use super::{Candidate, RequestView};
@@ -166,7 +174,7 @@ pub struct KvrouteLoadScorer {
 impl Default for KvrouteLoadScorer {
     fn default() -> Self {
         KvrouteLoadScorer {
-            queue_threshold_tokens: 65_536.0,
+            queue_threshold_tokens: 32_768.0,
             kv_capacity_tokens: 1_048_576.0,
         }
     }
