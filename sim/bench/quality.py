@@ -160,14 +160,17 @@ WORKLOADS = {
 }
 
 # Smoke: tiny prompts, one short stage per arm; proves every arm runs and
-# answers, nothing about quality.
+# answers, nothing about quality. Every arm is smoked on reasoning; the other
+# workloads smoke their generators through round robin and the two kvroute
+# profiles that matter (keeps CI's smoke step near 3 min).
+SMOKE_ARMS = ["round-robin", "kvroute", "kvroute-default"]
 SMOKE = {
     "shared-prefix": {"loadgen": ["--groups", "6", "--prompts-per-group", "3", "--system-tokens", "1024",
                                   "--question-tokens", "128", "--output-tokens", "16"],
-                      "rates": [4], "stage_s": 40},
+                      "rates": [4], "stage_s": 40, "arms": SMOKE_ARMS},
     "code-generation": {"loadgen": ["--groups", "4", "--prompts-per-group", "3", "--system-tokens", "512",
                                     "--question-tokens", "128", "--output-tokens", "16"],
-                        "rates": [3], "stage_s": 40},
+                        "rates": [3], "stage_s": 40, "arms": SMOKE_ARMS},
     "reasoning": {"loadgen": ["--system-tokens", "128", "--question-tokens", "256", "--output-tokens", "64"],
                   "rates": [3], "stage_s": 40, "time_scale": 10},
     "shared-prefix-skew": {"loadgen": ["--groups", "2", "--prompts-per-group", "20", "--system-tokens", "1024",
@@ -175,13 +178,10 @@ SMOKE = {
                            "rates": [4], "stage_s": 40},
     "agent-session": {"loadgen": ["--groups", "4", "--prompts-per-group", "3", "--system-tokens", "256",
                                   "--persona-tokens", "512", "--question-tokens", "128", "--output-tokens", "16"],
-                      "rates": [3], "stage_s": 40,
-                      # every arm is smoked on reasoning; these two workloads smoke their generators
-                      # through the two profiles that matter (keeps CI's smoke step near 4 min)
-                      "arms": ["round-robin", "kvroute", "kvroute-default"]},
+                      "rates": [3], "stage_s": 40, "arms": SMOKE_ARMS},
     "bursty-cold-start": {"loadgen": ["--groups", "4", "--system-tokens", "512", "--question-tokens", "64",
                                       "--output-tokens", "16"],
-                          "rates": [4], "stage_s": 40, "arms": ["round-robin", "kvroute", "kvroute-default"]},
+                          "rates": [4], "stage_s": 40, "arms": SMOKE_ARMS},
 }
 
 
