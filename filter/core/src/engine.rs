@@ -473,18 +473,21 @@ impl Engine {
                 }
             })
             .collect();
-        // The model's mean output per request, once the servers taught it.
-        let learnt_output_tokens = if self.config.scheduler.inflight.learn_output_tokens {
-            output_tokens::fleet_estimate(endpoints.iter().filter_map(|e| {
-                metrics
-                    .get(e.slot, e.generation)
-                    .filter(|m| m.is_fresh(now_ms, stale_after))
-                    .and_then(|m| output_tokens::estimate(&m.output_tokens))
-            }))
-            .map(|n| n.round() as u64)
-        } else {
-            None
-        };
+        // The model's mean output per request, once the servers taught it
+        // (looked up only when the charge will use it).
+        let inflight = &self.config.scheduler.inflight;
+        let learnt_output_tokens =
+            if inflight.learn_output_tokens && inflight.add_estimated_output_tokens {
+                output_tokens::fleet_estimate(endpoints.iter().filter_map(|e| {
+                    metrics
+                        .get(e.slot, e.generation)
+                        .filter(|m| m.is_fresh(now_ms, stale_after))
+                        .and_then(|m| output_tokens::estimate(&m.output_tokens))
+                }))
+                .map(|n| n.round() as u64)
+            } else {
+                None
+            };
         let view = RequestView {
             prompt_tokens,
             total_blocks: hashes.len() as u32,

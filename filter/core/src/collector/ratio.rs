@@ -69,7 +69,7 @@ pub fn estimate(state: &RatioLearner, b: &Bounds) -> Option<f64> {
         return None;
     }
     median(
-        &state.samples[..usize::from(state.count).min(RATIO_SAMPLES)],
+        state.samples[..usize::from(state.count).min(RATIO_SAMPLES)].to_vec(),
         b,
     )
 }
@@ -77,12 +77,12 @@ pub fn estimate(state: &RatioLearner, b: &Bounds) -> Option<f64> {
 /// The median of the endpoints' estimates (`None` if none has one): one
 /// cluster serves one model, so this is the model's figure.
 pub fn fleet_estimate(estimates: impl IntoIterator<Item = f64>, b: &Bounds) -> Option<f64> {
-    let v: Vec<f32> = estimates.into_iter().map(|e| e as f32).collect();
-    median(&v, b)
+    median(estimates.into_iter().map(|e| e as f32).collect(), b)
 }
 
-fn median(v: &[f32], b: &Bounds) -> Option<f64> {
-    let mut v: Vec<f32> = v.iter().copied().filter(|x| x.is_finite()).collect();
+/// One allocation per call (the caller's `Vec`), sorted in place.
+fn median(mut v: Vec<f32>, b: &Bounds) -> Option<f64> {
+    v.retain(|x| x.is_finite());
     if v.is_empty() {
         return None;
     }
