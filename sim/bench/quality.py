@@ -2,7 +2,9 @@
 """Routing quality through Envoy (issue 4): one command, one run, every arm.
 
     python3 sim/bench/quality.py --smoke            # CI: a few seconds per arm, exits 1 on any failure
-    python3 sim/bench/quality.py                    # full run (~1 h on 2 cores); writes docs/
+    python3 sim/bench/quality.py                    # full run, one seed (~1.2 h on 2 cores); writes docs/
+    python3 sim/bench/quality.py --seeds 1,2,3      # three seeds (~3.5 h)
+    python3 sim/bench/quality.py --from-results a.json,b.json   # rewrite docs/ from runs of different workloads
     python3 sim/bench/quality.py --workloads shared-prefix --arms round-robin,kvroute
 
 For each workload it starts one emulated vLLM fleet (kvroute-emulator, N
@@ -138,8 +140,9 @@ WORKLOADS = {
         "loadgen": ["--groups", "32"],
         "time_scale": 10,
         "stage_s": 150,
-        # simulator (block 64, 2026-12-01): round robin's knee 5, kvroute's 6
-        "rates": [1, 2, 3, 4, 5, 6, 8, 10],
+        # round robin's knee is 4-5 req/s; the kvroute arms' reached the old
+        # top (10 req/s) through Envoy, so the ramp goes on to 14
+        "rates": [1, 2, 3, 4, 5, 6, 8, 10, 12, 14],
         "arms": list(ALL_ARMS),
         "target": None,
         # per arm and stage: hit ratio / the stream's ceiling (issue 15's >= 0.98 target)
@@ -789,13 +792,19 @@ def markdown(results, img_rel, stages=False):
              "\"sticky until saturated\" gains) checked end to end, through the real module.")
     L.append("")
     L.append("```sh")
-    L.append("python3 sim/bench/quality.py            # full run, ~1 h; rewrites this section, the plots and results/quality.json")
-    L.append("python3 sim/bench/quality.py --smoke    # CI: every arm serves (~5 min after the builds)")
+    L.append("python3 sim/bench/quality.py --seeds 1,2,3   # every arm, ~3.5 h; rewrites this section, the plots, results/quality.json")
+    L.append("python3 sim/bench/quality.py --workloads W --arms A,B --seeds 1,2,3 --results w.json --out /tmp/w.md")
+    L.append("python3 sim/bench/quality.py --from-results w.json,x.json   # this section from runs of different workloads")
+    L.append("python3 sim/bench/quality.py --smoke         # CI: every arm serves (~3 min after the builds)")
     L.append("```")
     L.append("")
-    commit = a.get("commit") or "not recorded"
-    L.append(f"Current figures: run of {a['started']} (commit {commit}), `{a['command']}`, "
-             f"{a.get('wall_min', 0):.0f} min. Envoy 1.40.0 `--concurrency {a['envoy_concurrency']}`. "
+    runs = a.get("runs") or [run_of(a)]
+    if len(runs) == 1:
+        where = f"run of {describe_run(runs[0])}."
+    else:
+        where = (f"{len(runs)} runs, merged per workload (`--from-results`); each workload's run is named under "
+                 "its heading.")
+    L.append(f"Current figures: {where} Envoy 1.40.0 `--concurrency {a['envoy_concurrency']}`. "
              f"Fleet: {f['endpoints']} `kvroute-emulator` endpoints modelling Qwen3-32B on 2×H100 "
              f"(B = {f['max_num_batched_tokens']} tokens per step, {f['prefill_tps']} prefill tok/s, "
              f"{f['num_gpu_blocks']} KV blocks × {f['block_size']} tokens). Knee: the highest offered rate "
@@ -804,10 +813,14 @@ def markdown(results, img_rel, stages=False):
              f"calibrated per workload on the fleet, metrics polled every {a['metrics_poll_ms']} ms (wall). "
              "Definitions and arms: `sim/bench/README.md`; per-stage data: `sim/bench/results/quality.json`.")
     L.append("")
-    L.append("Knee throughput ÷ round robin's, same run (interpolated crossing in brackets):")
+    seeds = sorted({int(x) for w in a["workloads"].values() for x in (w.get("seeds") or {"1": None})})
+    first = "" if len(seeds) < 2 else " (each workload's first seed)"
+    L.append(f"Knee throughput ÷ round robin's, same run{first}, interpolated crossing in brackets; "
+             "\"(not run)\": the arm was left out of that workload's run:")
     L.append("")
-    L.append("| workload | llm-d target | kvroute | always-sticky | legacy blend | active-request | smg cache_aware |")
-    L.append("|---|---|---|---|---|---|---|")
+    L.append("| workload | llm-d target | kvroute (llm-d matched) | kvroute-default | always-sticky | legacy blend | "
+             "active-request | smg cache_aware |")
+    L.append("|---|---|---|---|---|---|---|---|")
     for wname, w in a["workloads"].items():
         r = w.get("ratios_vs_rr", {})
         tgt = w.get("target")
@@ -822,10 +835,9 @@ def markdown(results, img_rel, stages=False):
                 ri = w.get("ratios_vs_rr_interp", {}).get(arm)
                 return f"**{r[arm]:.2f}×**" + (f" ({ri:.2f}×)" if ri is not None else "")
             return "no knee" if w["arms"][arm].get("knee") is None else "–"
-        L.append(f"| {wname} | {tgt_s} | {cell('kvroute')} | {cell('always-sticky')} | {cell('legacy-blend')} | "
-                 f"{cell('active-request')} | {cell('smg-cache-aware')} |")
+        L.append(f"| {wname} | {tgt_s} | {cell('kvroute')} | {cell('kvroute-default')} | {cell('always-sticky')} | "
+                 f"{cell('legacy-blend')} | {cell('active-request')} | {cell('smg-cache-aware')} |")
     L.append("")
-    seeds = a.get("seeds") or [a.get("seed", 1)]
     if len(seeds) > 1:
         L.append(f"Over seeds {', '.join(str(x) for x in seeds)} (each arm's knee ÷ round robin's of the same seed): "
                  "median [worst, its seed]:")
@@ -856,9 +868,12 @@ def markdown(results, img_rel, stages=False):
     for wname, w in a["workloads"].items():
         L.append(f"### {wname}")
         L.append("")
+        wseeds = list(w.get("seeds") or {})
         L.append(f"{w['what']}. Time scale {w['time_scale']}×, {w['stage_s']:g} s (model) per stage; "
                  f"rates {', '.join(f'{x:g}' for x in w['rates'])} req/s. "
-                 f"![{wname}]({img_rel}/quality-{wname}.svg)")
+                 + (f"Run of {describe_run(w['run'])}. " if len(runs) > 1 and w.get("run") else "")
+                 + (f"The table and plot are seed {wseeds[0]}'s. " if len(wseeds) > 1 else "")
+                 + f"![{wname}]({img_rel}/quality-{wname}.svg)")
         L.append("")
         L.append("| arm | knee req/s | throughput at knee | hit % | prefill busy | busiest server's share | TTFT p90 s | "
                  "branches sticky / release / no-affinity |")
@@ -893,6 +908,38 @@ def markdown(results, img_rel, stages=False):
                              f"{shares} | {fmt(s['host_lag_s'], '.1f')} |")
             L.append("")
     return "\n".join(L) + "\n"
+
+
+def run_of(results):
+    """The provenance of one quality.py run."""
+    return {k: results.get(k) for k in ("started", "commit", "command", "wall_min")}
+
+
+def describe_run(run):
+    return (f"{run.get('started')} (commit {run.get('commit') or 'not recorded'}), `{run.get('command')}`, "
+            f"{run.get('wall_min') or 0:.0f} min")
+
+
+def merge_results(paths):
+    """Several results.json of one fleet and SLO as one: a workload found in more than one comes from the
+    last; each workload keeps its run's provenance (`run`)."""
+    merged = None
+    for path in paths:
+        with open(path) as f:
+            r = json.load(f)
+        for run in (r.get("runs") or [run_of(r)]):
+            for w in r["workloads"].values():
+                w.setdefault("run", run)
+        if merged is None:
+            merged = r
+            merged["runs"] = list(r.get("runs") or [run_of(r)])
+            continue
+        for key in ("fleet", "slo_s", "penalty_ms", "metrics_poll_ms", "envoy_concurrency", "smoke"):
+            if r.get(key) != merged.get(key):
+                raise ValueError(f"{path}: {key} {r.get(key)!r} differs from {paths[0]}'s {merged.get(key)!r}")
+        merged["workloads"].update(r["workloads"])
+        merged["runs"] += r.get("runs") or [run_of(r)]
+    return merged
 
 
 def git_commit():
@@ -1006,8 +1053,10 @@ def main(argv=None):
     p.add_argument("--loadgen-extra", default=None, help="extra kvroute-loadgen flags for every selected workload, "
                    "e.g. '--output-tokens 250' (what-if runs)")
     p.add_argument("--stages", action="store_true", help="also write every stage's row into the Markdown section (long)")
-    p.add_argument("--from-results", default=None, metavar="JSON",
-                   help="run nothing: rewrite the Markdown section and plots from a results.json of an earlier run")
+    p.add_argument("--from-results", default=None, metavar="JSON[,JSON...]",
+                   help="run nothing: rewrite the Markdown section and plots from the results.json of earlier runs "
+                   "(a comma list: one fleet and SLO, a workload in several files comes from the last; --results "
+                   "then gets the merged file)")
     args = p.parse_args(argv)
     args.workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
     for w in args.workloads:
@@ -1037,7 +1086,14 @@ def main(argv=None):
         args.results = os.path.join(HERE, "results", "quality.json")
 
     if args.from_results:
-        results = json.load(open(args.from_results))
+        try:
+            results = merge_results(args.from_results.split(","))
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"quality.py: --from-results: {e}")
+        if args.results:
+            os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+            with open(args.results, "w") as f:
+                json.dump(results, f, indent=1)
         for w in results["workloads"].values():
             add_headlines(w, results["slo_s"])
         publish(args, results)
