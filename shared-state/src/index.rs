@@ -5,7 +5,10 @@
 //! never holds more than the budget, however many prompts arrive. A shard is
 //! a set-associative table of 16-byte entries
 //! `(block hash u64, slot u16, generation u16, recorded u32)`; a full set
-//! overwrites one of its ways.
+//! overwrites one of its ways. An entry's set is chosen by its block hash
+//! *and* its endpoint, with two choices: a block every endpoint holds (a
+//! shared system prompt) has one entry per endpoint, so one set per block
+//! could name only [`WAYS`] of them (see [`sets_of`]).
 //!
 //! Eviction-aware: every endpoint has an insert counter (blocks newly
 //! inserted for it, in the load table). An entry records the counter after
@@ -138,8 +141,33 @@ fn mix(h: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn set_of(h: u64) -> usize {
-    (mix(h.rotate_left(29)) % SETS as u64) as usize
+/// The two sets an entry for block hash `h` held by endpoint `slot` may
+/// live in; a lookup reads both, an insert fills the emptier.
+///
+/// Chosen by the hash alone, every endpoint's entry for one block shared
+/// one set of [`WAYS`]: a block more than four endpoints held (a system
+/// prompt on an 8-server fleet) overwrote its entries in turn, an endpoint
+/// whose block-0 entry was gone read as cold, and sticky sessions moved
+/// (the simulator's agent-session on 8 servers, 1 req/s: 0.80 of the
+/// hit-ratio ceiling; `docs/benchmarks.md`, "kvroute-default against every
+/// arm"). Mixing in the slot spreads one block's entries over the shard;
+/// two choices keep the fullest set near the mean (a group of
+/// [`GROUP_BLOCKS`] blocks held by 16 endpoints is 128 entries in 64 sets).
+/// The shard still holds at most `SHARD_BYTES / ENTRY_BYTES` = 256
+/// entries, so a group held by more than ~24 endpoints loses some.
+fn sets_of(h: u64, slot: u16) -> [usize; 2] {
+    let z = mix(h.rotate_left(29) ^ (u64::from(slot) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    [
+        (z % SETS as u64) as usize,
+        ((z >> 32) % SETS as u64) as usize,
+    ]
+}
+
+/// The shard positions of the two sets of [`sets_of`], the first set's first.
+fn ways_of(h: u64, slot: u16) -> impl Iterator<Item = usize> {
+    sets_of(h, slot)
+        .into_iter()
+        .flat_map(|set| (0..WAYS).map(move |w| set * WAYS + w))
 }
 
 /// Hash 0 marks an empty entry, so a real 0 is stored as 1.
@@ -246,9 +274,8 @@ pub fn longest_prefixes(
         }
         let shard = shards[g].as_ref().map_or(&[][..], |(v, _)| v.as_slice());
         let hash = key_hash(hashes[i]);
-        let set = set_of(hash);
-        Ok((0..WAYS)
-            .map(|w| read_entry(shard, set * WAYS + w))
+        Ok(ways_of(hash, h.slot)
+            .map(|i| read_entry(shard, i))
             .find(|e| e.hash == hash && h.holds(e.slot, e.generation, e.recorded))
             .map(|e| e.recorded))
     };
@@ -391,28 +418,44 @@ fn upsert(
     recorded: u32,
     is_live: &dyn Fn(u16, u16, u32) -> bool,
 ) -> bool {
-    let set = set_of(hash);
-    let base = set * WAYS;
-    let entries: [Entry; WAYS] = std::array::from_fn(|w| read_entry(shard, base + w));
-    let way = entries
+    let mut at = [0usize; 2 * WAYS];
+    for (dst, i) in at.iter_mut().zip(ways_of(hash, holder.slot)) {
+        *dst = i;
+    }
+    let entries: [Entry; 2 * WAYS] = std::array::from_fn(|k| read_entry(shard, at[k]));
+    let free: [bool; 2 * WAYS] = std::array::from_fn(|k| {
+        let e = entries[k];
+        e.hash == 0 || !is_live(e.slot, e.generation, e.recorded)
+    });
+    // Free ways of the set with more of them first (two choices); when the
+    // two sets coincide the second half repeats the first, harmlessly.
+    let frees = |half: usize| {
+        free[half * WAYS..(half + 1) * WAYS]
+            .iter()
+            .filter(|&&f| f)
+            .count()
+    };
+    let order = if frees(1) > frees(0) { [1, 0] } else { [0, 1] };
+    let k = entries
         .iter()
         .position(|e| e.hash == hash && e.slot == holder.slot)
         .or_else(|| {
-            entries
+            order
                 .iter()
-                .position(|e| e.hash == 0 || !is_live(e.slot, e.generation, e.recorded))
+                .flat_map(|&half| half * WAYS..(half + 1) * WAYS)
+                .find(|&k| free[k])
         })
-        .unwrap_or(((mix(hash ^ u64::from(recorded)) >> 40) % WAYS as u64) as usize);
+        .unwrap_or(((mix(hash ^ u64::from(recorded)) >> 40) % (2 * WAYS) as u64) as usize);
     let entry = Entry {
         hash,
         slot: holder.slot,
         generation: holder.generation,
         recorded,
     };
-    if entries[way] == entry {
+    if entries[k] == entry {
         return false;
     }
-    write_entry(shard, base + way, entry);
+    write_entry(shard, at[k], entry);
     true
 }
 
@@ -488,6 +531,55 @@ mod tests {
         b.extend(chain(99, 40));
         let m = longest_prefixes(&s, &geo, &b, &[holder(0, 60, 0), holder(1, 25, 0)]).unwrap();
         assert_eq!(m.matched_blocks, vec![30, 25]);
+    }
+
+    /// A prefix every endpoint of a large fleet holds (a shared system
+    /// prompt) is found for each of them. With one set per block hash only
+    /// `WAYS` endpoints' entries fit; the rest were overwritten and their
+    /// endpoints read as cold.
+    #[test]
+    fn a_prefix_held_by_every_endpoint_of_a_large_fleet_is_found_for_each() {
+        for endpoints in [8u16, 16] {
+            for seed in 0..20 {
+                let s = MemoryStore::new();
+                let geo = IndexGeometry::from_budget(1 << 20);
+                let a = chain(1000 + seed, 4 * GROUP_BLOCKS);
+                let holders: Vec<Holder> = (0..endpoints).map(|e| holder(e, 40, 0)).collect();
+                // Inserted in turn, twice (each request rewrites its prefix).
+                for _ in 0..2 {
+                    for h in &holders {
+                        insert(&s, &geo, &a, 0, h, ALWAYS).unwrap();
+                    }
+                }
+                let m = longest_prefixes(&s, &geo, &a, &holders).unwrap();
+                assert_eq!(
+                    m.matched_blocks,
+                    vec![a.len() as u32; endpoints as usize],
+                    "{endpoints} endpoints, chain seed {seed}"
+                );
+            }
+        }
+    }
+
+    /// Entries of other endpoints do not crowd out a live one: a session's
+    /// private blocks on one endpoint survive many endpoints rewriting the
+    /// shared blocks of the same group.
+    #[test]
+    fn shared_blocks_of_many_endpoints_leave_a_private_tail_alone() {
+        let s = MemoryStore::new();
+        let geo = IndexGeometry::from_budget(1 << 20);
+        // 5 shared blocks and 3 private ones in the first group.
+        let shared = chain(7, 5);
+        let mut mine = shared.clone();
+        mine.extend(chain(8, 3));
+        insert(&s, &geo, &mine, 0, &holder(3, 8, 0), ALWAYS).unwrap();
+        for round in 0..4u64 {
+            for e in 0..12u16 {
+                insert(&s, &geo, &shared, 0, &holder(e, 5 + round, 0), ALWAYS).unwrap();
+            }
+        }
+        let m = longest_prefixes(&s, &geo, &mine, &[holder(3, 20, 0)]).unwrap();
+        assert_eq!(m.matched_blocks, vec![8]);
     }
 
     #[test]
