@@ -204,3 +204,41 @@ fn stages_report_the_streams_hit_ratio_ceiling_and_no_arm_exceeds_it() {
         }
     }
 }
+
+/// Sticky sessions keep their server on a fleet larger than a prefix-index
+/// set has ways (4). Every server holds the shared system prompt, so each
+/// of its blocks has an entry per server; when one set per block could name
+/// only four, the others were overwritten, a server whose first entry was
+/// gone read as cold, and sessions moved (8 servers: ~0.80 of the stream's
+/// hit-ratio ceiling, against 1.00 on 4).
+#[test]
+fn sessions_keep_their_server_on_a_fleet_of_more_servers_than_index_ways() {
+    let spec = WorkloadSpec {
+        groups: 16,
+        prompts_per_group: 6,
+        system_tokens: 512,
+        persona_tokens: 1024,
+        question_tokens: 256,
+        output_tokens: 32,
+        ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+    };
+    for arm in ["kvroute", "always-sticky"] {
+        let mut c = cfg(arm, "rate:2@200s", 6, false);
+        c.fleet.endpoints = 8;
+        c.fleet.engine.num_gpu_blocks = 4096;
+        c.load = Load::Workload {
+            spec: spec.clone(),
+            stages: parse_stages("rate:2@200s").unwrap(),
+            exact_prompts: false,
+        };
+        let r = simulate(c).unwrap();
+        let s = &r.stages[0];
+        let (h, ceiling) = (s.hit_ratio.unwrap(), s.hit_ratio_ceiling.unwrap());
+        assert!(ceiling > 0.5, "{arm}: ceiling {ceiling}");
+        assert!(
+            h >= 0.97 * ceiling,
+            "{arm}: hit {h} is {:.3} of the ceiling {ceiling}",
+            h / ceiling
+        );
+    }
+}
