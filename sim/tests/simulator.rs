@@ -208,9 +208,11 @@ fn stages_report_the_streams_hit_ratio_ceiling_and_no_arm_exceeds_it() {
 /// Sticky sessions keep their server on a fleet larger than a prefix-index
 /// set has ways (4). Every server holds the shared system prompt, so each
 /// of its blocks has an entry per server; when one set per block could name
-/// only four, the others were overwritten, a server whose first entry was
-/// gone read as cold, and sessions moved (8 servers: ~0.80 of the stream's
-/// hit-ratio ceiling, against 1.00 on 4).
+/// only four, the others were overwritten and a server whose first entry
+/// was gone read as cold. The shipped profile's cache-balance scorer then
+/// sent the session to the emptiest server: 0.75 of the stream's hit-ratio
+/// ceiling here (1.00 on 4 servers); llm-d's matched profile mostly
+/// stayed, by ties.
 #[test]
 fn sessions_keep_their_server_on_a_fleet_of_more_servers_than_index_ways() {
     let spec = WorkloadSpec {
@@ -222,7 +224,7 @@ fn sessions_keep_their_server_on_a_fleet_of_more_servers_than_index_ways() {
         output_tokens: 32,
         ..WorkloadSpec::standard(WorkloadKind::AgentSession)
     };
-    for arm in ["kvroute", "always-sticky"] {
+    for arm in ["shipped-default", "kvroute"] {
         let mut c = cfg(arm, "rate:2@200s", 6, false);
         c.fleet.endpoints = 8;
         c.fleet.engine.num_gpu_blocks = 4096;
