@@ -939,6 +939,9 @@ def merge_results(paths):
                 raise ValueError(f"{path}: {key} {r.get(key)!r} differs from {paths[0]}'s {merged.get(key)!r}")
         merged["workloads"].update(r["workloads"])
         merged["runs"] += r.get("runs") or [run_of(r)]
+    if merged is not None:
+        order = {name: i for i, name in enumerate(WORKLOADS)}
+        merged["workloads"] = dict(sorted(merged["workloads"].items(), key=lambda kv: order.get(kv[0], len(order))))
     return merged
 
 
