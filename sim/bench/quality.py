@@ -269,7 +269,19 @@ def log(msg):
 # Tools: binaries, Envoy, smg
 # ---------------------------------------------------------------------------
 
+def add_wasm_target():
+    """rustup's wasm32-wasip1 target, added when missing (a fresh machine has only the host's)."""
+    if not shutil.which("rustup"):
+        return
+    have = subprocess.run(["rustup", "target", "list", "--installed"], cwd=REPO, capture_output=True,
+                          text=True).stdout.split()
+    if "wasm32-wasip1" not in have:
+        log("adding the wasm32-wasip1 Rust target (rustup target add)")
+        subprocess.run(["rustup", "target", "add", "wasm32-wasip1"], cwd=REPO, check=True)
+
+
 def build(target_dir, bin_profile):
+    add_wasm_target()
     env = dict(os.environ, CARGO_TARGET_DIR=target_dir)
     sim = ["cargo", "build", "-p", "kvroute-sim", "--bins"] + (["--release"] if bin_profile == "release" else [])
     for argv in (sim,

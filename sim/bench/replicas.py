@@ -455,6 +455,7 @@ def main(argv=None):
         if arm not in ALL_ARMS:
             ap.error(f"unknown arm {arm}; arms: {','.join(ALL_ARMS)}")
     if not a.no_build:
+        quality.add_wasm_target()
         env = dict(os.environ, CARGO_TARGET_DIR=a.target_dir)
         prof = ["--release"] if a.bin_profile == "release" else []
         for argv_ in (["cargo", "build", "-p", "kvroute-sim", "-p", "kvroute-relay", "--bins"] + prof,
