@@ -806,7 +806,7 @@ def markdown(results, img_rel, stages=False):
     L.append("```sh")
     L.append("python3 sim/bench/quality.py --seeds 1,2,3   # every arm, ~3.5 h; rewrites this section, the plots, results/quality.json")
     L.append("python3 sim/bench/quality.py --workloads W --arms A,B --seeds 1,2,3 --results w.json --out /tmp/w.md")
-    L.append("python3 sim/bench/quality.py --from-results w.json,x.json   # this section from runs of different workloads")
+    L.append("python3 sim/bench/quality.py --from-results w.json,x.json   # this section from runs of different workloads or seeds")
     L.append("python3 sim/bench/quality.py --smoke         # CI: every arm serves (~3 min after the builds)")
     L.append("```")
     L.append("")
@@ -883,7 +883,9 @@ def markdown(results, img_rel, stages=False):
         wseeds = list(w.get("seeds") or {})
         L.append(f"{w['what']}. Time scale {w['time_scale']}×, {w['stage_s']:g} s (model) per stage; "
                  f"rates {', '.join(f'{x:g}' for x in w['rates'])} req/s. "
-                 + (f"Run of {describe_run(w['run'])}. " if len(runs) > 1 and w.get("run") else "")
+                 + ("Runs of " + "; ".join(f"{describe_run(x['run'])} (seed{'s' if len(x['seeds']) > 1 else ''} {', '.join(x['seeds'])})"
+                                           for x in w["seed_runs"]) + ". " if w.get("seed_runs")
+                    else f"Run of {describe_run(w['run'])}. " if len(runs) > 1 and w.get("run") else "")
                  + (f"The table and plot are seed {wseeds[0]}'s. " if len(wseeds) > 1 else "")
                  + f"![{wname}]({img_rel}/quality-{wname}.svg)")
         L.append("")
@@ -932,9 +934,28 @@ def describe_run(run):
             f"{run.get('wall_min') or 0:.0f} min")
 
 
+# What two runs of one workload must share for their seeds to be pooled.
+SAME_SCENARIO = ("what", "bound", "time_scale", "stage_s", "rates", "loadgen_extra")
+
+
+def merge_seeds(path, old, new):
+    """Pool the seeds of two runs of one workload (same scenario, disjoint seeds) into `old`: its tables and
+    plot stay its first run's; the over-seeds figures cover every seed; `seed_runs` names each run's seeds."""
+    for key in SAME_SCENARIO:
+        if old.get(key) != new.get(key):
+            raise ValueError(f"{path}: workload {key} {new.get(key)!r} differs from the earlier run's {old.get(key)!r}")
+    old_seeds, new_seeds = old.get("seeds") or {"1": old["arms"]}, new.get("seeds") or {"1": new["arms"]}
+    if set(old_seeds) & set(new_seeds):
+        raise ValueError(f"{path}: seeds {sorted(set(old_seeds) & set(new_seeds))} are in an earlier run too")
+    old.setdefault("seed_runs", [{"run": old["run"], "seeds": list(old_seeds)}])
+    old["seed_runs"].append({"run": new["run"], "seeds": list(new_seeds)})
+    old["seeds"] = {**old_seeds, **new_seeds}
+
+
 def merge_results(paths):
-    """Several results.json of one fleet and SLO as one: a workload found in more than one comes from the
-    last; each workload keeps its run's provenance (`run`)."""
+    """Several results.json of one fleet and SLO as one: each workload keeps its run's provenance (`run`); a
+    workload found in more than one run comes from the last, unless the runs hold different seeds of the same
+    scenario, which are pooled (`merge_seeds`)."""
     merged = None
     for path in paths:
         with open(path) as f:
@@ -949,7 +970,14 @@ def merge_results(paths):
         for key in ("fleet", "slo_s", "penalty_ms", "metrics_poll_ms", "envoy_concurrency", "smoke"):
             if r.get(key) != merged.get(key):
                 raise ValueError(f"{path}: {key} {r.get(key)!r} differs from {paths[0]}'s {merged.get(key)!r}")
-        merged["workloads"].update(r["workloads"])
+        for name, w in r["workloads"].items():
+            old = merged["workloads"].get(name)
+            old_seeds = set((old or {}).get("seeds") or {})
+            new_seeds = set(w.get("seeds") or {})
+            if old is not None and old_seeds and new_seeds and not old_seeds & new_seeds:
+                merge_seeds(path, old, w)
+            else:
+                merged["workloads"][name] = w
         merged["runs"] += r.get("runs") or [run_of(r)]
     if merged is not None:
         order = {name: i for i, name in enumerate(WORKLOADS)}
