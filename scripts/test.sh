@@ -20,7 +20,8 @@
 #      tiny random-weight model; the venv is built once under ~/.cache/kvroute/vllm-0.32)
 #   9. the demo with short settings (bash scripts/demo-check.sh): checks that it prints its
 #      routing tables and stops every process it started
-#  10. benchmark smokes: routing quality (sim/bench/quality.py --smoke, every arm incl. smg)
+#  10. benchmark smokes: routing quality (sim/bench/test_quality.py, its results merging; then
+#      sim/bench/quality.py --smoke, every arm incl. smg)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk); they prove the
 #      benchmarks run and every arm serves, they do not judge figures
 # Exits non-zero on any failure. Uses the normal target/ directory.
@@ -121,7 +122,8 @@ bash scripts/demo-check.sh
 done_step
 
 # ---------------------------------------------------------------- benchmark smokes
-step "routing-quality benchmark smoke (python3 sim/bench/quality.py --smoke)"
+step "routing-quality benchmark smoke (pytest sim/bench/test_quality.py; python3 sim/bench/quality.py --smoke)"
+python3 -m pytest sim/bench/test_quality.py -p no:cacheprovider -q
 cargo build --bins -p kvroute-sim
 python3 sim/bench/quality.py --smoke --no-build --bin-profile debug
 done_step
