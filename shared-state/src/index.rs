@@ -418,10 +418,8 @@ fn upsert(
     recorded: u32,
     is_live: &dyn Fn(u16, u16, u32) -> bool,
 ) -> bool {
-    let mut at = [0usize; 2 * WAYS];
-    for (dst, i) in at.iter_mut().zip(ways_of(hash, holder.slot)) {
-        *dst = i;
-    }
+    let sets = sets_of(hash, holder.slot);
+    let at: [usize; 2 * WAYS] = std::array::from_fn(|k| sets[k / WAYS] * WAYS + k % WAYS);
     let entries: [Entry; 2 * WAYS] = std::array::from_fn(|k| read_entry(shard, at[k]));
     let free: [bool; 2 * WAYS] = std::array::from_fn(|k| {
         let e = entries[k];
