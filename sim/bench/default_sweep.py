@@ -3,7 +3,8 @@
 simulator (kvroute-simulate): knee throughput over round robin's, median and
 worst seed. A benchmark, not a test: it prints figures and never fails on them.
 
-    python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x] [--exact-prompts]
+    python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x] [--segments]
+                                       [--rates 1,2,3]
 
 The fleet, workloads, ramps, SLO and knee rule are quality.py's own (imported
 from it). `kvroute-default` is the shipped plugin JSON (envoy/kvroute-config.json)
@@ -88,6 +89,9 @@ def main():
     p.add_argument("--json", default=None, help="write every knee here")
     p.add_argument("--segments", action="store_true",
                    help="segment prompts (exact token counts for the router) instead of text bodies")
+    p.add_argument("--rates", default=None,
+                   help="the ramp's offered rates (req/s, comma list) for every workload run, instead of "
+                        "quality.py's; for a finer grid around a knee")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     arms = a.arms.split(",")
@@ -99,7 +103,9 @@ def main():
     peak = round(float(quality.FLEET["prefill_tps"]) * b / (b + b * (b + 1) / 2 / c))
     results = {}
     for wname in a.workloads.split(","):
-        w = quality.WORKLOADS[wname]
+        w = dict(quality.WORKLOADS[wname])
+        if a.rates:
+            w["rates"] = [float(x) for x in a.rates.split(",")]
         results[wname] = {}
         for arm in arms:
             results[wname][arm] = {}
