@@ -709,20 +709,25 @@ def knee_interpolated(stages, slo_s, bound):
     return None
 
 
+def rr_of(runs, arm):
+    """The round robin an arm of one seed is measured against: its own run's (`round_robin`, when the arm was
+    added from another run by `merge_results`), else the seed's."""
+    return runs.get(arm, {}).get("round_robin") or runs.get("round-robin", {})
+
+
 def seed_ratios(runs, slo_s, bound):
     """Knees of one seed's arms, and (knee, interpolated, 5 s) ratios over that seed's round robin."""
-    for arm, res in runs.items():
+    for res in list(runs.values()) + [r["round_robin"] for r in runs.values() if "round_robin" in r]:
         if "stages" in res:
             res["knee"] = knee(res["stages"], slo_s, bound)
             res["knee_5s"] = knee(res["stages"], max(slo_s, 5.0), bound)
             res["knee_interp"] = knee_interpolated(res["stages"], slo_s, bound)
-    rr_arm = runs.get("round-robin", {})
     heads, heads_i, heads_5 = {}, {}, {}
     for arm, res in runs.items():
         if arm == "round-robin":
             continue
         for key, out in (("knee", heads), ("knee_interp", heads_i), ("knee_5s", heads_5)):
-            k, rr = res.get(key), rr_arm.get(key)
+            k, rr = res.get(key), rr_of(runs, arm).get(key)
             if k and rr and rr["throughput"] > 0:
                 out[arm] = k["throughput"] / rr["throughput"]
     return heads, heads_i, heads_5
@@ -743,7 +748,7 @@ def add_headlines(wres, slo_s):
     for arm in sorted(arms):
         vals = {}
         for seed, runs in seeds.items():
-            rr = (runs.get("round-robin") or {}).get("knee")
+            rr = rr_of(runs, arm).get("knee")
             res = runs.get(arm) or {}
             if rr and rr["throughput"] > 0 and "stages" in res:
                 vals[seed] = per_seed[seed][0].get(arm, 0.0)
@@ -808,7 +813,7 @@ def markdown(results, img_rel, stages=False):
     L.append("```sh")
     L.append("python3 sim/bench/quality.py --seeds 1,2,3   # every arm, ~3.5 h; rewrites this section, the plots, results/quality.json")
     L.append("python3 sim/bench/quality.py --workloads W --arms A,B --seeds 1,2,3 --results w.json --out /tmp/w.md")
-    L.append("python3 sim/bench/quality.py --from-results w.json,x.json   # this section from runs of different workloads or seeds")
+    L.append("python3 sim/bench/quality.py --from-results w.json,x.json   # this section from runs of different workloads, seeds or arms")
     L.append("python3 sim/bench/quality.py --smoke         # CI: every arm serves (~3 min after the builds)")
     L.append("```")
     L.append("")
@@ -885,8 +890,8 @@ def markdown(results, img_rel, stages=False):
         wseeds = list(w.get("seeds") or {})
         L.append(f"{w['what']}. Time scale {w['time_scale']}×, {w['stage_s']:g} s (model) per stage; "
                  f"rates {', '.join(f'{x:g}' for x in w['rates'])} req/s. "
-                 + ("Runs of " + "; ".join(f"{describe_run(x['run'])} (seed{'s' if len(x['seeds']) > 1 else ''} {', '.join(x['seeds'])})"
-                                           for x in w["seed_runs"]) + ". " if w.get("seed_runs")
+                 + ("Runs of " + "; ".join(f"{describe_run(x['run'])} ({describe_part(x)})" for x in w["parts"])
+                    + ". " if w.get("parts")
                     else f"Run of {describe_run(w['run'])}. " if len(runs) > 1 and w.get("run") else "")
                  + (f"The table and plot are seed {wseeds[0]}'s. " if len(wseeds) > 1 else "")
                  + f"![{wname}]({img_rel}/quality-{wname}.svg)")
@@ -931,6 +936,13 @@ def run_of(results):
     return {k: results.get(k) for k in ("started", "commit", "command", "wall_min")}
 
 
+def describe_part(part):
+    seeds = f"seed{'s' if len(part['seeds']) > 1 else ''} {', '.join(part['seeds'])}"
+    if not part.get("arms"):
+        return seeds
+    return f"{', '.join(part['arms'])} on {seeds}, over that run's round robin"
+
+
 def describe_run(run):
     return (f"{run.get('started')} (commit {run.get('commit') or 'not recorded'}), `{run.get('command')}`, "
             f"{run.get('wall_min') or 0:.0f} min")
@@ -940,24 +952,47 @@ def describe_run(run):
 SAME_SCENARIO = ("what", "bound", "time_scale", "stage_s", "rates", "loadgen_extra")
 
 
-def merge_seeds(path, old, new):
-    """Pool the seeds of two runs of one workload (same scenario, disjoint seeds) into `old`: its tables and
-    plot stay its first run's; the over-seeds figures cover every seed; `seed_runs` names each run's seeds."""
+def arms_of(runs):
+    return {arm for arm in runs if arm != "round-robin"}
+
+
+def combines(old, new):
+    """Whether run `new` of a workload adds to `old` rather than replacing it: it holds other seeds, or, in
+    the seeds both hold, only other arms (besides its own round robin)."""
+    old_seeds, new_seeds = old.get("seeds"), new.get("seeds")
+    if not old_seeds or not new_seeds:
+        return False
+    return all(not (arms_of(old_seeds[seed]) & arms_of(runs)) for seed, runs in new_seeds.items()
+               if seed in old_seeds)
+
+
+def merge_workload(path, old, new):
+    """Add run `new` of one workload to `old` (same scenario): seeds it alone holds are pooled; arms it adds to
+    a seed `old` holds keep its round robin (`round_robin`), which their ratios divide by. The tables and plot
+    stay on `old`'s first seed; `parts` names each run's seeds and arms."""
     for key in SAME_SCENARIO:
         if old.get(key) != new.get(key):
             raise ValueError(f"{path}: workload {key} {new.get(key)!r} differs from the earlier run's {old.get(key)!r}")
-    old_seeds, new_seeds = old.get("seeds") or {"1": old["arms"]}, new.get("seeds") or {"1": new["arms"]}
-    if set(old_seeds) & set(new_seeds):
-        raise ValueError(f"{path}: seeds {sorted(set(old_seeds) & set(new_seeds))} are in an earlier run too")
-    old.setdefault("seed_runs", [{"run": old["run"], "seeds": list(old_seeds)}])
-    old["seed_runs"].append({"run": new["run"], "seeds": list(new_seeds)})
-    old["seeds"] = {**old_seeds, **new_seeds}
+    old.setdefault("parts", [{"run": old["run"], "seeds": list(old["seeds"]), "arms": None}])
+    added = set()
+    for seed, runs in new["seeds"].items():
+        if seed not in old["seeds"]:
+            old["seeds"][seed] = runs
+            continue
+        rr = runs.get("round-robin")
+        if rr is None:
+            raise ValueError(f"{path}: seed {seed} adds arms to an earlier run without a round robin to divide by")
+        for arm in arms_of(runs):
+            old["seeds"][seed][arm] = dict(runs[arm], round_robin=rr)
+            added.add(arm)
+    old["parts"].append({"run": new["run"], "seeds": list(new["seeds"]), "arms": sorted(added) or None})
+    old["arms"] = old["seeds"][next(iter(old["seeds"]))]
 
 
 def merge_results(paths):
     """Several results.json of one fleet and SLO as one: each workload keeps its run's provenance (`run`); a
-    workload found in more than one run comes from the last, unless the runs hold different seeds of the same
-    scenario, which are pooled (`merge_seeds`)."""
+    workload found in more than one run comes from the last, unless the later run holds other seeds or other
+    arms of the same scenario, which are added (`merge_workload`)."""
     merged = None
     for path in paths:
         with open(path) as f:
@@ -974,10 +1009,8 @@ def merge_results(paths):
                 raise ValueError(f"{path}: {key} {r.get(key)!r} differs from {paths[0]}'s {merged.get(key)!r}")
         for name, w in r["workloads"].items():
             old = merged["workloads"].get(name)
-            old_seeds = set((old or {}).get("seeds") or {})
-            new_seeds = set(w.get("seeds") or {})
-            if old is not None and old_seeds and new_seeds and not old_seeds & new_seeds:
-                merge_seeds(path, old, w)
+            if old is not None and combines(old, w):
+                merge_workload(path, old, w)
             else:
                 merged["workloads"][name] = w
         merged["runs"] += r.get("runs") or [run_of(r)]

@@ -1,4 +1,5 @@
-"""Unit tests of quality.py's results merging (`--from-results`): no processes, no network.
+"""Unit tests of quality.py's results merging (`--from-results`): other seeds pooled, other arms added over
+their own run's round robin, re-runs replacing, other scenarios refused. No processes, no network.
 
     python3 -m pytest sim/bench/test_quality.py -q
 """
@@ -26,11 +27,11 @@ def arm(knee_rate):
     return {"stages": [stage(r, 0.5 if r <= knee_rate else 9.0, 1000.0 * r) for r in (1, 2, 3, 4)]}
 
 
-def results(seeds, started, rates=(1, 2, 3, 4)):
-    """One run of workload "w": seeds maps seed -> (round robin's knee, kvroute-default's knee)."""
+def results(seeds, started, rates=(1, 2, 3, 4), name="kvroute-default"):
+    """One run of workload "w": seeds maps seed -> (round robin's knee, the arm `name`'s knee)."""
     w = {"what": "w", "bound": "prefill", "time_scale": 10, "stage_s": 150, "rates": list(rates),
          "loadgen_extra": [], "target": None,
-         "seeds": {str(s): {"round-robin": arm(rr), "kvroute-default": arm(kd)} for s, (rr, kd) in seeds.items()}}
+         "seeds": {str(s): {"round-robin": arm(rr), name: arm(kd)} for s, (rr, kd) in seeds.items()}}
     w["arms"] = w["seeds"][str(min(seeds))]
     return {"started": started, "commit": "`abc`", "command": f"run {started}", "wall_min": 1.0, "smoke": False,
             "fleet": FLEET, "slo_s": 2.0, "penalty_ms": 2000.0, "metrics_poll_ms": 100, "envoy_concurrency": 2,
@@ -43,10 +44,10 @@ def write(tmp_path, name, r):
     return str(p)
 
 
-def over_seeds(merged):
+def over_seeds(merged, name="kvroute-default"):
     w = merged["workloads"]["w"]
     quality.add_headlines(w, merged["slo_s"])
-    return w["ratios_over_seeds"]["kvroute-default"]
+    return w["ratios_over_seeds"][name]
 
 
 def test_disjoint_seeds_of_one_scenario_are_pooled(tmp_path):
@@ -57,10 +58,11 @@ def test_disjoint_seeds_of_one_scenario_are_pooled(tmp_path):
     assert sorted(st["by_seed"], key=int) == ["1", "2", "3", "4", "5", "6"]
     assert st["median"] == pytest.approx(3.0)  # (2 + 4) / 2 over six seeds
     assert st["worst"] == pytest.approx(2.0)
-    runs = merged["workloads"]["w"]["seed_runs"]
-    assert [(x["run"]["started"], x["seeds"]) for x in runs] == [("A", ["1", "2", "3"]), ("B", ["4", "5", "6"])]
+    parts = merged["workloads"]["w"]["parts"]
+    assert [(x["run"]["started"], x["seeds"], x["arms"]) for x in parts] == [("A", ["1", "2", "3"], None),
+                                                                             ("B", ["4", "5", "6"], None)]
     # the tables and plot stay the first run's first seed
-    assert merged["workloads"]["w"]["arms"]["kvroute-default"] == arm(2)
+    assert merged["workloads"]["w"]["arms"]["kvroute-default"]["stages"] == arm(2)["stages"]
 
 
 def test_overlapping_seeds_replace_the_earlier_run(tmp_path):
@@ -70,7 +72,29 @@ def test_overlapping_seeds_replace_the_earlier_run(tmp_path):
     st = over_seeds(merged)
     assert st["by_seed"] == {"1": pytest.approx(4.0)}
     assert merged["workloads"]["w"]["run"]["started"] == "B"
-    assert "seed_runs" not in merged["workloads"]["w"]
+    assert "parts" not in merged["workloads"]["w"]
+
+
+def test_other_arms_of_the_same_seeds_are_added_over_their_own_round_robin(tmp_path):
+    a = write(tmp_path, "a.json", results({1: (1, 2), 2: (2, 2)}, "A"))
+    # the later run's round robin is slower in seed 1: smg's ratio must use it, not run A's
+    b = write(tmp_path, "b.json", results({1: (2, 3), 2: (2, 3)}, "B", name="smg-cache-aware"))
+    merged = quality.merge_results([a, b])
+    assert over_seeds(merged, "smg-cache-aware")["by_seed"] == {"1": pytest.approx(1.5), "2": pytest.approx(1.5)}
+    assert over_seeds(merged)["by_seed"] == {"1": pytest.approx(2.0), "2": pytest.approx(1.0)}
+    w = merged["workloads"]["w"]
+    assert w["ratios_vs_rr"] == {"kvroute-default": pytest.approx(2.0), "smg-cache-aware": pytest.approx(1.5)}
+    assert set(w["arms"]) == {"round-robin", "kvroute-default", "smg-cache-aware"}
+    assert w["parts"][1]["arms"] == ["smg-cache-aware"]
+
+
+def test_other_arms_without_a_round_robin_are_refused(tmp_path):
+    a = write(tmp_path, "a.json", results({1: (1, 2)}, "A"))
+    other = results({1: (1, 3)}, "B", name="smg-cache-aware")
+    del other["workloads"]["w"]["seeds"]["1"]["round-robin"]
+    b = write(tmp_path, "b.json", other)
+    with pytest.raises(ValueError, match="round robin"):
+        quality.merge_results([a, b])
 
 
 def test_other_seeds_of_a_different_scenario_are_refused(tmp_path):
