@@ -755,8 +755,18 @@ def add_headlines(wres, slo_s):
         if vals:
             worst = min(vals, key=vals.get)
             stats[arm] = {"by_seed": vals, "median": median(list(vals.values())), "worst": vals[worst],
-                          "worst_seed": worst}
+                          "worst_seed": worst,
+                          "host_limited": sorted(x for x in vals if host_limited(seeds[x][arm], slo_s))}
     wres["ratios_over_seeds"] = stats
+
+
+def host_limited(res, slo_s):
+    """Whether the stage that ended an arm's ramp (the first past its knee) ran on a lagging host: the
+    emulator's event loop fell behind by at least the SLO (model time), which alone can break the SLO, so
+    the machine, not only the routing, may have set the knee."""
+    k = res.get("knee")
+    past = [s for s in res.get("stages", []) if k is None or s["rate"] > k["rate"]]
+    return bool(past) and (past[0].get("host_lag_s") or 0) >= slo_s
 
 
 def median(v):
@@ -865,10 +875,16 @@ def markdown(results, img_rel, stages=False):
         L.append("|---|" + "---|" * (len(ALL_ARMS) - 1))
         for wname, w in a["workloads"].items():
             st = w.get("ratios_over_seeds", {})
-            cells = [f"{st[x]['median']:.2f}× [{st[x]['worst']:.2f}×, {st[x]['worst_seed']}]" if x in st else "–"
-                     for x in ALL_ARMS if x != "round-robin"]
+            cells = [f"{st[x]['median']:.2f}× [{st[x]['worst']:.2f}×, {st[x]['worst_seed']}]"
+                     + (f" ‡{','.join(st[x]['host_limited'])}" if st[x].get("host_limited") else "")
+                     if x in st else "–" for x in ALL_ARMS if x != "round-robin"]
             L.append(f"| {wname} | " + " | ".join(cells) + " |")
         L.append("")
+        if any(st.get("host_limited") for w in a["workloads"].values()
+               for st in w.get("ratios_over_seeds", {}).values()):
+            L.append(f"‡ seeds whose ramp ended at a stage where the emulator's host lagged ≥ {a['slo_s']:g} s "
+                     "(model time): the shared machine, not only the routing, may have set that knee.")
+            L.append("")
     for wname, w in a["workloads"].items():
         if not w.get("report_ceiling"):
             continue

@@ -111,3 +111,13 @@ def test_runs_of_another_fleet_are_refused(tmp_path):
     b = write(tmp_path, "b.json", other)
     with pytest.raises(ValueError, match="fleet"):
         quality.merge_results([a, b])
+
+
+def test_a_ramp_ended_by_host_lag_is_marked(tmp_path):
+    r = results({1: (1, 2), 2: (1, 2)}, "A")
+    # seed 2's kvroute-default: the stage after its knee (3 req/s) ran on a host 2.5 s behind
+    r["workloads"]["w"]["seeds"]["2"]["kvroute-default"]["stages"][2]["host_lag_s"] = 2.5
+    # seed 1's: lag before the knee does not count
+    r["workloads"]["w"]["seeds"]["1"]["kvroute-default"]["stages"][0]["host_lag_s"] = 9.0
+    merged = quality.merge_results([write(tmp_path, "a.json", r)])
+    assert over_seeds(merged)["host_limited"] == ["2"]
