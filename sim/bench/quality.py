@@ -1144,6 +1144,9 @@ def main(argv=None):
                    "and the worst seed of knee / round robin (same seed) [--seed]")
     p.add_argument("--kv-blocks", type=int, default=None, help=f"override KV blocks per server [{FLEET['num_gpu_blocks']}]")
     p.add_argument("--rates", default=None, help="override the offered rates of every selected workload (comma list)")
+    p.add_argument("--time-scale", type=int, default=None,
+                   help="override every selected workload's time scale (model s per wall s); lower it when the "
+                        "emulator's host lags at the top stages")
     p.add_argument("--loadgen-extra", default=None, help="extra kvroute-loadgen flags for every selected workload, "
                    "e.g. '--output-tokens 250' (what-if runs)")
     p.add_argument("--stages", action="store_true", help="also write every stage's row into the Markdown section (long)")
@@ -1174,6 +1177,9 @@ def main(argv=None):
     if args.rates:
         for w in WORKLOADS.values():
             w["rates"] = [float(x) for x in args.rates.split(",")]
+    if args.time_scale:
+        for w in WORKLOADS.values():
+            w["time_scale"] = args.time_scale
     if args.out is None and not args.smoke:
         args.out = os.path.join(REPO, "docs", "benchmarks.md")
     if args.results is None and not args.smoke:
