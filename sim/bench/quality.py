@@ -1123,8 +1123,10 @@ def main(argv=None):
     p.add_argument("--arms", default=None, help="comma list overriding each workload's arms (" + ",".join(ALL_ARMS) + ",kvroute-18s,kvroute-output-est)")
     p.add_argument("--out", default=None, help="Markdown file whose '" + SECTION + "' section is (re)written "
                    "(default docs/benchmarks.md for a full run, nothing for --smoke)")
-    p.add_argument("--img-dir", default=os.path.join(REPO, "docs", "img"), help="where the SVG plots go")
-    p.add_argument("--results", default=None, help="copy results.json here (default sim/bench/results/quality.json for a full run)")
+    p.add_argument("--img-dir", default=None,
+                   help="where the SVG plots go (default: docs/img when --out is the default, else img/ beside --out)")
+    p.add_argument("--results", default=None, help="copy results.json here (default: sim/bench/results/quality.json when --out is the default, "
+                        "docs/benchmarks.md; none with another --out)")
     p.add_argument("--work-dir", default=None, help="logs, configs and raw JSON (default: a new temp dir)")
     p.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target"))
     p.add_argument("--no-build", action="store_true", help="use the binaries already in --target-dir")
@@ -1180,10 +1182,16 @@ def main(argv=None):
     if args.time_scale:
         for w in WORKLOADS.values():
             w["time_scale"] = args.time_scale
+    # The committed results file goes with the docs: a run or re-render sent elsewhere (--out) leaves it alone
+    # unless --results names it.
     if args.out is None and not args.smoke:
         args.out = os.path.join(REPO, "docs", "benchmarks.md")
-    if args.results is None and not args.smoke:
-        args.results = os.path.join(HERE, "results", "quality.json")
+        if args.results is None:
+            args.results = os.path.join(HERE, "results", "quality.json")
+        if args.img_dir is None:
+            args.img_dir = os.path.join(REPO, "docs", "img")
+    if args.img_dir is None and args.out:
+        args.img_dir = os.path.join(os.path.dirname(os.path.abspath(args.out)), "img")
 
     if args.from_results:
         try:

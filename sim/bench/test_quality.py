@@ -121,3 +121,14 @@ def test_a_ramp_ended_by_host_lag_is_marked(tmp_path):
     r["workloads"]["w"]["seeds"]["1"]["kvroute-default"]["stages"][0]["host_lag_s"] = 9.0
     merged = quality.merge_results([write(tmp_path, "a.json", r)])
     assert over_seeds(merged)["host_limited"] == ["2"]
+
+
+def test_a_render_sent_elsewhere_leaves_the_committed_results_and_plots_alone(tmp_path):
+    committed = os.path.join(quality.HERE, "results", "quality.json")
+    before = os.stat(committed).st_mtime_ns if os.path.exists(committed) else None
+    out = tmp_path / "x.md"
+    assert quality.main(["--from-results", write(tmp_path, "a.json", results({1: (1, 2)}, "A")),
+                         "--out", str(out)]) == 0
+    assert "Routing quality through Envoy" in out.read_text()
+    assert (tmp_path / "img" / "quality-w.svg").exists()
+    assert (os.stat(committed).st_mtime_ns if os.path.exists(committed) else None) == before
