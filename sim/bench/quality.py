@@ -868,8 +868,12 @@ def markdown(results, img_rel, stages=False):
                  f"{cell('legacy-blend')} | {cell('active-request')} | {cell('smg-cache-aware')} |")
     L.append("")
     if len(seeds) > 1:
-        L.append(f"Over seeds {', '.join(str(x) for x in seeds)} (each arm's knee ÷ round robin's of the same seed): "
-                 "median [worst, its seed]:")
+        per_w = {tuple(sorted(w.get("seeds") or {"1": None}, key=int)) for w in a["workloads"].values()}
+        over = (f"seeds {', '.join(str(x) for x in seeds)}" if len(per_w) == 1 else
+                "each workload's seeds (" + "; ".join(
+                    f"{name} {', '.join(sorted(w.get('seeds') or {'1': None}, key=int))}"
+                    for name, w in a["workloads"].items()) + ")")
+        L.append(f"Over {over} (each arm's knee ÷ round robin's of the same seed): median [worst, its seed]:")
         L.append("")
         L.append("| workload | " + " | ".join(x for x in ALL_ARMS if x != "round-robin") + " |")
         L.append("|---|" + "---|" * (len(ALL_ARMS) - 1))
@@ -1025,6 +1029,8 @@ def merge_results(paths):
                 raise ValueError(f"{path}: {key} {r.get(key)!r} differs from {paths[0]}'s {merged.get(key)!r}")
         for name, w in r["workloads"].items():
             old = merged["workloads"].get(name)
+            if old is not None and w["run"] in [old["run"]] + [x["run"] for x in old.get("parts", [])]:
+                continue  # this run is in it already (re-rendering a merged file with one of its parts)
             if old is not None and combines(old, w):
                 merge_workload(path, old, w)
             else:

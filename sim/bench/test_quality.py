@@ -132,3 +132,12 @@ def test_a_render_sent_elsewhere_leaves_the_committed_results_and_plots_alone(tm
     assert "Routing quality through Envoy" in out.read_text()
     assert (tmp_path / "img" / "quality-w.svg").exists()
     assert (os.stat(committed).st_mtime_ns if os.path.exists(committed) else None) == before
+
+
+def test_merging_a_run_again_changes_nothing(tmp_path):
+    a = write(tmp_path, "a.json", results({1: (1, 2)}, "A"))
+    b = write(tmp_path, "b.json", results({2: (1, 4)}, "B"))
+    merged = write(tmp_path, "m.json", quality.merge_results([a, b]))
+    again = quality.merge_results([merged, b])
+    assert sorted(again["workloads"]["w"]["seeds"]) == ["1", "2"]
+    assert len(again["workloads"]["w"]["parts"]) == 2
