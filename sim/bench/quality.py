@@ -868,11 +868,10 @@ def markdown(results, img_rel, stages=False):
                  f"{cell('legacy-blend')} | {cell('active-request')} | {cell('smg-cache-aware')} |")
     L.append("")
     if len(seeds) > 1:
-        per_w = {tuple(sorted(w.get("seeds") or {"1": None}, key=int)) for w in a["workloads"].values()}
-        over = (f"seeds {', '.join(str(x) for x in seeds)}" if len(per_w) == 1 else
-                "each workload's seeds (" + "; ".join(
-                    f"{name} {', '.join(sorted(w.get('seeds') or {'1': None}, key=int))}"
-                    for name, w in a["workloads"].items()) + ")")
+        per_w = {name: ", ".join(sorted(w.get("seeds") or {"1": None}, key=int))
+                 for name, w in a["workloads"].items()}
+        over = (f"seeds {next(iter(per_w.values()))}" if len(set(per_w.values())) == 1 else
+                "each workload's seeds (" + "; ".join(f"{name} {s}" for name, s in per_w.items()) + ")")
         L.append(f"Over {over} (each arm's knee ÷ round robin's of the same seed): median [worst, its seed]:")
         L.append("")
         L.append("| workload | " + " | ".join(x for x in ALL_ARMS if x != "round-robin") + " |")

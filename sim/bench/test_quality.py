@@ -13,8 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quality  # noqa: E402
 
-FLEET = {"endpoints": 4, "num_gpu_blocks": 16384, "block_size": 16, "max_num_batched_tokens": 8192,
-         "prefill_tps": 20480, "stream_interval": 32}
+FLEET = dict(quality.FLEET)
 
 
 def stage(rate, p90, input_tps):
