@@ -7,6 +7,7 @@ gauges are set every second.
 """
 
 import json
+import os
 import re
 
 from conftest import (
@@ -15,6 +16,7 @@ from conftest import (
 
 SAMPLE_EVERY = 16  # telemetry::DECISION_SAMPLE_EVERY
 INDEX_BUDGET = 65536  # 16 shards: the collector sweeps the whole index every second
+DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "grafana", "kvroute.json")
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)$")
 
@@ -95,6 +97,15 @@ def test_new_stats_appear_at_stats_prometheus(fleet, envoy):
     # Polled every 500 ms, stale after collector.metricsStaleAfterMs.
     assert all(v < 5000 for v in by_slot(s, "kvroute_endpoint_metrics_age_ms").values()), s
     assert set(by_slot(s, "kvroute_endpoint_inflight_requests").values()) == {0}, s
+
+    # Every series the Grafana dashboard queries is published, even at 0 (a
+    # renamed stat or a typo in a panel leaves that panel empty).
+    with open(DASHBOARD) as fh:
+        exprs = [t["expr"] for p in json.load(fh)["panels"] for t in p["targets"]]
+    queried = {n for x in exprs for n in re.findall(r"\bkvroute_\w+", x)}
+    published = {k[0] for k in s}
+    assert len(queried) >= 30, queried
+    assert queried <= published, sorted(queried - published)
 
     # A request held in flight shows on its endpoint's slot, and goes back to 0.
     t, res = in_background(completion, e.port, text("held", 2000), headers={"x-emulator-delay-ms": "3000"})
