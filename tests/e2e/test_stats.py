@@ -11,12 +11,12 @@ import os
 import re
 
 from conftest import (
-    DECISION, SERVED_BY, SHIPPED_PLUGIN_CONFIG, completion, in_background, request, text, wait_until,
+    DECISION, REPO, SERVED_BY, SHIPPED_PLUGIN_CONFIG, completion, in_background, request, text, wait_until,
 )
 
 SAMPLE_EVERY = 16  # telemetry::DECISION_SAMPLE_EVERY
 INDEX_BUDGET = 65536  # 16 shards: the collector sweeps the whole index every second
-DASHBOARD = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "grafana", "kvroute.json")
+DASHBOARD = os.path.join(REPO, "docs", "grafana", "kvroute.json")
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)$")
 
