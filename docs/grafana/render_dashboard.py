@@ -17,9 +17,11 @@ panels in the dashboard's grid with matplotlib.
 
 `$__rate_interval` is --rate-window (default 10 s: the run is short).
 --run needs the release module and the emulator built (see envoy/README.md).
+Drawing needs matplotlib (`python3 -m pip install matplotlib`); scraping does not.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -126,7 +128,11 @@ def evaluate(expr, scrapes, window):
 # ---------------------------------------------------------------- drawing
 
 def draw(dashboard, scrapes, out, window):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        sys.exit("render_dashboard: drawing needs matplotlib: python3 -m pip install matplotlib "
+                 "(scrapes can still be saved with --save and drawn later with --load)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -286,6 +292,9 @@ def main():
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "img", "grafana-kvroute.png"))
     ap.add_argument("--tmp", default="/tmp/kvroute-dashboard")
     args = ap.parse_args()
+    if not args.save and importlib.util.find_spec("matplotlib") is None:
+        sys.exit("render_dashboard: drawing needs matplotlib: python3 -m pip install matplotlib "
+                 "(or pass --save FILE to keep the scrapes and draw them later with --load)")
     if args.load:
         with open(args.load) as f:
             scrapes = [{"t": s["t"], "samples": {(k[0], tuple(map(tuple, k[1]))): v for k, v in s["samples"]}}
