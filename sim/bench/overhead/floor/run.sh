@@ -12,9 +12,8 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 repo="$(cd "$here/../../../.." && pwd)"
 target_dir="${CARGO_TARGET_DIR:-$repo/target}"
-if ! rustup target list --installed 2>/dev/null | grep -q wasm32-wasip1; then
-  rustup target add wasm32-wasip1
-fi
+source "$repo/scripts/setup.sh"
+kvroute_setup_wasm_target
 cargo build -q --release --target wasm32-wasip1 --manifest-path "$here/Cargo.toml" \
   --target-dir "$target_dir/overhead-floor"
 floor="$target_dir/overhead-floor/wasm32-wasip1/release/kvroute_overhead_floor.wasm"

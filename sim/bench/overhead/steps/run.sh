@@ -10,7 +10,8 @@ rounds="${1:-9}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/../../../../target}/overhead-steps"
 cd "$here"
 cargo build -q --release
-rustup target list --installed | grep -q wasm32-wasip1 || rustup target add wasm32-wasip1
+source "$here/../../../../scripts/setup.sh"
+kvroute_setup_wasm_target
 cargo build -q --release --target wasm32-wasip1
 native="$CARGO_TARGET_DIR/release/kvroute-overhead-steps"
 wasm="$CARGO_TARGET_DIR/wasm32-wasip1/release/kvroute-overhead-steps.wasm"
