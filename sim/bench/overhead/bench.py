@@ -11,7 +11,9 @@ Arms, all running at once for the whole benchmark and measured interleaved:
 
   direct    wrk -> stub (the floor: no proxy at all)
   envoy-rr  wrk -> Envoy, round robin over the stub endpoints (envoy/render.py --baseline)
-  kvroute   wrk -> the same Envoy + kvroute (envoy/render.py, sim/bench/overhead/kvroute-bench.json)
+  kvroute   wrk -> the same Envoy + kvroute (envoy/render.py, sim/bench/overhead/kvroute-bench.json:
+            llm-d's baseline profile)
+  kv-default the same with the shipped profile (envoy/kvroute-config.json, kvroute-default)
   smg       wrk -> smg launch --policy cache_aware over the stub endpoints
 
 For each body size and each round: a latency run (`wrk -c 1`, one request in
@@ -46,7 +48,7 @@ sys.path.insert(0, HERE)
 import bodies as bodies_mod  # noqa: E402
 import stub as stub_mod  # noqa: E402
 
-ARMS = ["direct", "envoy-rr", "kvroute", "smg"]
+ARMS = ["direct", "envoy-rr", "kvroute", "kv-default", "smg"]
 # Chat bodies of 8k, 64k, 400k bytes; and "-ids": /v1/completions bodies of
 # that size whose prompt is token IDs (bodies.generate_ids), for precise mode.
 SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024, "8k-ids": 8 * 1024, "400k-ids": 400 * 1024}
@@ -255,7 +257,13 @@ PROFILE_ARMS = {
     # (counted no_held_view): the difference from "kvroute" is the cost of
     # tokenizing, rendering the template and sha256_cbor hashing.
     "kv-precise": {"plugin": {"+precise": True}},
+    # The shipped profile (envoy/kvroute-config.json, kvroute-default: the
+    # saturation-aware gate, kvroute-load-scorer, cache-balance-scorer,
+    # learnt bytes per token and output lengths) instead of the kvroute
+    # arm's llm-d baseline; routing and collector stay the bench's.
+    "kv-default": {"plugin": {"+shipped": True}},
 }
+SHIPPED_CONFIG = os.path.join(REPO, "envoy", "kvroute-config.json")
 
 TINY_TOKENIZER = os.path.join(REPO, "testdata", "tokenizer", "tiny-bpe-4096")
 
@@ -283,7 +291,12 @@ def _plugin_variant(base_path, change, work, name):
     with open(base_path) as f:
         cfg = json.load(f)
     for key, value in change.items():
-        if key == "+precise":
+        if key == "+shipped":
+            with open(SHIPPED_CONFIG) as f:
+                shipped = json.load(f)
+            cfg["plugins"] = shipped["plugins"]
+            cfg["schedulingProfiles"] = shipped["schedulingProfiles"]
+        elif key == "+precise":
             cfg["plugins"] = _precise_plugins() + cfg["plugins"]
             cfg["kvEvents"] = {"enabled": True}
         elif key == "routing":
@@ -566,7 +579,7 @@ def main(argv=None):
     work = args.work or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-overhead-{os.getpid()}")
     os.makedirs(work, exist_ok=True)
     lua = os.path.join(HERE, "post.lua")
-    if "kvroute" in arms and not os.path.exists(args.wasm):
+    if any(a in arms for a in ("kvroute", "kv-default")) and not os.path.exists(args.wasm):
         sys.exit(f"bench.py: {args.wasm} missing; build with cargo build --release --target wasm32-wasip1 -p kvroute-wasm")
 
     # Bodies: generated once per (size, count, seed) and kept in the work dir.
@@ -605,7 +618,9 @@ def main(argv=None):
         meta["startup_s"] = startup
         for arm, s in startup.items():
             print(f"[bench] {arm} serving after {s:.1f}s at {urls[arm]}", flush=True)
-        kv_before = kvroute_counters(admins["kvroute"]) if "kvroute" in arms else {}
+        # The arms whose counters say whether kvroute routed (not kv-skip, which must not).
+        counted = [a for a in ("kvroute", "kv-default") if a in arms]
+        kv_before = {a: kvroute_counters(admins[a]) for a in counted}
 
         # Warm-up: JIT, connection pools, prefix index and smg's radix tree.
         for s in sizes:
@@ -643,16 +658,16 @@ def main(argv=None):
         for arm, proc in proxy_of.items():
             if proc is not None and not proc.alive():
                 failures.append(f"{arm} exited during the run")
-        if "kvroute" in arms:
-            kv_after = kvroute_counters(admins["kvroute"])
-            kv = {k: kv_after.get(k, 0) - kv_before.get(k, 0) for k in kv_after}
-            meta["kvroute_counters"] = kv
-            print(f"[bench] kvroute counters during the run: {kv}", flush=True)
+        for a in counted:
+            kv_after = kvroute_counters(admins[a])
+            kv = {k: kv_after.get(k, 0) - kv_before[a].get(k, 0) for k in kv_after}
+            meta["kvroute_counters" if a == "kvroute" else f"{a}_counters"] = kv
+            print(f"[bench] {a} counters during the run: {kv}", flush=True)
             if kv.get("kvroute_routed", 0) == 0:
-                failures.append("kvroute routed no request (wasmcustom.kvroute_routed did not move)")
+                failures.append(f"{a} routed no request (wasmcustom.kvroute_routed did not move)")
             for k in ("kvroute_fail_open", "kvroute_rejected", "kvroute_host_errors"):
                 if kv.get(k, 0):
-                    failures.append(f"kvroute: {k} = {kv[k]}")
+                    failures.append(f"{a}: {k} = {kv[k]}")
     except KeyboardInterrupt:
         failures.append("interrupted")
     except Exception as e:  # noqa: BLE001 - report and fail, after cleaning up
