@@ -36,6 +36,8 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+NEEDS_MATPLOTLIB = ("render_dashboard: drawing needs matplotlib: python3 -m pip install matplotlib "
+                    "(or pass --save FILE to keep the scrapes and draw them later with --load)")
 LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)$")
 
 
@@ -131,8 +133,7 @@ def draw(dashboard, scrapes, out, window):
     try:
         import matplotlib
     except ImportError:
-        sys.exit("render_dashboard: drawing needs matplotlib: python3 -m pip install matplotlib "
-                 "(scrapes can still be saved with --save and drawn later with --load)")
+        sys.exit(NEEDS_MATPLOTLIB)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -293,8 +294,7 @@ def main():
     ap.add_argument("--tmp", default="/tmp/kvroute-dashboard")
     args = ap.parse_args()
     if not args.save and importlib.util.find_spec("matplotlib") is None:
-        sys.exit("render_dashboard: drawing needs matplotlib: python3 -m pip install matplotlib "
-                 "(or pass --save FILE to keep the scrapes and draw them later with --load)")
+        sys.exit(NEEDS_MATPLOTLIB)
     if args.load:
         with open(args.load) as f:
             scrapes = [{"t": s["t"], "samples": {(k[0], tuple(map(tuple, k[1]))): v for k, v in s["samples"]}}

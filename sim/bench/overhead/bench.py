@@ -49,13 +49,16 @@ import bodies as bodies_mod  # noqa: E402
 import stub as stub_mod  # noqa: E402
 
 ARMS = ["direct", "envoy-rr", "kvroute", "kv-default", "smg"]
+# The arms that route with kvroute: their counters must show it routed, and
+# they need the module (not kv-skip, which must not route).
+ROUTING_ARMS = ("kvroute", "kv-default")
 # Chat bodies of 8k, 64k, 400k bytes; and "-ids": /v1/completions bodies of
 # that size whose prompt is token IDs (bodies.generate_ids), for precise mode.
 SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024, "8k-ids": 8 * 1024, "400k-ids": 400 * 1024}
-# Distinct bodies per size: cycling through them, every body comes back only
-# after this many requests.
 # The default sizes: chat bodies, which every arm (smg too) serves.
 CHAT_SIZES = ["8k", "64k", "400k"]
+# Distinct bodies per size: cycling through them, every body comes back only
+# after this many requests.
 BODY_COUNTS = {"8k": 2048, "64k": 512, "400k": 128, "8k-ids": 2048, "400k-ids": 128}
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -579,7 +582,7 @@ def main(argv=None):
     work = args.work or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-overhead-{os.getpid()}")
     os.makedirs(work, exist_ok=True)
     lua = os.path.join(HERE, "post.lua")
-    if any(a in arms for a in ("kvroute", "kv-default")) and not os.path.exists(args.wasm):
+    if any(a in arms for a in ROUTING_ARMS) and not os.path.exists(args.wasm):
         sys.exit(f"bench.py: {args.wasm} missing; build with cargo build --release --target wasm32-wasip1 -p kvroute-wasm")
 
     # Bodies: generated once per (size, count, seed) and kept in the work dir.
@@ -618,8 +621,7 @@ def main(argv=None):
         meta["startup_s"] = startup
         for arm, s in startup.items():
             print(f"[bench] {arm} serving after {s:.1f}s at {urls[arm]}", flush=True)
-        # The arms whose counters say whether kvroute routed (not kv-skip, which must not).
-        counted = [a for a in ("kvroute", "kv-default") if a in arms]
+        counted = [a for a in ROUTING_ARMS if a in arms]
         kv_before = {a: kvroute_counters(admins[a]) for a in counted}
 
         # Warm-up: JIT, connection pools, prefix index and smg's radix tree.
