@@ -5,8 +5,10 @@ and (when Envoy and the module are there) the equivalent bootstraps in Envoy.
 
     python3 istio/check.py [--schemas DIR] [--no-envoy]
 
-Schemas: $KVROUTE_ISTIO_SCHEMAS, else <repo>/../shared/istio. Needs PyYAML and
-jsonschema (scripts/istio-check.sh installs them). Exit status 1 on any problem.
+Schemas: $KVROUTE_ISTIO_SCHEMAS, else <repo>/testdata/istio (a copy of
+../shared/istio's file; a differing ../shared/istio is reported). Needs PyYAML
+and jsonschema (scripts/istio-check.sh installs them). Exit status 1 on any
+problem.
 """
 
 import argparse
@@ -410,9 +412,22 @@ def real_start(envoy, wasm, workdir, variant):
         log.close()
 
 
+def note_shared_schemas(crd_file):
+    """Says so when the project's shared copy of the schemas (../shared/istio,
+    beside the clone) differs from the one checked against: a newer Istio
+    to copy into testdata/istio."""
+    shared = os.path.join(os.path.dirname(REPO), "shared", "istio", "customresourcedefinitions.gen.yaml")
+    if not os.path.exists(shared) or os.path.abspath(shared) == os.path.abspath(crd_file):
+        return
+    with open(shared, "rb") as a, open(crd_file, "rb") as b:
+        if a.read() != b.read():
+            print(f"note: {shared} differs from {crd_file}; checking against the latter "
+                  "(copy the shared file into testdata/istio/ to move to it)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default = os.environ.get("KVROUTE_ISTIO_SCHEMAS") or os.path.join(os.path.dirname(REPO), "shared", "istio")
+    default = os.environ.get("KVROUTE_ISTIO_SCHEMAS") or os.path.join(REPO, "testdata", "istio")
     ap.add_argument("--schemas", default=default, help=f"directory of customresourcedefinitions.gen.yaml (default {default})")
     ap.add_argument("--wasm", default=os.environ.get("KVROUTE_WASM") or render.DEFAULT_WASM)
     ap.add_argument("--no-envoy", action="store_true", help="skip the Envoy checks")
@@ -421,6 +436,7 @@ def main():
     if not os.path.exists(crd_file):
         print(f"istio/check.py: {crd_file} not found; set KVROUTE_ISTIO_SCHEMAS or --schemas", file=sys.stderr)
         return 2
+    note_shared_schemas(crd_file)
     crds = load_crds(crd_file)
     manifests = {}
     for variant, root in sorted(equivalent.VARIANTS.items()):

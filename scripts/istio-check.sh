@@ -6,13 +6,11 @@
 # real start with the filter over ECDS). The routed end-to-end request is
 # tests/e2e/test_istio_ecds.py (pytest), not this script.
 #
-#   bash scripts/istio-check.sh              # schemas from ../shared/istio
+#   bash scripts/istio-check.sh              # schemas from testdata/istio (a copy of ../shared/istio's)
 #   KVROUTE_ISTIO_SCHEMAS=DIR bash scripts/istio-check.sh
 #   bash scripts/istio-check.sh --no-envoy   # manifests only
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-root="$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
-export KVROUTE_ISTIO_SCHEMAS="${KVROUTE_ISTIO_SCHEMAS:-$root/../shared/istio}"
 if ! python3 -c 'import yaml, jsonschema' 2>/dev/null; then
   python3 -m pip install --quiet pyyaml jsonschema 2>/dev/null \
     || python3 -m pip install --quiet --user pyyaml jsonschema 2>/dev/null \

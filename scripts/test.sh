@@ -13,7 +13,7 @@
 #   5. fuzz smoke: bash fuzz/smoke.sh (libFuzzer, 10 s per target over its seeds: the request
 #      parser, the plugin config, the engine; fails on a crash)
 #   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
-#   7. the Istio manifests: bash scripts/istio-check.sh (CRD schemas from ../shared/istio,
+#   7. the Istio manifests: bash scripts/istio-check.sh (CRD schemas from testdata/istio,
 #      cross-references, envoy --mode validate, a real start with the filter over ECDS)
 #      then pytest tests/e2e                        (real Envoy + emulated vLLM fleet on 127.0.0.1)
 #   8. the real-engine tier: bash scripts/real-vllm.sh test (two real vLLM 0.32 CPU servers with a
