@@ -959,7 +959,10 @@ def describe_part(part):
     seeds = f"seed{'s' if len(part['seeds']) > 1 else ''} {', '.join(part['seeds'])}"
     if not part.get("arms"):
         return seeds
-    return f"{', '.join(part['arms'])} on {seeds}, over that run's round robin"
+    said = f"{', '.join(part['arms'])} on {seeds}, over that run's round robin"
+    if part.get("replaced"):
+        said += f"; its {', '.join(part['replaced'])} replace{'s' if len(part['replaced']) == 1 else ''} the earlier runs'"
+    return said
 
 
 def describe_run(run):
@@ -975,25 +978,25 @@ def arms_of(runs):
     return {arm for arm in runs if arm != "round-robin"}
 
 
-def combines(old, new):
-    """Whether run `new` of a workload adds to `old` rather than replacing it: it holds other seeds, or, in
-    the seeds both hold, only other arms (besides its own round robin)."""
-    old_seeds, new_seeds = old.get("seeds"), new.get("seeds")
-    if not old_seeds or not new_seeds:
-        return False
-    return all(not (arms_of(old_seeds[seed]) & arms_of(runs)) for seed, runs in new_seeds.items()
-               if seed in old_seeds)
+def covers(new, old):
+    """Whether run `new` of a workload holds every seed and every arm that `old` holds: a re-run, which
+    replaces `old` whole. Otherwise `new` is merged into it (`merge_workload`)."""
+    old_seeds, new_seeds = old.get("seeds") or {}, new.get("seeds")
+    if not new_seeds:
+        return True
+    return all(seed in new_seeds and set(runs) <= set(new_seeds[seed]) for seed, runs in old_seeds.items())
 
 
 def merge_workload(path, old, new):
-    """Add run `new` of one workload to `old` (same scenario): seeds it alone holds are pooled; arms it adds to
-    a seed `old` holds keep its round robin (`round_robin`), which their ratios divide by. The tables and plot
-    stay on `old`'s first seed; `parts` names each run's seeds and arms."""
+    """Add run `new` of one workload to `old` (same scenario): seeds it alone holds are pooled; its arms in a
+    seed `old` holds join that seed, or replace the same arm there (an arm re-run side by side with
+    another), each keeping `new`'s round robin (`round_robin`), which its ratios divide by. The tables and
+    plot stay on `old`'s first seed; `parts` names each run's seeds and arms, and the arms it replaced."""
     for key in SAME_SCENARIO:
         if old.get(key) != new.get(key):
             raise ValueError(f"{path}: workload {key} {new.get(key)!r} differs from the earlier run's {old.get(key)!r}")
     old.setdefault("parts", [{"run": old["run"], "seeds": list(old["seeds"]), "arms": None}])
-    added = set()
+    added, replaced = set(), set()
     for seed, runs in new["seeds"].items():
         if seed not in old["seeds"]:
             old["seeds"][seed] = runs
@@ -1002,16 +1005,20 @@ def merge_workload(path, old, new):
         if rr is None:
             raise ValueError(f"{path}: seed {seed} adds arms to an earlier run without a round robin to divide by")
         for arm in arms_of(runs):
+            if arm in old["seeds"][seed]:
+                replaced.add(arm)
             old["seeds"][seed][arm] = dict(runs[arm], round_robin=rr)
             added.add(arm)
-    old["parts"].append({"run": new["run"], "seeds": list(new["seeds"]), "arms": sorted(added) or None})
+    old["parts"].append({"run": new["run"], "seeds": list(new["seeds"]), "arms": sorted(added) or None,
+                         "replaced": sorted(replaced) or None})
     old["arms"] = old["seeds"][next(iter(old["seeds"]))]
 
 
 def merge_results(paths):
     """Several results.json of one fleet and SLO as one: each workload keeps its run's provenance (`run`); a
-    workload found in more than one run comes from the last, unless the later run holds other seeds or other
-    arms of the same scenario, which are added (`merge_workload`)."""
+    workload found in more than one run comes from the last when that run holds all of the earlier one's
+    seeds and arms; otherwise the later run's seeds and arms of the same scenario are added, and its arms
+    replace the same arms of the seeds both hold (`merge_workload`)."""
     merged = None
     for path in paths:
         with open(path) as f:
@@ -1030,7 +1037,7 @@ def merge_results(paths):
             old = merged["workloads"].get(name)
             if old is not None and w["run"] in [old["run"]] + [x["run"] for x in old.get("parts", [])]:
                 continue  # this run is in it already (re-rendering a merged file with one of its parts)
-            if old is not None and combines(old, w):
+            if old is not None and not covers(w, old):
                 merge_workload(path, old, w)
             else:
                 merged["workloads"][name] = w

@@ -1,5 +1,6 @@
-"""Unit tests of quality.py's results merging (`--from-results`): other seeds pooled, other arms added over
-their own run's round robin, re-runs replacing, other scenarios refused. No processes, no network.
+"""Unit tests of quality.py's results merging (`--from-results`): other seeds pooled, other arms added (and
+arms re-run side by side replaced) over their own run's round robin, re-runs replacing, other scenarios
+refused. No processes, no network.
 
     python3 -m pytest sim/bench/test_quality.py -q
 """
@@ -85,6 +86,27 @@ def test_other_arms_of_the_same_seeds_are_added_over_their_own_round_robin(tmp_p
     assert w["ratios_vs_rr"] == {"kvroute-default": pytest.approx(2.0), "smg-cache-aware": pytest.approx(1.5)}
     assert set(w["arms"]) == {"round-robin", "kvroute-default", "smg-cache-aware"}
     assert w["parts"][1]["arms"] == ["smg-cache-aware"]
+
+
+def test_an_arm_re_run_side_by_side_replaces_it_over_its_own_round_robin(tmp_path):
+    # run A: kvroute-default; run B adds smg on its own round robin; run C re-runs kvroute-default beside
+    # always-sticky on the same seeds: both divide by C's round robin, smg keeps B's, A's round robin stays
+    a = write(tmp_path, "a.json", results({1: (1, 2), 2: (1, 2)}, "A"))
+    b = write(tmp_path, "b.json", results({1: (2, 3), 2: (2, 3)}, "B", name="smg-cache-aware"))
+    c = results({1: (2, 4), 2: (1, 3)}, "C")
+    for s in c["workloads"]["w"]["seeds"].values():
+        s["always-sticky"] = arm(3)
+    c = write(tmp_path, "c.json", c)
+    merged = quality.merge_results([a, b, c])
+    assert over_seeds(merged)["by_seed"] == {"1": pytest.approx(2.0), "2": pytest.approx(3.0)}
+    assert over_seeds(merged, "always-sticky")["by_seed"] == {"1": pytest.approx(1.5), "2": pytest.approx(3.0)}
+    assert over_seeds(merged, "smg-cache-aware")["by_seed"] == {"1": pytest.approx(1.5), "2": pytest.approx(1.5)}
+    w = merged["workloads"]["w"]
+    assert w["seeds"]["1"]["round-robin"]["stages"] == arm(1)["stages"]
+    assert [(x["run"]["started"], x["arms"], x.get("replaced")) for x in w["parts"]] == [
+        ("A", None, None), ("B", ["smg-cache-aware"], None), ("C", ["always-sticky", "kvroute-default"],
+                                                              ["kvroute-default"])]
+    assert "kvroute-default replaces the earlier runs'" in quality.describe_part(w["parts"][2])
 
 
 def test_other_arms_without_a_round_robin_are_refused(tmp_path):
