@@ -105,7 +105,7 @@ done_step
 # ---------------------------------------------------------------- real Envoy
 step "pytest tests/e2e (real Envoy ${ENVOY_VERSION} + kvroute-emulator)"
 cargo build --bin kvroute-emulator --bin kvroute-relay
-KVROUTE_E2E_NO_BUILD=1 python3 -m pytest tests/e2e -p no:cacheprovider -q -rfE
+KVROUTE_E2E_NO_BUILD=1 python3 -m pytest tests/e2e -p no:cacheprovider -q -rfE --durations=8
 done_step
 
 step "real-engine tier: 2 real vLLM 0.32 servers + Envoy + kvroute (bash scripts/real-vllm.sh test)"
