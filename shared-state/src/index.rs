@@ -20,8 +20,9 @@
 //! group lives in the shard chosen by the hash of its first block, so one
 //! read-modify-write covers a group and shared prefixes land in the same
 //! shards. Block hashes are chained, so "endpoint holds block i" is nearly
-//! monotone in i, and the longest held prefix is found by binary search:
-//! about log2(blocks) shard reads, not one per block.
+//! monotone in i, and the longest held prefix is found by a binary search
+//! over groups ([`last_held`]): about log2(groups) + 1 shard reads, not one
+//! per block.
 
 use crate::cas::{update_bytes, Updated};
 use crate::{Store, StoreError};
@@ -284,22 +285,58 @@ pub fn longest_prefixes(
             continue;
         };
         out.first_recorded[k] = Some(first);
-        let (mut lo, mut hi) = (0usize, n - 1);
-        while lo < hi {
-            let mid = (lo + hi).div_ceil(2);
-            if held(h, mid, &mut out)?.is_some() {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        out.matched_blocks[k] = (lo + 1) as u32;
+        let last = last_held(n, |i| Ok(held(h, i, &mut out)?.is_some()))?;
+        out.matched_blocks[k] = (last + 1) as u32;
     }
     out.shards = shards
         .into_iter()
         .map(|r| r.and_then(|(v, cas)| Some((v, cas?))))
         .collect();
     Ok(out)
+}
+
+/// The last held block of an `n`-block prompt whose block 0 is held, by a
+/// binary search over [`GROUP_BLOCKS`] groups rather than blocks. Each probe
+/// is the last block of the middle unresolved group, and the group it reads
+/// is then resolved in full for free (its shard is in hand): a boundary
+/// inside a group costs a read of that group alone, where a search over
+/// blocks also read the next group. On a holder whose held blocks are a
+/// prefix (chained hashes make this the rule) it finds the same block as a
+/// search over blocks; in any case the block it returns is held and the
+/// next one is not (or is past the end).
+fn last_held(
+    n: usize,
+    mut held: impl FnMut(usize) -> Result<bool, StoreError>,
+) -> Result<usize, StoreError> {
+    // Invariant: block `lo` is held, and `hi + 1` is not (or is past the end).
+    let (mut lo, mut hi) = (0usize, n.saturating_sub(1));
+    loop {
+        // Forward within lo's group, whose shard is read.
+        let group_end = ((lo / GROUP_BLOCKS + 1) * GROUP_BLOCKS - 1).min(hi);
+        while lo < group_end && held(lo + 1)? {
+            lo += 1;
+        }
+        if lo < group_end || lo >= hi {
+            return Ok(lo);
+        }
+        // lo ends its group: probe the last block of the group holding the
+        // middle block.
+        let g = (lo + hi).div_ceil(2) / GROUP_BLOCKS;
+        let probe = ((g + 1) * GROUP_BLOCKS - 1).min(hi);
+        if held(probe)? {
+            lo = probe;
+            continue;
+        }
+        // Backward within the probe's group, now read: its last held block.
+        hi = probe - 1;
+        let start = (g * GROUP_BLOCKS).max(lo + 1);
+        while hi >= start && !held(hi)? {
+            hi -= 1;
+        }
+        if hi >= start {
+            return Ok(hi);
+        }
+    }
 }
 
 /// Should a holder's already-held prefix be written again, to refresh its
@@ -529,6 +566,103 @@ mod tests {
         b.extend(chain(99, 40));
         let m = longest_prefixes(&s, &geo, &b, &[holder(0, 60, 0), holder(1, 25, 0)]).unwrap();
         assert_eq!(m.matched_blocks, vec![30, 25]);
+    }
+
+    /// The groups a search touches, each one a shard read.
+    fn groups_touched(n: usize, held: impl Fn(usize) -> bool, search: Search) -> (usize, usize) {
+        let mut touched = std::collections::BTreeSet::from([0]);
+        let mut probe = |i: usize| {
+            touched.insert(i / GROUP_BLOCKS);
+            Ok(held(i))
+        };
+        let last = match search {
+            Search::Groups => last_held(n, probe).unwrap(),
+            Search::Blocks => {
+                // The search over blocks that `last_held` replaced.
+                let (mut lo, mut hi) = (0usize, n - 1);
+                while lo < hi {
+                    let mid = (lo + hi).div_ceil(2);
+                    if probe(mid).unwrap() {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                lo
+            }
+        };
+        (last, touched.len())
+    }
+
+    #[derive(Clone, Copy)]
+    enum Search {
+        Groups,
+        Blocks,
+    }
+
+    /// On every held prefix of prompts up to 6 groups long, the search over
+    /// groups finds what the search over blocks found. For each prompt
+    /// length its worst case reads no more groups, and over all cases it
+    /// reads fewer (a boundary inside a group no longer reads the next one;
+    /// it can read one more than the block search where that search's first
+    /// probes happened to land in one group).
+    #[test]
+    fn search_over_groups_finds_the_same_prefix_with_fewer_reads() {
+        let (mut reads_groups, mut reads_blocks) = (0, 0);
+        for n in 1..=6 * GROUP_BLOCKS {
+            let (mut worst_groups, mut worst_blocks) = (0, 0);
+            for m in 1..=n {
+                let held = |i: usize| i < m;
+                let (a, ra) = groups_touched(n, held, Search::Groups);
+                let (b, rb) = groups_touched(n, held, Search::Blocks);
+                assert_eq!((a, b), (m - 1, m - 1), "n {n}, held {m}");
+                worst_groups = worst_groups.max(ra);
+                worst_blocks = worst_blocks.max(rb);
+                reads_groups += ra;
+                reads_blocks += rb;
+            }
+            assert!(
+                worst_groups <= worst_blocks,
+                "n {n}: {worst_groups} > {worst_blocks}"
+            );
+        }
+        // 2,780 against 3,352.
+        assert!(
+            reads_groups * 100 < reads_blocks * 85,
+            "{reads_groups} vs {reads_blocks} reads"
+        );
+    }
+
+    /// With holes (entries overwritten), the block found is held and the
+    /// next one is not: a boundary, as the search over blocks gave.
+    #[test]
+    fn search_over_groups_with_holes_ends_on_a_boundary() {
+        for n in 1..=5 * GROUP_BLOCKS {
+            for seed in 0..200u64 {
+                let held = |i: usize| {
+                    i == 0 || !mix(seed ^ ((i as u64) << 20) ^ n as u64).is_multiple_of(4)
+                };
+                let (last, reads) = groups_touched(n, held, Search::Groups);
+                assert!(held(last), "n {n} seed {seed}");
+                assert!(last + 1 == n || !held(last + 1), "n {n} seed {seed}");
+                assert!(reads <= n.div_ceil(GROUP_BLOCKS));
+            }
+        }
+    }
+
+    /// A prompt sharing 23 blocks with what its endpoint holds, over four
+    /// groups: the lookup reads group 0 and the group holding the boundary.
+    #[test]
+    fn a_boundary_inside_a_group_reads_that_group_alone() {
+        let s = MemoryStore::new();
+        let geo = IndexGeometry::from_budget(1 << 20);
+        let a = chain(3, 23);
+        insert(&s, &geo, &a, 0, &holder(0, 23, 0), ALWAYS).unwrap();
+        let mut b = a.clone();
+        b.extend(chain(4, 8));
+        let m = longest_prefixes(&s, &geo, &b, &[holder(0, 23, 0)]).unwrap();
+        assert_eq!(m.matched_blocks, vec![23]);
+        assert_eq!(m.shard_reads, 2);
     }
 
     /// A prefix every endpoint of a large fleet holds (a shared system
