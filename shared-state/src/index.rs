@@ -297,8 +297,9 @@ pub fn longest_prefixes(
 
 /// The last held block of an `n`-block prompt whose block 0 is held, by a
 /// binary search over [`GROUP_BLOCKS`] groups rather than blocks. Each probe
-/// is the last block of the middle unresolved group, and the group it reads
-/// is then resolved in full for free (its shard is in hand): a boundary
+/// is the last block of the group holding the unresolved range's middle
+/// block, and the group it reads is then resolved in full for free (its
+/// shard is in hand): a boundary
 /// inside a group costs a read of that group alone, where a search over
 /// blocks also read the next group. On a holder whose held blocks are a
 /// prefix (chained hashes make this the rule) it finds the same block as a
