@@ -140,6 +140,52 @@ fn segment_prompts_agree_with_the_filters_text_path() {
     assert_eq!(seg.totals.arrived, txt.totals.arrived);
 }
 
+/// The shipped profile on agent sessions, in both prompt forms. The segments
+/// form once read the default at about 0.80 of the ceiling where the text
+/// path (and Envoy) read 1.00; at `5ef5059` the full sweep's forms agree
+/// (0.998 and 0.999). This smaller scenario keeps the two forms together
+/// (whether it would have caught the old gap was not checked).
+#[test]
+fn segment_prompts_agree_with_the_text_path_for_the_shipped_default_on_sessions() {
+    let spec = WorkloadSpec {
+        groups: 12,
+        prompts_per_group: 6,
+        system_tokens: 512,
+        persona_tokens: 1024,
+        question_tokens: 256,
+        output_tokens: 32,
+        ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+    };
+    let run = |exact: bool| {
+        let mut c = cfg("shipped-default", "rate:2@150s", 3, exact);
+        c.fleet.endpoints = 4;
+        c.fleet.engine.num_gpu_blocks = 2048;
+        c.load = Load::Workload {
+            spec: spec.clone(),
+            stages: parse_stages("rate:2@150s").unwrap(),
+            exact_prompts: exact,
+        };
+        let r = simulate(c).unwrap();
+        let s = &r.stages[0];
+        (s.hit_ratio.unwrap(), s.hit_ratio_ceiling.unwrap())
+    };
+    let ((hs, cs), (ht, ct)) = (run(false), run(true));
+    assert!(cs > 0.5 && ct > 0.5, "ceilings {cs} {ct}");
+    for (form, h, c) in [("segments", hs, cs), ("text", ht, ct)] {
+        assert!(
+            h >= 0.97 * c,
+            "{form}: hit {h} is {:.3} of the ceiling {c}",
+            h / c
+        );
+    }
+    assert!(
+        (hs / cs - ht / ct).abs() < 0.03,
+        "segments {:.3} vs text {:.3} of the ceiling",
+        hs / cs,
+        ht / ct
+    );
+}
+
 #[test]
 fn affinity_beats_round_robin_on_hits_when_the_working_set_exceeds_one_cache() {
     let kv = simulate(cfg("kvroute", "rate:3@120s", 2, false)).unwrap();
