@@ -758,6 +758,16 @@ def add_headlines(wres, slo_s):
                           "worst_seed": worst,
                           "host_limited": sorted(x for x in vals if host_limited(seeds[x][arm], slo_s))}
     wres["ratios_over_seeds"] = stats
+    # Knee rates seed by seed (the target's own measure: the highest offered rate within the SLO). At
+    # equal knee rates two arms served the same requests and tokens of the same seed; their knee
+    # throughputs then differ only by the stage's span (its drain after the last arrival).
+    rates = {}
+    for arm in sorted(arms | {"round-robin"}):
+        by_seed = {seed: ((runs.get(arm) or {}).get("knee") or {}).get("rate", 0.0)
+                   for seed, runs in seeds.items() if "stages" in (runs.get(arm) or {})}
+        if by_seed:
+            rates[arm] = {"by_seed": by_seed, "median": median(list(by_seed.values()))}
+    wres["knee_rates"] = rates
 
 
 def host_limited(res, slo_s):
@@ -881,6 +891,18 @@ def markdown(results, img_rel, stages=False):
             cells = [f"{st[x]['median']:.2f}× [{st[x]['worst']:.2f}×, {st[x]['worst_seed']}]"
                      + (f" ‡{','.join(st[x]['host_limited'])}" if st[x].get("host_limited") else "")
                      if x in st else "–" for x in ALL_ARMS if x != "round-robin"]
+            L.append(f"| {wname} | " + " | ".join(cells) + " |")
+        L.append("")
+        L.append("Knee rates (req/s, seed by seed as above; median in bold): the highest offered rate within "
+                 "the SLO. Where two arms share a seed's knee rate they served the same requests of that seed, "
+                 "and their knee throughputs differ only by the stage's span (the drain after its last arrival):")
+        L.append("")
+        L.append("| workload | " + " | ".join(ALL_ARMS) + " |")
+        L.append("|---|" + "---|" * len(ALL_ARMS))
+        for wname, w in a["workloads"].items():
+            kr = w.get("knee_rates", {})
+            cells = [", ".join(f"{kr[x]['by_seed'][s]:g}" for s in sorted(kr[x]["by_seed"], key=int))
+                     + f" · **{kr[x]['median']:g}**" if x in kr else "–" for x in ALL_ARMS]
             L.append(f"| {wname} | " + " | ".join(cells) + " |")
         L.append("")
         if any(st.get("host_limited") for w in a["workloads"].values()

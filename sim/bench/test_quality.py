@@ -162,3 +162,18 @@ def test_merging_a_run_again_changes_nothing(tmp_path):
     again = quality.merge_results([merged, b])
     assert sorted(again["workloads"]["w"]["seeds"]) == ["1", "2"]
     assert len(again["workloads"]["w"]["parts"]) == 2
+
+
+def test_knee_rates_are_reported_seed_by_seed_with_their_median(tmp_path):
+    # seeds 1-3: round robin's knee 1, 1, 2 req/s; kvroute-default's 2, 3, 3; seed 4 the default has none
+    r = results({1: (1, 2), 2: (1, 3), 3: (2, 3), 4: (1, 0)}, "A")
+    merged = quality.merge_results([write(tmp_path, "a.json", r)])
+    w = merged["workloads"]["w"]
+    quality.add_headlines(w, merged["slo_s"])
+    kd, rr = w["knee_rates"]["kvroute-default"], w["knee_rates"]["round-robin"]
+    assert kd["by_seed"] == {"1": 2, "2": 3, "3": 3, "4": 0.0}
+    assert kd["median"] == pytest.approx(2.5)
+    assert rr["median"] == pytest.approx(1.0)
+    out = tmp_path / "x.md"
+    assert quality.main(["--from-results", write(tmp_path, "m.json", merged), "--out", str(out)]) == 0
+    assert "| w | 1, 1, 2, 1 · **1** | – | 2, 3, 3, 0 · **2.5** |" in out.read_text()
