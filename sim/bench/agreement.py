@@ -2,8 +2,8 @@
 """Simulator vs Envoy: the same scenario through kvroute-simulate and through
 the emulated fleet behind real Envoy (a quality.py run), stage by stage.
 
-    python3 sim/bench/quality.py --workloads shared-prefix --arms round-robin,kvroute,always-sticky \\
-        --rates 1,2,3,4,5 --out /tmp/q.md --img-dir /tmp/img --results /tmp/quality.json
+    python3 sim/bench/quality.py --workloads shared-prefix --arms round-robin,kvroute-default,legacy-blend \\
+        --rates 1,2,3,4,5,6,7,8 --seeds 1 --out /tmp/q.md --img-dir /tmp/img --results /tmp/quality.json
     python3 sim/bench/agreement.py /tmp/quality.json            # Markdown table on stdout
 
 For every workload and arm of the results it runs kvroute-simulate with the
@@ -11,7 +11,9 @@ run's own parameters: fleet, stages (rates x stage length, model time), time
 scale, stream interval, the calibrated peakPrefillThroughput, maxTTFTPenaltyMs,
 the collector's poll period, the seed, Envoy's worker count, the workload
 flags, the ramp's stop rule, and --exact-prompts (the same request bodies, through the filter's
-parse path). Then it puts hit ratio and input throughput side by side. Only
+parse path). The shipped profile (kvroute-default, not a simulator arm) gets
+the plugin JSON quality.py gave Envoy. Then it puts hit ratio and input
+throughput side by side, for the run's first seed (results["seed"]). Only
 the standard library is used.
 """
 
@@ -24,12 +26,26 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import quality  # noqa: E402
+
+
+def router_args(results, w, arm, out):
+    """`--arm NAME`, or for the shipped profile (not a simulator arm) the plugin JSON quality.py gave
+    Envoy: envoy/kvroute-config.json with the fleet's block size and the run's peak and τ."""
+    if arm != "kvroute-default":
+        return ["--arm", arm]
+    path = out + ".config.json"
+    with open(path, "w") as f:
+        json.dump(quality.plugin_config(arm, w["calibration"]["peak"], results["penalty_ms"],
+                                        results["metrics_poll_ms"]), f)
+    return ["--config", path]
 
 
 def simulate(binary, results, wname, w, arm, out):
     f = results["fleet"]
     rates = ",".join(f"{r:g}" for r in w["rates"])
-    argv = [binary, "--workload", w.get("workload", wname.replace("-skew", "")), "--arm", arm,
+    argv = [binary, "--workload", w.get("workload", wname.replace("-skew", "")), *router_args(results, w, arm, out),
             "--stages", f"rate:{rates}@{w['stage_s']}s", "--exact-prompts",
             "--endpoints", str(f["endpoints"]), "--num-gpu-blocks", str(f["num_gpu_blocks"]),
             "--block-size", str(f["block_size"]), "--max-num-batched-tokens", str(f["max_num_batched_tokens"]),

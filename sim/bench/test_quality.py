@@ -1,6 +1,7 @@
 """Unit tests of quality.py's results merging (`--from-results`): other seeds pooled, other arms added (and
 arms re-run side by side replaced) over their own run's round robin, re-runs replacing, other scenarios
-refused. No processes, no network.
+refused; the knee-rate table; and agreement.py handing the simulator the shipped profile Envoy ran. No processes,
+no network.
 
     python3 -m pytest sim/bench/test_quality.py -q
 """
@@ -177,3 +178,19 @@ def test_knee_rates_are_reported_seed_by_seed_with_their_median(tmp_path):
     out = tmp_path / "x.md"
     assert quality.main(["--from-results", write(tmp_path, "m.json", merged), "--out", str(out)]) == 0
     assert "| w | 1, 1, 2, 1 · **1** | – | 2, 3, 3, 0 · **2.5** |" in out.read_text()
+
+
+def test_agreement_gives_the_simulator_the_shipped_profile_envoy_ran(tmp_path):
+    import agreement
+    r = results({1: (1, 2)}, "A")
+    w = r["workloads"]["w"]
+    w["calibration"] = {"peak": 15230.0}
+    assert agreement.router_args(r, w, "legacy-blend", str(tmp_path / "x")) == ["--arm", "legacy-blend"]
+    flag, path = agreement.router_args(r, w, "kvroute-default", str(tmp_path / "x"))
+    assert flag == "--config"
+    doc = json.load(open(path))
+    params = {p["type"]: p.get("parameters", {}) for p in doc["plugins"]}
+    assert params["approx-prefix-cache-producer"]["blockSizeTokens"] == FLEET["block_size"]
+    assert params["prefix-cache-affinity-filter"]["peakPrefillThroughput"] == 15230.0
+    assert params["prefix-cache-affinity-filter"]["maxTTFTPenaltyMs"] == r["penalty_ms"]
+    assert doc["schedulingProfiles"], "the shipped profile's scheduling profiles"
