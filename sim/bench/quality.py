@@ -759,8 +759,8 @@ def add_headlines(wres, slo_s):
                           "host_limited": sorted(x for x in vals if host_limited(seeds[x][arm], slo_s))}
     wres["ratios_over_seeds"] = stats
     # Knee rates seed by seed (the target's own measure: the highest offered rate within the SLO). At
-    # equal knee rates two arms served the same requests and tokens of the same seed; their knee
-    # throughputs then differ only by the stage's span (its drain after the last arrival).
+    # equal knee rates two arms were offered the same requests of the same seed; their knee throughputs
+    # then differ only by errors (< 1 %) and the stage's span (its drain after the last arrival).
     rates = {}
     for arm in sorted(arms | {"round-robin"}):
         by_seed = {seed: ((runs.get(arm) or {}).get("knee") or {}).get("rate", 0.0)
@@ -894,8 +894,9 @@ def markdown(results, img_rel, stages=False):
             L.append(f"| {wname} | " + " | ".join(cells) + " |")
         L.append("")
         L.append("Knee rates (req/s, seed by seed as above; median in bold): the highest offered rate within "
-                 "the SLO. Where two arms share a seed's knee rate they served the same requests of that seed, "
-                 "and their knee throughputs differ only by the stage's span (the drain after its last arrival):")
+                 "the SLO. Where two arms share a seed's knee rate they were offered the same requests of that seed, "
+                 "and their knee throughputs differ only by errors (< 1 %) and the stage's span (the drain after its "
+                 "last arrival):")
         L.append("")
         L.append("| workload | " + " | ".join(ALL_ARMS) + " |")
         L.append("|---|" + "---|" * len(ALL_ARMS))
