@@ -147,28 +147,7 @@ fn segment_prompts_agree_with_the_filters_text_path() {
 /// (whether it would have caught the old gap was not checked).
 #[test]
 fn segment_prompts_agree_with_the_text_path_for_the_shipped_default_on_sessions() {
-    let spec = WorkloadSpec {
-        groups: 12,
-        prompts_per_group: 6,
-        system_tokens: 512,
-        persona_tokens: 1024,
-        question_tokens: 256,
-        output_tokens: 32,
-        ..WorkloadSpec::standard(WorkloadKind::AgentSession)
-    };
-    let run = |exact: bool| {
-        let mut c = cfg("shipped-default", "rate:2@150s", 3, exact);
-        c.fleet.endpoints = 4;
-        c.fleet.engine.num_gpu_blocks = 2048;
-        c.load = Load::Workload {
-            spec: spec.clone(),
-            stages: parse_stages("rate:2@150s").unwrap(),
-            exact_prompts: exact,
-        };
-        let r = simulate(c).unwrap();
-        let s = &r.stages[0];
-        (s.hit_ratio.unwrap(), s.hit_ratio_ceiling.unwrap())
-    };
+    let run = |exact| sessions("shipped-default", 12, 4, 2048, "rate:2@150s", 3, exact);
     let ((hs, cs), (ht, ct)) = (run(false), run(true));
     assert!(cs > 0.5 && ct > 0.5, "ceilings {cs} {ct}");
     for (form, h, c) in [("segments", hs, cs), ("text", ht, ct)] {
@@ -261,27 +240,8 @@ fn stages_report_the_streams_hit_ratio_ceiling_and_no_arm_exceeds_it() {
 /// stayed, by ties.
 #[test]
 fn sessions_keep_their_server_on_a_fleet_of_more_servers_than_index_ways() {
-    let spec = WorkloadSpec {
-        groups: 16,
-        prompts_per_group: 6,
-        system_tokens: 512,
-        persona_tokens: 1024,
-        question_tokens: 256,
-        output_tokens: 32,
-        ..WorkloadSpec::standard(WorkloadKind::AgentSession)
-    };
     for arm in ["shipped-default", "kvroute"] {
-        let mut c = cfg(arm, "rate:2@200s", 6, false);
-        c.fleet.endpoints = 8;
-        c.fleet.engine.num_gpu_blocks = 4096;
-        c.load = Load::Workload {
-            spec: spec.clone(),
-            stages: parse_stages("rate:2@200s").unwrap(),
-            exact_prompts: false,
-        };
-        let r = simulate(c).unwrap();
-        let s = &r.stages[0];
-        let (h, ceiling) = (s.hit_ratio.unwrap(), s.hit_ratio_ceiling.unwrap());
+        let (h, ceiling) = sessions(arm, 16, 8, 4096, "rate:2@200s", 6, false);
         assert!(ceiling > 0.5, "{arm}: ceiling {ceiling}");
         assert!(
             h >= 0.97 * ceiling,
@@ -289,4 +249,37 @@ fn sessions_keep_their_server_on_a_fleet_of_more_servers_than_index_ways() {
             h / ceiling
         );
     }
+}
+
+/// Small agent sessions (`groups` at once, 6 turns; 512-token system
+/// prompt, 1024-token private context, 256-token turns) on `endpoints`
+/// servers of `blocks` KV blocks: the first stage's hit ratio and ceiling.
+fn sessions(
+    arm: &str,
+    groups: u32,
+    endpoints: usize,
+    blocks: u32,
+    stages: &str,
+    seed: u64,
+    exact: bool,
+) -> (f64, f64) {
+    let mut c = cfg(arm, stages, seed, exact);
+    c.fleet.endpoints = endpoints;
+    c.fleet.engine.num_gpu_blocks = blocks;
+    c.load = Load::Workload {
+        spec: WorkloadSpec {
+            groups,
+            prompts_per_group: 6,
+            system_tokens: 512,
+            persona_tokens: 1024,
+            question_tokens: 256,
+            output_tokens: 32,
+            ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+        },
+        stages: parse_stages(stages).unwrap(),
+        exact_prompts: exact,
+    };
+    let r = simulate(c).unwrap();
+    let s = &r.stages[0];
+    (s.hit_ratio.unwrap(), s.hit_ratio_ceiling.unwrap())
 }
