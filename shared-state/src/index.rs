@@ -8,7 +8,10 @@
 //! overwrites one of its ways. An entry's set is chosen by its block hash
 //! *and* its endpoint, with two choices: a block every endpoint holds (a
 //! shared system prompt) has one entry per endpoint, so one set per block
-//! could name only [`WAYS`] of them (see [`sets_of`]).
+//! could name only [`WAYS`] of them (see [`sets_of`]). For the same reason
+//! a shard holds one group's entries for one stripe of eight endpoint
+//! slots only ([`STRIPE_SLOTS`]): a fleet of more endpoints spreads a
+//! shared prefix over one shard per stripe.
 //!
 //! Eviction-aware: every endpoint has an insert counter (blocks newly
 //! inserted for it, in the load table). An entry records the counter after
@@ -17,12 +20,13 @@
 //! mimics vLLM's LRU without deleting anything, which shared data cannot do.
 //!
 //! Cheap: blocks are grouped by [`GROUP_BLOCKS`] consecutive blocks, and a
-//! group lives in the shard chosen by the hash of its first block, so one
+//! group lives in the shard chosen by the hash of its first block (and the
+//! stripe), so one
 //! read-modify-write covers a group and shared prefixes land in the same
 //! shards. Block hashes are chained, so "endpoint holds block i" is nearly
 //! monotone in i, and the longest held prefix is found by a binary search
-//! over groups ([`last_held`]): about log2(groups) + 1 shard reads, not one
-//! per block.
+//! over groups ([`last_held`]): about log2(groups) + 1 shard reads per
+//! stripe the holders fall in, not one per block.
 
 use crate::cas::{update_bytes, Updated};
 use crate::{Store, StoreError};
@@ -52,6 +56,30 @@ pub const SETS: usize = SHARD_BYTES / ENTRY_BYTES / WAYS;
 /// lookups stay about log2(blocks) reads.
 pub const GROUP_BLOCKS: usize = 8;
 
+/// Endpoint slots per stripe: a group's entries for slots `8k..8k+7` live
+/// in the group's shard for stripe `k` ([`stripe_of`]).
+///
+/// A block every endpoint holds (a shared system prompt) has one entry per
+/// endpoint, and a shard holds `SHARD_BYTES / ENTRY_BYTES` = 256 entries in
+/// 64 sets of [`WAYS`]: a group of [`GROUP_BLOCKS`] blocks held by E
+/// endpoints is 8·E entries. In one shard per group, a group held by more
+/// than ~24 endpoints overwrote its own entries, holders read as cold, and
+/// sessions lost their server (the simulator's agent-session, 4 sessions
+/// per server: 0.90 of the hit-ratio ceiling on 32 servers, 0.37 on 64).
+/// Sixteen per stripe (128 entries, two per set on average) still let the
+/// fullest of the two-choice sets overflow now and then (the unit test
+/// `a_prefix_held_by_every_endpoint_of_a_large_fleet_is_found_for_each`:
+/// 2 of 128 holders short in 20 seeds); eight keep one group's shared
+/// blocks to a quarter of a shard. Fleets of
+/// up to 8 endpoints use stripe 0 only, one shard per group as before;
+/// larger ones read one shard per group and stripe their holders fall in.
+pub const STRIPE_SLOTS: u16 = 8;
+
+/// The stripe of an endpoint slot (see [`STRIPE_SLOTS`]).
+pub fn stripe_of(slot: u16) -> usize {
+    usize::from(slot / STRIPE_SLOTS)
+}
+
 /// Shard layout derived from the byte budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct IndexGeometry {
@@ -70,8 +98,17 @@ impl IndexGeometry {
         u64::from(self.shards) * SHARD_BYTES as u64
     }
 
-    fn shard_key(&self, group_first_hash: u64) -> String {
-        shard_key_string(mix(group_first_hash) % u64::from(self.shards))
+    /// The shard of a group (by its first block's hash) for the endpoints
+    /// of one [`stripe_of`] stripe. Stripe 0 (slots below
+    /// [`STRIPE_SLOTS`], every endpoint of a fleet that small) is the
+    /// group's own shard.
+    fn shard_key(&self, group_first_hash: u64, stripe: usize) -> String {
+        let h = if stripe == 0 {
+            group_first_hash
+        } else {
+            group_first_hash ^ (stripe as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
+        };
+        shard_key_string(mix(h) % u64::from(self.shards))
     }
 }
 
@@ -152,10 +189,9 @@ fn mix(h: u64) -> u64 {
 /// (the simulator's agent-session on 8 servers, 1 req/s: 0.80 of the
 /// hit-ratio ceiling; `docs/benchmarks.md`, "kvroute-default against every
 /// arm"). Mixing in the slot spreads one block's entries over the shard;
-/// two choices keep the fullest set near the mean (a group of
-/// [`GROUP_BLOCKS`] blocks held by 16 endpoints is 128 entries in 64 sets).
-/// The shard still holds at most `SHARD_BYTES / ENTRY_BYTES` = 256
-/// entries, so a group held by more than ~24 endpoints loses some.
+/// two choices keep the fullest set near the mean. A shard holds at most
+/// `SHARD_BYTES / ENTRY_BYTES` = 256 entries, so a group's entries are
+/// also split by endpoint stripe over shards ([`STRIPE_SLOTS`]).
 fn sets_of(h: u64, slot: u16) -> [usize; 2] {
     let z = mix(h.rotate_left(29) ^ (u64::from(slot) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     [
@@ -240,8 +276,25 @@ pub struct Matches {
     pub shards: ShardReads,
 }
 
-/// Shard values a lookup read, by group index, with their CAS tokens.
-pub type ShardReads = Vec<Option<(Vec<u8>, u32)>>;
+/// Shard values a lookup read, with their CAS tokens, by group index and
+/// endpoint stripe ([`STRIPE_SLOTS`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardReads {
+    stripes: usize,
+    reads: Vec<Option<(Vec<u8>, u32)>>,
+}
+
+impl ShardReads {
+    /// Takes the read of `group`'s shard for `stripe`, if the lookup made it.
+    fn take(&mut self, group: usize, stripe: usize) -> Option<(Vec<u8>, u32)> {
+        if stripe >= self.stripes {
+            return None;
+        }
+        self.reads
+            .get_mut(group * self.stripes + stripe)
+            .and_then(Option::take)
+    }
+}
 
 /// Finds, for each holder, the longest run of `hashes` from block 0 it holds.
 pub fn longest_prefixes(
@@ -255,25 +308,29 @@ pub fn longest_prefixes(
         matched_blocks: vec![0; holders.len()],
         first_recorded: vec![None; holders.len()],
         shard_reads: 0,
-        shards: Vec::new(),
+        shards: ShardReads::default(),
     };
     if n == 0 || holders.is_empty() {
         return Ok(out);
     }
     let groups = n.div_ceil(GROUP_BLOCKS);
-    // Per group: not read yet (None), or (bytes, CAS token if the key exists).
-    let mut shards: Vec<Option<(Vec<u8>, Option<u32>)>> = vec![None; groups];
+    let stripes = holders.iter().map(|h| stripe_of(h.slot)).max().unwrap_or(0) + 1;
+    // Per group and stripe: not read yet (None), or (bytes, CAS token if
+    // the key exists).
+    let mut shards: Vec<Option<(Vec<u8>, Option<u32>)>> = vec![None; groups * stripes];
     let mut held = |h: &Holder, i: usize, out: &mut Matches| -> Result<Option<u32>, StoreError> {
         let g = i / GROUP_BLOCKS;
-        if shards[g].is_none() {
-            let key = geo.shard_key(hashes[g * GROUP_BLOCKS]);
+        let stripe = stripe_of(h.slot);
+        let at = g * stripes + stripe;
+        if shards[at].is_none() {
+            let key = geo.shard_key(hashes[g * GROUP_BLOCKS], stripe);
             out.shard_reads += 1;
-            shards[g] = Some(match store.get(&key)? {
+            shards[at] = Some(match store.get(&key)? {
                 Some((v, cas)) => (v, Some(cas)),
                 None => (Vec::new(), None),
             });
         }
-        let shard = shards[g].as_ref().map_or(&[][..], |(v, _)| v.as_slice());
+        let shard = shards[at].as_ref().map_or(&[][..], |(v, _)| v.as_slice());
         let hash = key_hash(hashes[i]);
         Ok(ways_of(hash, h.slot)
             .map(|i| read_entry(shard, i))
@@ -288,10 +345,13 @@ pub fn longest_prefixes(
         let last = last_held(n, |i| Ok(held(h, i, &mut out)?.is_some()))?;
         out.matched_blocks[k] = (last + 1) as u32;
     }
-    out.shards = shards
-        .into_iter()
-        .map(|r| r.and_then(|(v, cas)| Some((v, cas?))))
-        .collect();
+    out.shards = ShardReads {
+        stripes,
+        reads: shards
+            .into_iter()
+            .map(|r| r.and_then(|(v, cas)| Some((v, cas?))))
+            .collect(),
+    };
     Ok(out)
 }
 
@@ -401,7 +461,15 @@ pub fn insert(
     holder: &Holder,
     is_live: &dyn Fn(u16, u16, u32) -> bool,
 ) -> Result<InsertStats, StoreError> {
-    insert_seeded(store, geo, hashes, skip, holder, is_live, Vec::new())
+    insert_seeded(
+        store,
+        geo,
+        hashes,
+        skip,
+        holder,
+        is_live,
+        ShardReads::default(),
+    )
 }
 
 /// [`insert`], starting each group's read-modify-write from the shard the
@@ -423,11 +491,10 @@ pub fn insert_seeded(
     } else {
         skip / GROUP_BLOCKS * GROUP_BLOCKS
     };
+    let stripe = stripe_of(holder.slot);
     for (i, group) in hashes[from..].chunks(GROUP_BLOCKS).enumerate() {
-        let key = geo.shard_key(group[0]);
-        let seed = reads
-            .get_mut(from / GROUP_BLOCKS + i)
-            .and_then(Option::take);
+        let key = geo.shard_key(group[0], stripe);
+        let seed = reads.take(from / GROUP_BLOCKS + i, stripe);
         let Updated { result, retries } = update_bytes(
             store,
             &key,
@@ -669,13 +736,15 @@ mod tests {
     /// A prefix every endpoint of a large fleet holds (a shared system
     /// prompt) is found for each of them. With one set per block hash only
     /// `WAYS` endpoints' entries fit; the rest were overwritten and their
-    /// endpoints read as cold.
+    /// endpoints read as cold. With one shard per group (no stripes), 32
+    /// endpoints already lost entries. The budget is the default's 64 MiB:
+    /// with few shards, two groups' stripes share one now and then.
     #[test]
     fn a_prefix_held_by_every_endpoint_of_a_large_fleet_is_found_for_each() {
-        for endpoints in [8u16, 16] {
+        for endpoints in [8u16, 16, 32, 64, 128] {
             for seed in 0..20 {
                 let s = MemoryStore::new();
-                let geo = IndexGeometry::from_budget(1 << 20);
+                let geo = IndexGeometry::from_budget(64 << 20);
                 let a = chain(1000 + seed, 4 * GROUP_BLOCKS);
                 let holders: Vec<Holder> = (0..endpoints).map(|e| holder(e, 40, 0)).collect();
                 // Inserted in turn, twice (each request rewrites its prefix).
@@ -853,10 +922,14 @@ mod tests {
             let s = Counting(store, Default::default());
             let m = longest_prefixes(&s, &geo, &a, &holders).unwrap();
             assert_eq!(m.matched_blocks, vec![0, G as u32]);
-            let reused = m.shards.iter().filter(|r| r.is_some()).count() as u32;
+            let reused = m.shards.reads.iter().filter(|r| r.is_some()).count() as u32;
             assert!(reused >= 1, "group 0's shard exists and was read");
             s.1.set(0);
-            let reads = if seeded { m.shards } else { Vec::new() };
+            let reads = if seeded {
+                m.shards
+            } else {
+                ShardReads::default()
+            };
             let me = holder(0, n as u64, 0);
             let st = insert_seeded(&s, &geo, &a, 0, &me, ALWAYS, reads).unwrap();
             assert_eq!((st.shard_writes, st.cas_retries), (3, 0));
@@ -870,9 +943,10 @@ mod tests {
         // A seed that went stale (another worker wrote the shard since):
         // the CAS fails, the insert re-reads, and neither write is lost.
         let b = chain(12, G);
-        mem.set(&geo.shard_key(b[0]), &[0; SHARD_BYTES], 0).unwrap();
+        mem.set(&geo.shard_key(b[0], 0), &[0; SHARD_BYTES], 0)
+            .unwrap();
         let m = longest_prefixes(&mem, &geo, &b, &[holder(2, 0, 0)]).unwrap();
-        assert!(m.shards[0].is_some());
+        assert!(m.shards.reads[0].is_some());
         insert(&mem, &geo, &b, 0, &holder(3, G as u64, 0), ALWAYS).unwrap();
         let st =
             insert_seeded(&mem, &geo, &b, 0, &holder(2, G as u64, 0), ALWAYS, m.shards).unwrap();
@@ -927,9 +1001,15 @@ mod tests {
         assert_eq!(shard_key_of(12), "kvroute/ix/12");
         let geo = IndexGeometry::from_budget(64 * 1024 * 1024);
         let h = 0x1234_5678_9abc_def0;
+        // Stripe 0 is the group's own shard (fleets of up to 8 endpoints
+        // read and write exactly the shards they did before stripes).
         assert_eq!(
-            geo.shard_key(h),
+            geo.shard_key(h, 0),
             format!("kvroute/ix/{}", mix(h) % u64::from(geo.shards))
         );
+        let keys: std::collections::HashSet<String> =
+            (0..8).map(|stripe| geo.shard_key(h, stripe)).collect();
+        assert_eq!(keys.len(), 8, "stripes of one group use distinct shards");
+        assert_eq!((stripe_of(7), stripe_of(8), stripe_of(1023)), (0, 1, 127));
     }
 }

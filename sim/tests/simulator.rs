@@ -251,6 +251,23 @@ fn sessions_keep_their_server_on_a_fleet_of_more_servers_than_index_ways() {
     }
 }
 
+/// Sticky sessions keep their server on a fleet of 48: the shared system
+/// prompt's index groups then have an entry per server, more than a shard
+/// holds (256 entries: 8 blocks × 48 = 384). With one shard per group the
+/// overwritten servers read as cold and sessions moved (0.37 of the
+/// ceiling on 64 servers with quality.py's agent-session); the index now
+/// spreads a group over one shard per stripe of eight endpoints.
+#[test]
+fn sessions_keep_their_server_on_a_fleet_larger_than_an_index_shard() {
+    let (h, ceiling) = sessions("shipped-default", 96, 48, 4096, "rate:6@100s", 6, false);
+    assert!(ceiling > 0.5, "ceiling {ceiling}");
+    assert!(
+        h >= 0.97 * ceiling,
+        "hit {h} is {:.3} of the ceiling {ceiling}",
+        h / ceiling
+    );
+}
+
 /// Small agent sessions (`groups` at once, 6 turns; 512-token system
 /// prompt, 1024-token private context, 256-token turns) on `endpoints`
 /// servers of `blocks` KV blocks: the first stage's hit ratio and ceiling.
