@@ -759,6 +759,15 @@ mod tests {
                     vec![a.len() as u32; endpoints as usize],
                     "{endpoints} endpoints, chain seed {seed}"
                 );
+                // The price: a stripe's holders share its shard reads, so
+                // the lookup reads per stripe what one holder's search does.
+                let one = longest_prefixes(&s, &geo, &a, &holders[..1]).unwrap();
+                let stripes = u32::from(endpoints.div_ceil(STRIPE_SLOTS));
+                assert_eq!(
+                    m.shard_reads,
+                    stripes * one.shard_reads,
+                    "{endpoints} endpoints"
+                );
             }
         }
     }
