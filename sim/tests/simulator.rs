@@ -268,6 +268,22 @@ fn sessions_keep_their_server_on_a_fleet_larger_than_an_index_shard() {
     );
 }
 
+/// Many sessions at once behind one system prompt, on four servers: the
+/// index group where the system prompt ends holds the first private blocks
+/// of every session. Keyed by its first block alone, that group's shard
+/// (256 entries) overflowed, sessions read a hole there, and the search
+/// over groups stopped at it.
+#[test]
+fn many_sessions_behind_one_system_prompt_keep_their_server() {
+    let (h, ceiling) = sessions("shipped-default", 160, 4, 16384, "rate:4@200s", 6, true);
+    assert!(ceiling > 0.5, "ceiling {ceiling}");
+    assert!(
+        h >= 0.97 * ceiling,
+        "hit {h} is {:.3} of the ceiling {ceiling}",
+        h / ceiling
+    );
+}
+
 /// Small agent sessions (`groups` at once, 6 turns; 512-token system
 /// prompt, 1024-token private context, 256-token turns) on `endpoints`
 /// servers of `blocks` KV blocks: the first stage's hit ratio and ceiling.

@@ -35,8 +35,13 @@ fn tie_key(hashes: &[u64], candidates: &[Candidate]) -> Option<u64> {
         .map(|c| c.matched_blocks)
         .max()
         .unwrap_or(0) as usize;
+    // The last block of the index group holding block `longest`: a prompt
+    // that parts from a held one inside a group matches only the whole
+    // groups before it (`index::group_key`), so block `longest` itself may
+    // still be shared; that group's last block is the prompt's own.
+    let group_end = longest / index::GROUP_BLOCKS * index::GROUP_BLOCKS + index::GROUP_BLOCKS - 1;
     hashes
-        .get(longest.min(hashes.len().saturating_sub(1)))
+        .get(group_end.min(hashes.len().saturating_sub(1)))
         .copied()
 }
 

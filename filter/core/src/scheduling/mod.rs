@@ -49,10 +49,12 @@ pub struct RequestView {
     /// it and the servers have taught it; else `None`.
     pub learnt_output_tokens: Option<u64>,
     /// What `max-score-picker`'s `tieBreak: prefix` hashes: the request's
-    /// block hash at index `min(m, blocks − 1)`, where `m` is the longest
-    /// match any candidate has. It is the first block past what the fleet
-    /// holds, so requests that share only a common prefix (a system
-    /// prompt) still spread, while identical prompts get the same key.
+    /// block hash at the end of the index group holding block `m` (or its
+    /// last block), where `m` is the longest match any candidate has: past
+    /// what the fleet holds (a match can stop up to a group short of a
+    /// shared prefix's end, `index::group_key`), so requests that share
+    /// only a common prefix (a system prompt) still spread, while identical
+    /// prompts get the same key.
     /// `None` without a full block.
     pub tie_key: Option<u64>,
 }
