@@ -134,15 +134,15 @@ impl IndexGeometry {
         u64::from(self.shards) * SHARD_BYTES as u64
     }
 
-    /// The shard of a group (by its first block's hash) for the endpoints
-    /// of one [`stripe_of`] stripe. Stripe 0 (slots below
-    /// [`STRIPE_SLOTS`], every endpoint of a fleet that small) is the
-    /// group's own shard.
-    fn shard_key(&self, group_first_hash: u64, stripe: usize) -> String {
+    /// The shard of a group (by its [`group_key`] or
+    /// [`partial_group_key`]) for the endpoints of one [`stripe_of`]
+    /// stripe. Stripe 0 (slots below [`STRIPE_SLOTS`], every endpoint of a
+    /// fleet that small) is the key's own shard.
+    fn shard_key(&self, group: u64, stripe: usize) -> String {
         let h = if stripe == 0 {
-            group_first_hash
+            group
         } else {
-            group_first_hash ^ (stripe as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
+            group ^ (stripe as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)
         };
         shard_key_string(mix(h) % u64::from(self.shards))
     }
@@ -393,19 +393,15 @@ pub fn longest_prefixes(
     for (k, h) in holders.iter().enumerate() {
         // Blocks held from block 0 in whole groups' own shards, then the
         // rest of the group where that run ends, from its partial-group
-        // shard: an earlier, shorter prompt's final group.
+        // shard: an earlier, shorter prompt's final group. Not for group 0:
+        // a prompt shorter than one group is not worth a read per endpoint
+        // that holds nothing.
         let Some(first) = held(h, 0, false, &mut out)? else {
             continue;
         };
         out.first_recorded[k] = Some(first);
         let mut matched = last_held(n, |i| Ok(held(h, i, false, &mut out)?.is_some()))? + 1;
-        // (Not from block 0: a prompt shorter than one group is not worth a
-        // read per endpoint that holds nothing.)
-        if matched > 0
-            && matched % GROUP_BLOCKS == 0
-            && matched < n
-            && whole(matched / GROUP_BLOCKS)
-        {
+        if matched % GROUP_BLOCKS == 0 && matched < n && whole(matched / GROUP_BLOCKS) {
             let start = matched;
             while matched < start + GROUP_BLOCKS - 1 && held(h, matched, true, &mut out)?.is_some()
             {
