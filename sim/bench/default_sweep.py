@@ -42,31 +42,48 @@ def stage_rows(report, rates):
     return rows
 
 
+def sim_peak():
+    """The fleet's prefill rate as quality.py measures it (B / median TTFT of
+    cold B-token prompts): with the emulator's attention term, the peak times
+    B / (B + B(B+1)/2 / C) (sim/src/vllm_model/step_cost.rs)."""
+    b, c = quality.FLEET["max_num_batched_tokens"], 32768.0
+    return round(float(quality.FLEET["prefill_tps"]) * b / (b + b * (b + 1) / 2 / c))
+
+
+def fleet_args(endpoints):
+    """kvroute-simulate's server flags for quality.py's fleet of `endpoints` servers."""
+    return ["--endpoints", str(endpoints),
+            "--num-gpu-blocks", str(quality.FLEET["num_gpu_blocks"]),
+            "--block-size", str(quality.FLEET["block_size"]),
+            "--max-num-batched-tokens", str(quality.FLEET["max_num_batched_tokens"]),
+            "--prefill-tps", str(quality.FLEET["prefill_tps"])]
+
+
+def router_args(arm, peak, work):
+    """kvroute-simulate's router flags for a quality.py arm: the shipped
+    plugin JSON for kvroute-default, the simulator's --arm otherwise."""
+    if arm == "kvroute-default":
+        path = os.path.join(work, "kvroute-default.json")
+        with open(path, "w") as f:
+            json.dump(quality.plugin_config(arm, peak, 2000.0, 100), f)
+        return ["--config", path]
+    return ["--arm", arm, "--tau", "2000"]
+
+
 def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
     rates = w["rates"]
     stages = "rate:" + ",".join(f"{r:g}" for r in rates) + f"@{w['stage_s']}s"
     out = os.path.join(work, f"{wname}-{arm}-{seed}.json")
     cmd = [sim, "--workload", w.get("workload", wname), *w["loadgen"], "--stages", stages,
            "--seed", str(seed), "--time-scale", str(w["time_scale"]),
-           "--endpoints", str(quality.FLEET["endpoints"]),
-           "--num-gpu-blocks", str(quality.FLEET["num_gpu_blocks"]),
-           "--block-size", str(quality.FLEET["block_size"]),
-           "--max-num-batched-tokens", str(quality.FLEET["max_num_batched_tokens"]),
-           "--prefill-tps", str(quality.FLEET["prefill_tps"]),
+           *fleet_args(quality.FLEET["endpoints"]),
            "--peak", f"{peak:g}", "--stop-after-ttft-p90", f"{slo_s * stop_factor:g}", "--json", out]
     if exact:
         # Text bodies: the router parses and estimates them as in Envoy, the
         # modelled server tokenizes them (the segments form gives the router
         # exact token counts, which flatters fixed-estimate arms).
         cmd.append("--exact-prompts")
-    if arm == "kvroute-default":
-        cfg = quality.plugin_config(arm, peak, 2000.0, 100)
-        path = os.path.join(work, "kvroute-default.json")
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-        cmd += ["--config", path]
-    else:
-        cmd += ["--arm", arm, "--tau", "2000"]
+    cmd += router_args(arm, peak, work)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         rep = json.load(f)
@@ -96,11 +113,7 @@ def main():
     seeds = [int(s) for s in a.seeds.split(",")]
     arms = a.arms.split(",")
     work = tempfile.mkdtemp(prefix="kvroute-sweep.")
-    # quality.py measures the fleet's rate (B / median TTFT of cold B-token
-    # prompts); with the emulator's attention term that is the peak times
-    # B / (B + B(B+1)/2 / C) (sim/src/vllm_model/step_cost.rs).
-    b, c = quality.FLEET["max_num_batched_tokens"], 32768.0
-    peak = round(float(quality.FLEET["prefill_tps"]) * b / (b + b * (b + 1) / 2 / c))
+    peak = sim_peak()
     results = {}
     for wname in a.workloads.split(","):
         w = dict(quality.WORKLOADS[wname])

@@ -26,6 +26,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+import default_sweep  # noqa: E402
 import quality  # noqa: E402
 
 # workload -> (kvroute-simulate workload, groups on 4 servers or None to keep, req/s on 4 servers)
@@ -37,31 +38,21 @@ RATES = {
     "agent-session": ("agent-session", 32, 4),
 }
 ARMS = ["round-robin", "kvroute", "legacy-blend", "kvroute-default"]
-PEAK = 18204  # the simulator's effective rate of a cold 8192-token prompt (default_sweep.py)
 
 
 def cell(sim, work, wname, arm, servers, seed):
     sim_workload, groups, rate = RATES[wname]
     m = servers / 4
+    peak = default_sweep.sim_peak()
     cmd = [sim, "--workload", sim_workload, "--stages", f"rate:{rate * m:g}@300s",
-           "--endpoints", str(servers), "--seed", str(seed), "--exact-prompts",
-           "--num-gpu-blocks", str(quality.FLEET["num_gpu_blocks"]),
-           "--block-size", str(quality.FLEET["block_size"]),
-           "--max-num-batched-tokens", str(quality.FLEET["max_num_batched_tokens"]),
-           "--prefill-tps", str(quality.FLEET["prefill_tps"]),
-           "--peak", str(PEAK), "--time-scale", "10"]
+           *default_sweep.fleet_args(servers), "--seed", str(seed), "--exact-prompts",
+           "--peak", str(peak), "--time-scale", "10"]
     loadgen = list(quality.WORKLOADS[wname]["loadgen"])
     if groups is not None:
         loadgen = [a for i, a in enumerate(loadgen) if a != "--groups" and (i == 0 or loadgen[i - 1] != "--groups")]
         loadgen += ["--groups", str(int(groups * m))]
     cmd += loadgen
-    if arm == "kvroute-default":
-        path = os.path.join(work, "kvroute-default.json")
-        with open(path, "w") as f:
-            json.dump(quality.plugin_config(arm, PEAK, 2000.0, 100), f)
-        cmd += ["--config", path]
-    else:
-        cmd += ["--arm", arm, "--tau", "2000"]
+    cmd += default_sweep.router_args(arm, peak, work)
     out = os.path.join(work, f"{wname}-{servers}-{arm}.json")
     p = subprocess.run(cmd + ["--json", out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if p.returncode != 0:
