@@ -6,6 +6,14 @@ wrk and smg and builds the module:
 
     bash sim/bench/overhead/run.sh            # full run (about 15 minutes)
     bash sim/bench/overhead/run.sh --quick    # smoke (about 1 minute); exit 1 if an arm fails
+    bash sim/bench/overhead/run.sh --fresh    # every request a new prompt (below)
+
+By default each size cycles through a fixed set of bodies (2048 at 8 KiB), so
+after the warm-up every body has been seen: a router's lookup matches the whole
+prompt and its insert finds it there. With --fresh, every request carries 16
+characters of its own right after its system prompt: the lookup matches the
+system prompt and stops, and the insert writes the rest, as for a new
+conversation.
 
 Arms, all running at once for the whole benchmark and measured interleaved:
 
@@ -29,6 +37,7 @@ Only the Python standard library is used (plus wrk, envoy and smg).
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import random
@@ -219,9 +228,16 @@ def admin_stats(admin_port, pattern):
 # ---------------------------------------------------------------- wrk
 
 
-def run_wrk(url, bodies_file, connections, seconds, offset, lua):
+_salts = itertools.count(1)
+
+
+def run_wrk(url, bodies_file, connections, seconds, offset, lua, fresh=False):
+    """One wrk run; with `fresh`, the bodies carry bodies.MARKER and every
+    request gets a prompt of its own (post.lua's SALT, new for every run)."""
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", lua,
             url, "--", bodies_file, path_of(bodies_file), str(offset)]
+    if fresh:
+        argv.append(f"{next(_salts):08x}")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -392,12 +408,13 @@ def kvroute_counters(admin):
     return {k.split(".")[-1]: v for k, v in s.items() if k.startswith("wasmcustom.")}
 
 
-def measure(arm, url, bodies_file, connections, seconds, offset, proxy, stub, stub_admin, n_endpoints, lua):
+def measure(arm, url, bodies_file, connections, seconds, offset, proxy, stub, stub_admin, n_endpoints, lua,
+            fresh=False):
     before_proxy = proxy.cpu_ns() if proxy else 0
     before_stub = stub.cpu_ns()
     before_counts = stub_counts(stub_admin, n_endpoints)
     t0 = time.monotonic()
-    res = run_wrk(url, bodies_file, connections, seconds, offset, lua)
+    res = run_wrk(url, bodies_file, connections, seconds, offset, lua, fresh)
     wall = time.monotonic() - t0
     after_counts = stub_counts(stub_admin, n_endpoints)
     res["proxy_cpu_ns"] = (proxy.cpu_ns() - before_proxy) if proxy else 0
@@ -555,6 +572,9 @@ def main(argv=None):
     p.add_argument("--work", help="work dir (bodies, configs, logs, results); default a temp dir")
     p.add_argument("--check-targets", action="store_true", help="also exit 1 when a target is missed")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--fresh", action="store_true",
+                   help="every request a prompt no router has seen: its system prompt shared with 1/8 of the "
+                        "others, a distinct 16 characters right after it (bodies.MARKER); chat sizes only")
     args = p.parse_args(argv)
 
     sizes = args.sizes.split(",") if args.sizes else (["8k", "400k"] if args.quick else list(CHAT_SIZES))
@@ -576,6 +596,8 @@ def main(argv=None):
     for s in sizes:
         if s not in SIZES:
             p.error(f"unknown size {s}")
+        if args.fresh and s.endswith("-ids"):
+            p.error(f"--fresh: {s} bodies are token IDs, which carry no marker")
     rounds = args.rounds or (1 if args.quick else 5)
     seconds = args.seconds or (2 if args.quick else 5)
     seconds = max(1, int(round(seconds)))
@@ -589,11 +611,14 @@ def main(argv=None):
     files = {}
     for s in sizes:
         count = BODY_COUNTS[s] // (4 if args.quick else 1)
-        path = os.path.join(work, f"bodies-{s}-{count}-{args.seed}.jsonl")
+        path = os.path.join(work, f"bodies-{s}-{count}-{args.seed}{'-fresh' if args.fresh else ''}.jsonl")
         if not os.path.exists(path):
             with open(path + ".tmp", "w") as f:
-                gen = bodies_mod.generate_ids if s.endswith("-ids") else bodies_mod.generate
-                for b in gen(SIZES[s], count, args.seed):
+                if s.endswith("-ids"):
+                    gen = bodies_mod.generate_ids(SIZES[s], count, args.seed)
+                else:
+                    gen = bodies_mod.generate(SIZES[s], count, args.seed, marker=args.fresh)
+                for b in gen:
                     f.write(b)
                     f.write("\n")
             os.rename(path + ".tmp", path)
@@ -627,7 +652,7 @@ def main(argv=None):
         # Warm-up: JIT, connection pools, prefix index and smg's radix tree.
         for s in sizes:
             for arm in arms:
-                r = run_wrk(urls[arm], files[s][0], 4, 1 if args.quick else 2, 0, lua)
+                r = run_wrk(urls[arm], files[s][0], 4, 1 if args.quick else 2, 0, lua, args.fresh)
                 bad = failures_of(r)
                 if bad:
                     failures.append(f"warm-up {arm} {s}: {'; '.join(bad)}")
@@ -643,7 +668,7 @@ def main(argv=None):
                     for arm in order:
                         offset = rot.randrange(count)
                         r = measure(arm, urls[arm], path, conns, seconds, offset, proxy_of[arm], procs["stub"],
-                                    admins["stub"], args.endpoints, lua)
+                                    admins["stub"], args.endpoints, lua, args.fresh)
                         r.update({"round": rnd, "size": s, "mode": mode, "connections": conns})
                         runs.append(r)
                         bad = failures_of(r)

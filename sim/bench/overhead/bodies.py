@@ -9,6 +9,11 @@ the bodies share each system prompt, as in a multi-tenant service, and no two
 bodies are the same. The text is English-like words, sentences and code-ish
 lines from a seeded generator, JSON-escaped as a client would send it.
 
+With `marker=True` each user turn starts with `MARKER`, 16 characters that a
+sender replaces with 16 others of its own (`fresh`) so that every request is a
+prompt no router has seen: it shares its system prompt with 1/8 of the others
+and parts from them right after it (bench.py --fresh, callgrind.py --fresh).
+
 Only the Python standard library is used. Same arguments, same bytes.
 
     python3 bodies.py --size 8192 --count 512 --out bodies-8k.jsonl
@@ -22,6 +27,9 @@ import sys
 MODEL = "bench-model"
 SYSTEM_PROMPTS = 8
 SYSTEM_SHARE = 0.75
+# Stands where a fresh body's unique 16 characters go (see `fresh`); no
+# generated text contains "@".
+MARKER = "@" * 16
 
 _SYLLABLES = [
     "ka", "lo", "mi", "ten", "ra", "vo", "sel", "an", "tor", "pi", "que", "dur", "en", "sa", "bri", "ol",
@@ -71,8 +79,9 @@ def _body(system, user, max_tokens=16):
     )
 
 
-def generate(size, count, seed=1):
-    """`count` bodies of exactly `size` bytes (as sent), as strings."""
+def generate(size, count, seed=1, marker=False):
+    """`count` bodies of exactly `size` bytes (as sent), as strings; with
+    `marker`, each user turn starts with MARKER."""
     rng = random.Random(f"kvroute-overhead-{seed}-{size}")
     words = _vocabulary(random.Random(f"kvroute-overhead-vocab-{seed}"))
     overhead = len(_body("", ""))
@@ -88,7 +97,7 @@ def generate(size, count, seed=1):
     bodies = []
     for i in range(count):
         system = systems[i % SYSTEM_PROMPTS]
-        head = f"Ticket {i}: "
+        head = f"{MARKER} Ticket {i}: " if marker else f"Ticket {i}: "
         start = rng.randrange(0, len(corpus) - content)
         user = head + corpus[start : start + content]
         # Fit to the exact size: JSON escapes (\n) make the text longer on the wire.
@@ -102,6 +111,14 @@ def generate(size, count, seed=1):
             body = _body(system, user[:user_len] + "." * pad)
         bodies.append(body)
     return bodies
+
+
+def fresh(body, n):
+    """A marked body (bytes or str) with MARKER replaced by n in 16 hex digits:
+    the same size, a prompt of its own for each n."""
+    if isinstance(body, bytes):
+        return body.replace(MARKER.encode(), b"%016x" % n, 1)
+    return body.replace(MARKER, f"{n:016x}", 1)
 
 
 def _ids_body(ids, max_tokens=16):

@@ -22,6 +22,12 @@ Slow: Envoy takes minutes to start under valgrind, V8 more.
 
     python3 sim/bench/overhead/callgrind.py [--sizes 8k,64k,400k] [--requests 100]
     python3 sim/bench/overhead/callgrind.py --sizes 8k --arms envoy-rr,host-floor,kvroute,new --variant new=/tmp/new.wasm
+    python3 sim/bench/overhead/callgrind.py --sizes 8k,64k --fresh   # every request a new prompt
+
+By default 64 bodies per size are cycled after a warm-up on the first 20, so
+44 of 100 measured requests (5 of 25 at 400 KiB) are bodies the router has not
+seen, which part from their system prompt, and the rest repeat one; with
+--fresh every request is new (bench.py --fresh).
 """
 
 import argparse
@@ -39,12 +45,18 @@ sys.path.insert(0, HERE)
 import bench  # noqa: E402
 
 
-def post_n(port, bodies, n):
-    """n POSTs over one keep-alive connection; returns the statuses seen."""
+_sent = iter(range(1, 1 << 62))
+
+
+def post_n(port, bodies, n, fresh=False):
+    """n POSTs over one keep-alive connection; returns the statuses seen. With
+    `fresh`, the bodies carry bodies.MARKER and each POST is a new prompt."""
     statuses = {}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     for i in range(n):
         body = bodies[i % len(bodies)]
+        if fresh:
+            body = bench.bodies_mod.fresh(body, next(_sent))
         conn.request("POST", bench.CHAT_PATH, body=body, headers={"content-type": "application/json"})
         r = conn.getresponse()
         r.read()
@@ -130,6 +142,8 @@ def main(argv=None):
     p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
     p.add_argument("--variant", action="append", default=[], metavar="NAME=WASM",
                    help="an arm NAME running another build of the module; name it in --arms too")
+    p.add_argument("--fresh", action="store_true",
+                   help="every request a prompt no router has seen (bench.py --fresh), not 64 bodies cycled")
     p.add_argument("--start-timeout", type=int, default=1200, help="seconds to wait for Envoy under valgrind")
     p.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-callgrind-{os.getpid()}"))
     args = p.parse_args(argv)
@@ -144,7 +158,7 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown arms {unknown}: name other builds with --variant NAME=WASM")
     envoy = bench.envoy_binary()
-    bodies = {s: [b.encode() for b in bench.bodies_mod.generate(bench.SIZES[s], 64)] for s in sizes}
+    bodies = {s: [b.encode() for b in bench.bodies_mod.generate(bench.SIZES[s], 64, marker=args.fresh)] for s in sizes}
     results = {}
     try:
         ports = bench.free_ports(5 + 2 * len(arms))
@@ -171,14 +185,14 @@ def main(argv=None):
                               os.path.join(args.work, f"{arm}.log"))
             bench.wait_ready(arm, f"http://127.0.0.1:{port}", proc, deadline_s=args.start_timeout)
             print(f"[callgrind] {arm} serving after {time.time() - t0:.0f}s under valgrind", flush=True)
-            post_n(port, bodies[sizes[0]], 10)  # warm-up: connections, JIT tiers
+            post_n(port, bodies[sizes[0]], 10, args.fresh)  # warm-up: connections, JIT tiers
             dump = 0
             for s in sizes:
                 n = args.requests if s != "400k" else max(5, args.requests // 4)
-                post_n(port, bodies[s], min(n, 20))  # warm-up at this size
+                post_n(port, bodies[s], min(n, 20), args.fresh)  # warm-up at this size
                 subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
                 t1 = time.time()
-                statuses = post_n(port, bodies[s], n)
+                statuses = post_n(port, bodies[s], n, args.fresh)
                 subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
                 dump += 1
                 irs = {}
