@@ -62,6 +62,37 @@ def test_shared_prefix_sticks_to_one_endpoint(fleet, envoy):
     assert branches == {"sticky": 10}, branches
 
 
+def test_more_endpoints_than_one_index_stripe(fleet, envoy):
+    """Twelve endpoints: slots 8-11 fall in the prefix index's second stripe
+    (shared-state STRIPE_SLOTS = 8), whose entries live in other shards.
+    Cold prefixes spread over every endpoint, and each prefix's repeat
+    stays where it was first served, on either stripe; the servers' own
+    prefix-cache counters show the repeats hit."""
+    f = fleet(12)
+    e = envoy(endpoints=f.addresses)
+    n = 24
+    prefixes = [text(f"fleet-prefix-{i}", PREFIX_BYTES) for i in range(n)]
+    home = {}
+    for i, p in enumerate(prefixes):
+        r = completion(e.port, p + text(f"first-{i}", SMALL_SUFFIX_BYTES))
+        assert r.status == 200, r
+        assert r.served_by in f.addresses, r
+        home[i] = r.served_by
+    # Cold placement balances the working set: every endpoint, the second
+    # stripe's four included, holds some of the prefixes.
+    placed = collections.Counter(home.values())
+    assert set(placed) == set(f.addresses), placed
+    hits_before = {a: f.stats(a)["prefix_cache_hits"] for a in f.addresses}
+    for i, p in enumerate(prefixes):
+        r = completion(e.port, p + text(f"repeat-{i}", SMALL_SUFFIX_BYTES))
+        assert r.status == 200, r
+        assert r.served_by == home[i], f"prefix {i} left {home[i]} (slot {f.addresses.index(home[i])}): {r}"
+        assert r.decision["branch"] == "sticky", r
+    for a in f.addresses:
+        hit = f.stats(a)["prefix_cache_hits"] - hits_before[a]
+        assert hit >= placed[a] * 0.9 * PREFIX_BYTES / 4 / 2, (a, hit, placed[a])
+
+
 def test_distinct_prefixes_spread_by_inflight_load(fleet, envoy):
     f = fleet(2)
     e = envoy(endpoints=f.addresses)
