@@ -7,13 +7,17 @@ wrk and smg and builds the module:
     bash sim/bench/overhead/run.sh            # full run (about 15 minutes)
     bash sim/bench/overhead/run.sh --quick    # smoke (about 1 minute); exit 1 if an arm fails
     bash sim/bench/overhead/run.sh --fresh    # every request a new prompt (below)
+    bash sim/bench/overhead/run.sh --fresh tail   # every request a known prompt with a new last block
 
 By default each size cycles through a fixed set of bodies (2048 at 8 KiB), so
 after the warm-up every body has been seen: a router's lookup matches the whole
 prompt and its insert finds it there. With --fresh, every request carries 16
 characters of its own right after its system prompt: the lookup matches the
 system prompt and stops, and the insert writes the rest, as for a new
-conversation.
+conversation. With --fresh tail those 16 characters end the prompt instead:
+once a body has been sent, its next send matches all but its last block and
+sticks, and the insert writes that one block, as for a conversation's next
+turn; the run fails if under half of a kvroute arm's decisions stick.
 
 Arms, all running at once for the whole benchmark and measured interleaved:
 
@@ -572,9 +576,11 @@ def main(argv=None):
     p.add_argument("--work", help="work dir (bodies, configs, logs, results); default a temp dir")
     p.add_argument("--check-targets", action="store_true", help="also exit 1 when a target is missed")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--fresh", action="store_true",
-                   help="every request a prompt no router has seen: its system prompt shared with 1/8 of the "
-                        "others, a distinct 16 characters right after it (bodies.MARKER); chat sizes only")
+    p.add_argument("--fresh", nargs="?", const="turn", choices=bodies_mod.MARKER_PLACES,
+                   help="every request a prompt no router has seen (bodies.MARKER replaced per request; chat "
+                        "sizes only): 'turn' (the default) puts the 16 distinct characters right after the "
+                        "system prompt, shared with 1/8 of the others (no affinity); 'tail' at the prompt's "
+                        "end, so a body sent before matches all but its last block (sticky)")
     args = p.parse_args(argv)
 
     sizes = args.sizes.split(",") if args.sizes else (["8k", "400k"] if args.quick else list(CHAT_SIZES))
@@ -611,7 +617,7 @@ def main(argv=None):
     files = {}
     for s in sizes:
         count = BODY_COUNTS[s] // (4 if args.quick else 1)
-        path = os.path.join(work, f"bodies-{s}-{count}-{args.seed}{'-fresh' if args.fresh else ''}.jsonl")
+        path = os.path.join(work, f"bodies-{s}-{count}-{args.seed}{'-fresh-' + args.fresh if args.fresh else ''}.jsonl")
         if not os.path.exists(path):
             with open(path + ".tmp", "w") as f:
                 if s.endswith("-ids"):
@@ -692,6 +698,9 @@ def main(argv=None):
             print(f"[bench] {a} counters during the run: {kv}", flush=True)
             if kv.get("kvroute_routed", 0) == 0:
                 failures.append(f"{a} routed no request (wasmcustom.kvroute_routed did not move)")
+            elif args.fresh == "tail" and 2 * kv.get("kvroute_branch_sticky", 0) < kv["kvroute_routed"]:
+                failures.append(f"{a}: --fresh tail, yet only {kv.get('kvroute_branch_sticky', 0)} of "
+                                f"{kv['kvroute_routed']} decisions stuck")
             for k in ("kvroute_fail_open", "kvroute_rejected", "kvroute_host_errors"):
                 if kv.get(k, 0):
                     failures.append(f"{a}: {k} = {kv[k]}")

@@ -9,10 +9,15 @@ the bodies share each system prompt, as in a multi-tenant service, and no two
 bodies are the same. The text is English-like words, sentences and code-ish
 lines from a seeded generator, JSON-escaped as a client would send it.
 
-With `marker=True` each user turn starts with `MARKER`, 16 characters that a
-sender replaces with 16 others of its own (`fresh`) so that every request is a
-prompt no router has seen: it shares its system prompt with 1/8 of the others
-and parts from them right after it (bench.py --fresh, callgrind.py --fresh).
+With `marker="turn"` each user turn starts with `MARKER`, 16 characters that
+a sender replaces with 16 others of its own (`fresh`) so that every request is
+a prompt no router has seen: it shares its system prompt with 1/8 of the
+others and parts from them right after it (bench.py --fresh, callgrind.py
+--fresh). With `marker="tail"` the MARKER ends the user turn instead (before
+any padding): a body sent again matches its earlier sends up to its last
+block, as a conversation's next turn matches its history, so the router's
+lookup finds the prompt warm and its insert writes one new block
+(--fresh tail).
 
 Only the Python standard library is used. Same arguments, same bytes.
 
@@ -79,9 +84,15 @@ def _body(system, user, max_tokens=16):
     )
 
 
-def generate(size, count, seed=1, marker=False):
+MARKER_PLACES = ("turn", "tail")
+
+
+def generate(size, count, seed=1, marker=None):
     """`count` bodies of exactly `size` bytes (as sent), as strings; with
-    `marker`, each user turn starts with MARKER."""
+    `marker` "turn" each user turn starts with MARKER, with "tail" it ends
+    with it."""
+    if marker not in (None,) + MARKER_PLACES:
+        raise ValueError(f"marker: {marker!r} is not one of {MARKER_PLACES}")
     rng = random.Random(f"kvroute-overhead-{seed}-{size}")
     words = _vocabulary(random.Random(f"kvroute-overhead-vocab-{seed}"))
     overhead = len(_body("", ""))
@@ -97,18 +108,23 @@ def generate(size, count, seed=1, marker=False):
     bodies = []
     for i in range(count):
         system = systems[i % SYSTEM_PROMPTS]
-        head = f"{MARKER} Ticket {i}: " if marker else f"Ticket {i}: "
+        head = f"{MARKER} Ticket {i}: " if marker == "turn" else f"Ticket {i}: "
+        tail = MARKER if marker == "tail" else ""
         start = rng.randrange(0, len(corpus) - content)
         user = head + corpus[start : start + content]
+
+        def turn(n):
+            return user[: max(len(head), n - len(tail))] + tail
+
         # Fit to the exact size: JSON escapes (\n) make the text longer on the wire.
         user_len = content - system_chars
-        body = _body(system, user[:user_len])
-        while len(body) > size and user_len > len(head):
+        body = _body(system, turn(user_len))
+        while len(body) > size and user_len > len(head) + len(tail):
             user_len -= max(1, len(body) - size)
-            body = _body(system, user[:user_len])
+            body = _body(system, turn(user_len))
         pad = size - len(body)
         if pad > 0:
-            body = _body(system, user[:user_len] + "." * pad)
+            body = _body(system, turn(user_len) + "." * pad)
         bodies.append(body)
     return bodies
 

@@ -23,11 +23,13 @@ Slow: Envoy takes minutes to start under valgrind, V8 more.
     python3 sim/bench/overhead/callgrind.py [--sizes 8k,64k,400k] [--requests 100]
     python3 sim/bench/overhead/callgrind.py --sizes 8k --arms envoy-rr,host-floor,kvroute,new --variant new=/tmp/new.wasm
     python3 sim/bench/overhead/callgrind.py --sizes 8k,64k --fresh   # every request a new prompt
+    python3 sim/bench/overhead/callgrind.py --sizes 8k,64k --fresh tail   # a known prompt, a new last block
 
 By default 64 bodies per size are cycled after a warm-up on the first 20, so
 44 of 100 measured requests (5 of 25 at 400 KiB) are bodies the router has not
 seen, which part from their system prompt, and the rest repeat one; with
---fresh every request is new (bench.py --fresh).
+--fresh every request is new (bench.py --fresh), and with --fresh tail every
+measured request is a body the warm-up sent, with a new last block.
 """
 
 import argparse
@@ -142,8 +144,9 @@ def main(argv=None):
     p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
     p.add_argument("--variant", action="append", default=[], metavar="NAME=WASM",
                    help="an arm NAME running another build of the module; name it in --arms too")
-    p.add_argument("--fresh", action="store_true",
-                   help="every request a prompt no router has seen (bench.py --fresh), not 64 bodies cycled")
+    p.add_argument("--fresh", nargs="?", const="turn", choices=bench.bodies_mod.MARKER_PLACES,
+                   help="every request a prompt no router has seen (bench.py --fresh [turn|tail]), not 64 "
+                        "bodies cycled")
     p.add_argument("--start-timeout", type=int, default=1200, help="seconds to wait for Envoy under valgrind")
     p.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvroute-callgrind-{os.getpid()}"))
     args = p.parse_args(argv)
@@ -189,7 +192,10 @@ def main(argv=None):
             dump = 0
             for s in sizes:
                 n = args.requests if s != "400k" else max(5, args.requests // 4)
-                post_n(port, bodies[s], min(n, 20), args.fresh)  # warm-up at this size
+                # Warm-up at this size; with --fresh tail, every body the
+                # measurement sends, so that each of its requests sticks.
+                warm = min(n, len(bodies[s])) if args.fresh == "tail" else min(n, 20)
+                post_n(port, bodies[s], warm, args.fresh)
                 subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
                 t1 = time.time()
                 statuses = post_n(port, bodies[s], n, args.fresh)
