@@ -51,8 +51,8 @@ pub const SETS: usize = SHARD_BYTES / ENTRY_BYTES / WAYS;
 /// blocks there: 32 agent sessions overflowed its sets, random ways were
 /// overwritten, the binary search below met holes, and sessions lost their
 /// affinity (the simulator's agent-session, seed 2: 0.73 of the ceiling's
-/// hit ratio at 1 req/s; 8-block groups: 0.99; `docs/benchmarks.md`,
-/// "kvroute-default against every arm"). With 8 a session brings at most 7.
+/// hit ratio at 1 req/s; 8-block groups: 0.99;
+/// `docs/lab/2026-12-02-index-fixes.md`). With 8 a session brings at most 7.
 /// The price is more shard round trips for long new prompts (one
 /// read-modify-write per 8 blocks, 512 bytes of text at 16-token blocks);
 /// lookups stay about log2(blocks) reads.
@@ -223,9 +223,9 @@ fn mix(h: u64) -> u64 {
 /// prompt on an 8-server fleet) overwrote its entries in turn, an endpoint
 /// whose block-0 entry was gone read as cold, and sticky sessions moved
 /// (the simulator's agent-session on 8 servers, 1 req/s: 0.80 of the
-/// hit-ratio ceiling; `docs/benchmarks.md`, "kvroute-default against every
-/// arm"). Mixing in the slot spreads one block's entries over the shard;
-/// two choices keep the fullest set near the mean. A shard holds at most
+/// hit-ratio ceiling; `docs/lab/2026-12-02-index-fixes.md`). Mixing in the
+/// slot spreads one block's entries over the shard; two choices keep the
+/// fullest set near the mean. A shard holds at most
 /// `SHARD_BYTES / ENTRY_BYTES` = 256 entries, so a group's entries are
 /// also split by endpoint stripe over shards ([`STRIPE_SLOTS`]).
 fn sets_of(h: u64, slot: u16) -> [usize; 2] {

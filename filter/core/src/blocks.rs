@@ -16,8 +16,9 @@
 //! (`__multi3`), and a seeded xxh3 derives a 192-byte secret per block;
 //! xxh64 takes its seed as its initial state and multiplies 64 bits only.
 //! In Envoy that cut the module's instructions per 8 KiB request by 4 K and
-//! per 400 KiB request by 0.19 M (docs/benchmarks.md), though natively,
-//! where xxh3 runs on SSE2, xxh64 is about 15% slower.
+//! per 400 KiB request by 0.19 M (callgrind,
+//! `docs/lab/2026-11-30-reqs-target-analysis.md`), though natively, where
+//! xxh3 runs on SSE2, xxh64 is about 15% slower.
 
 //! The emulator calls these same functions, so the filter's blocks and the
 //! emulated server's blocks cover the same bytes.

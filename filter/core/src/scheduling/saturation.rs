@@ -86,7 +86,7 @@
 //! (simulator, 3 seeds: the worst stage's hit ratio 0.93–0.94 of the
 //! ceiling at 65,536, 0.95–0.96 at 32,768; knee ÷ round robin 1.02
 //! [worst 0.96] and 1.10 [1.09]; the other workloads moved by less than
-//! the seeds differ; `docs/benchmarks.md`).
+//! the seeds differ; `docs/lab/2026-12-02-default-tuning.md`).
 //! An idle endpoint scores 1; the score is in [0, 1].
 
 use super::{Candidate, RequestView};
