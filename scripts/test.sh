@@ -23,7 +23,8 @@
 #  10. benchmark smokes: routing quality (sim/bench/test_quality.py, its results merging; then
 #      sim/bench/quality.py --smoke, every arm incl. smg)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk; again with --fresh, every
-#      request a new prompt, at 8 KiB); they prove the
+#      request a new prompt, and --fresh tail, a known prompt with a new last block, which
+#      fails unless most decisions stick, at 8 KiB); they prove the
 #      benchmarks run and every arm serves, they do not judge figures
 # Exits non-zero on any failure. Uses the normal target/ directory.
 # The tests/harness soak and bound tests run the full 100,000 lifecycles and
@@ -129,9 +130,10 @@ cargo build --bins -p kvroute-sim
 python3 sim/bench/quality.py --smoke --no-build --bin-profile debug
 done_step
 
-step "added-latency benchmark smoke (bash sim/bench/overhead/run.sh --quick, and --fresh at 8 KiB)"
+step "added-latency benchmark smoke (bash sim/bench/overhead/run.sh --quick, and --fresh, --fresh tail at 8 KiB)"
 bash sim/bench/overhead/run.sh --quick
 bash sim/bench/overhead/run.sh --quick --fresh --sizes 8k --arms envoy-rr,kvroute,kv-default
+bash sim/bench/overhead/run.sh --quick --fresh tail --sizes 8k --arms envoy-rr,kvroute,kv-default
 done_step
 
 echo
