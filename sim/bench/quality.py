@@ -853,30 +853,32 @@ def markdown(results, img_rel, stages=False):
              "Definitions and arms: `sim/bench/README.md`; per-stage data: `sim/bench/results/quality.json`.")
     L.append("")
     seeds = sorted({int(x) for w in a["workloads"].values() for x in (w.get("seeds") or {"1": None})})
-    first = "" if len(seeds) < 2 else " (each workload's first seed)"
-    L.append(f"Knee throughput ÷ round robin's, same run{first}, interpolated crossing in brackets; "
-             "\"(not run)\": the arm was left out of that workload's run:")
-    L.append("")
-    L.append("| workload | llm-d target | kvroute (llm-d matched) | kvroute-default | always-sticky | legacy blend | "
-             "active-request | smg cache_aware |")
-    L.append("|---|---|---|---|---|---|---|---|")
-    for wname, w in a["workloads"].items():
-        r = w.get("ratios_vs_rr", {})
-        tgt = w.get("target")
-        tgt_s = "–" if tgt is None else (f"≥ {tgt:g}×" if tgt > 1 else "≥ parity")
+    # One seed: the seed's table is the headline. Several seeds: the median [worst] table below is, and
+    # each workload's first-seed figures stay in its own table under its heading.
+    if len(seeds) < 2:
+        L.append(f"Knee throughput ÷ round robin's, same run, interpolated crossing in brackets; "
+                 "\"(not run)\": the arm was left out of that workload's run:")
+        L.append("")
+        L.append("| workload | llm-d target | kvroute (llm-d matched) | kvroute-default | always-sticky | legacy blend | "
+                 "active-request | smg cache_aware |")
+        L.append("|---|---|---|---|---|---|---|---|")
+        for wname, w in a["workloads"].items():
+            r = w.get("ratios_vs_rr", {})
+            tgt = w.get("target")
+            tgt_s = "–" if tgt is None else (f"≥ {tgt:g}×" if tgt > 1 else "≥ parity")
 
-        def cell(arm):
-            if arm not in w["arms"]:
-                return "(not run)"
-            if "error" in w["arms"][arm]:
-                return "failed"
-            if arm in r:
-                ri = w.get("ratios_vs_rr_interp", {}).get(arm)
-                return f"**{r[arm]:.2f}×**" + (f" ({ri:.2f}×)" if ri is not None else "")
-            return "no knee" if w["arms"][arm].get("knee") is None else "–"
-        L.append(f"| {wname} | {tgt_s} | {cell('kvroute')} | {cell('kvroute-default')} | {cell('always-sticky')} | "
-                 f"{cell('legacy-blend')} | {cell('active-request')} | {cell('smg-cache-aware')} |")
-    L.append("")
+            def cell(arm):
+                if arm not in w["arms"]:
+                    return "(not run)"
+                if "error" in w["arms"][arm]:
+                    return "failed"
+                if arm in r:
+                    ri = w.get("ratios_vs_rr_interp", {}).get(arm)
+                    return f"**{r[arm]:.2f}×**" + (f" ({ri:.2f}×)" if ri is not None else "")
+                return "no knee" if w["arms"][arm].get("knee") is None else "–"
+            L.append(f"| {wname} | {tgt_s} | {cell('kvroute')} | {cell('kvroute-default')} | {cell('always-sticky')} | "
+                     f"{cell('legacy-blend')} | {cell('active-request')} | {cell('smg-cache-aware')} |")
+        L.append("")
     if len(seeds) > 1:
         per_w = {name: ", ".join(sorted(w.get("seeds") or {"1": None}, key=int))
                  for name, w in a["workloads"].items()}
@@ -884,14 +886,17 @@ def markdown(results, img_rel, stages=False):
                 "each workload's seeds (" + "; ".join(f"{name} {s}" for name, s in per_w.items()) + ")")
         L.append(f"Over {over} (each arm's knee ÷ round robin's of the same seed): median [worst, its seed]:")
         L.append("")
-        L.append("| workload | " + " | ".join(x for x in ALL_ARMS if x != "round-robin") + " |")
-        L.append("|---|" + "---|" * (len(ALL_ARMS) - 1))
+        L.append("| workload | llm-d target | " + " | ".join("kvroute (llm-d matched)" if x == "kvroute" else x
+                                                       for x in ALL_ARMS if x != "round-robin") + " |")
+        L.append("|---|---|" + "---|" * (len(ALL_ARMS) - 1))
         for wname, w in a["workloads"].items():
             st = w.get("ratios_over_seeds", {})
+            tgt = w.get("target")
+            tgt_s = "–" if tgt is None else (f"≥ {tgt:g}×" if tgt > 1 else "≥ parity")
             cells = [f"{st[x]['median']:.2f}× [{st[x]['worst']:.2f}×, {st[x]['worst_seed']}]"
                      + (f" ‡{','.join(st[x]['host_limited'])}" if st[x].get("host_limited") else "")
                      if x in st else "–" for x in ALL_ARMS if x != "round-robin"]
-            L.append(f"| {wname} | " + " | ".join(cells) + " |")
+            L.append(f"| {wname} | {tgt_s} | " + " | ".join(cells) + " |")
         L.append("")
         L.append("Knee rates (req/s, seed by seed as above; median in bold): the highest offered rate within "
                  "the SLO. Where two arms share a seed's knee rate they were offered the same requests of that seed, "
