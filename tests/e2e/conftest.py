@@ -13,6 +13,8 @@ Environment:
   KVROUTE_E2E_NO_BUILD=1   do not run cargo before the tests (use what is built)
   CARGO_TARGET_DIR         where cargo puts binaries (default: <repo>/target)
   KVROUTE_WASM             path of kvroute_wasm.wasm (default: the release build)
+  KVROUTE_WASM_NO_TOKENIZER  the module built without the `tokenizer` feature (default: the
+                           release build with --no-default-features in <target>/no-tokenizer)
   KVROUTE_EMULATOR         path of kvroute-emulator (default: the debug build)
 """
 
@@ -37,6 +39,10 @@ TARGET_DIR = os.environ.get("CARGO_TARGET_DIR") or os.path.join(REPO, "target")
 if not os.path.isabs(TARGET_DIR):
     TARGET_DIR = os.path.join(REPO, TARGET_DIR)
 WASM = os.environ.get("KVROUTE_WASM") or os.path.join(TARGET_DIR, "wasm32-wasip1", "release", "kvroute_wasm.wasm")
+# The smaller module (--no-default-features), in a target dir of its own so that it
+# never replaces the default module's file.
+WASM_NO_TOKENIZER = os.environ.get("KVROUTE_WASM_NO_TOKENIZER") or os.path.join(
+    TARGET_DIR, "no-tokenizer", "wasm32-wasip1", "release", "kvroute_wasm.wasm")
 EMULATOR = os.environ.get("KVROUTE_EMULATOR") or os.path.join(TARGET_DIR, "debug", "kvroute-emulator")
 
 DEST_HEADER = "x-gateway-destination-endpoint"
@@ -72,12 +78,15 @@ def artifacts():
     if os.environ.get("KVROUTE_E2E_NO_BUILD") != "1":
         if "KVROUTE_WASM" not in os.environ:
             _run_cargo(["build", "--release", "--target", "wasm32-wasip1", "-p", "kvroute-wasm"])
+        if "KVROUTE_WASM_NO_TOKENIZER" not in os.environ:
+            _run_cargo(["build", "--release", "--target", "wasm32-wasip1", "-p", "kvroute-wasm",
+                        "--no-default-features", "--target-dir", os.path.join(TARGET_DIR, "no-tokenizer")])
         if "KVROUTE_EMULATOR" not in os.environ:
             _run_cargo(["build", "--bin", "kvroute-emulator"])
     for path in (WASM, EMULATOR):
         if not os.path.exists(path):
             pytest.fail(f"{path} is missing; build it first (see scripts/test.sh)", pytrace=False)
-    return {"wasm": WASM, "emulator": EMULATOR}
+    return {"wasm": WASM, "wasm_no_tokenizer": WASM_NO_TOKENIZER, "emulator": EMULATOR}
 
 
 # --------------------------------------------------------------------------

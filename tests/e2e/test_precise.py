@@ -8,8 +8,13 @@ kvroute-core code the filter runs, checked against vLLM itself in
 tests/real/test_hash_parity.py), so a token-ID prefix a server was sent
 *directly*, bypassing the gateway, must draw that prefix group to it: the
 approximate index cannot know about it.
+
+Every test runs twice: on the default module and on the smaller one built
+without the `tokenizer` feature (`--no-default-features`), which these
+configs (no `tokenizerJson`) must run the same way.
 """
 
+import os
 import time
 
 import pytest
@@ -19,6 +24,18 @@ from test_kv_events import BLOCK, held, kv_config, relay_binary, servers, stat, 
 
 PRECISE = {"type": "precise-prefix-cache-producer",
            "parameters": {"tokenProcessorConfig": {"blockSizeTokens": BLOCK, "hashSeed": "0"}}}
+
+
+@pytest.fixture(scope="module", params=["default-module", "no-tokenizer-module"])
+def artifacts(request, artifacts):
+    """conftest's artifacts, with the module under test swapped per param."""
+    if request.param == "default-module":
+        return artifacts
+    path = artifacts["wasm_no_tokenizer"]
+    if not os.path.exists(path):
+        pytest.fail(f"{path} is missing; build it with cargo build --release --target wasm32-wasip1 "
+                    "-p kvroute-wasm --no-default-features --target-dir target/no-tokenizer", pytrace=False)
+    return {**artifacts, "wasm": path}
 
 
 def precise_config(srvs, **kv):

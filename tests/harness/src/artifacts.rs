@@ -3,6 +3,9 @@
 //! - The kvroute module: `$KVROUTE_WASM` if set (used as is), otherwise
 //!   built with `cargo build --release --target wasm32-wasip1 -p kvroute-wasm`
 //!   into the current target dir, so a test never runs a stale module.
+//! - The smaller kvroute module without the `tokenizer` feature: built with
+//!   `--no-default-features` into `<target>/no-tokenizer`, a target dir of
+//!   its own, so that it never replaces the default module's file.
 //! - The abi-probe fixture (`tests/harness/fixtures/abi-probe`): built the
 //!   same way from its own manifest.
 //!
@@ -128,6 +131,41 @@ pub fn kvroute_wasm() -> Result<PathBuf> {
                 ],
                 "the kvroute module",
                 "cargo build --release --target wasm32-wasip1 -p kvroute-wasm",
+            )?;
+            let path = target.join("wasm32-wasip1/release/kvroute_wasm.wasm");
+            if path.is_file() {
+                Ok(path)
+            } else {
+                Err(format!("cargo built kvroute-wasm but {} is missing", path.display()))
+            }
+        })
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
+/// The kvroute module built without the `tokenizer` feature (`--no-default-features`:
+/// precise mode hashes token-ID prompts only), in `<target>/no-tokenizer`.
+pub fn kvroute_wasm_without_tokenizer() -> Result<PathBuf> {
+    static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let target = target_dir().join("no-tokenizer");
+            let target_s = target.to_string_lossy().into_owned();
+            run_build(
+                &[
+                    "build",
+                    "--release",
+                    "--quiet",
+                    "--target",
+                    "wasm32-wasip1",
+                    "-p",
+                    "kvroute-wasm",
+                    "--no-default-features",
+                    "--target-dir",
+                    &target_s,
+                ],
+                "the kvroute module without the tokenizer feature",
+                "cargo build --release --target wasm32-wasip1 -p kvroute-wasm --no-default-features",
             )?;
             let path = target.join("wasm32-wasip1/release/kvroute_wasm.wasm");
             if path.is_file() {

@@ -6,18 +6,37 @@
 //! - [`vllm_hash`]: vLLM 0.32's `sha256_cbor` block hash (the servers must
 //!   run with `--prefix-caching-hash-algo sha256_cbor`).
 //! - [`tokenizer`]: the model's `tokenizer.json` and chat template, for text
-//!   and chat prompts. Token-ID prompts need neither.
+//!   and chat prompts. Token-ID prompts need neither. Built without the
+//!   `tokenizer` feature (a smaller module), it is a type that cannot be
+//!   loaded: a config that names a tokenizer is refused, and token-ID
+//!   prompts are hashed as in the full build.
 //!
 //! When precise hashes cannot be had, the request is routed on the
 //! approximate index instead, and the reason is counted ([`Fallback`]).
 
+#[cfg(feature = "tokenizer")]
+pub mod tokenizer;
+#[cfg(not(feature = "tokenizer"))]
+#[path = "no_tokenizer.rs"]
 pub mod tokenizer;
 pub mod vllm_hash;
 
 use crate::request::{ApiKind, InferenceRequest, Prompt};
 use std::sync::Arc;
-use tokenizer::{ModelTokenizer, TokenizeError};
+use tokenizer::ModelTokenizer;
 use vllm_hash::VllmBlockHasher;
+
+/// Why a prompt could not be turned into token IDs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizeError {
+    /// No chat template, or it failed to render (the message says why).
+    Template(String),
+    /// The tokenizer refused the text.
+    Tokenize(String),
+    /// A request shape vLLM would hash with extra keys or render differently
+    /// (multimodal parts, `continue_final_message`).
+    Unsupported(&'static str),
+}
 
 /// vLLM's and llm-d's default block size (tokens).
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
@@ -179,5 +198,5 @@ impl PreciseConfig {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "tokenizer"))]
 mod tests;

@@ -18,6 +18,7 @@
 //! Rendering is bounded by minijinja's fuel, so a template cannot loop for
 //! ever on a request.
 
+pub use super::TokenizeError;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -40,18 +41,6 @@ impl std::fmt::Debug for ModelTokenizer {
             .field("chat_template", &self.env.is_some())
             .finish()
     }
-}
-
-/// Why a prompt could not be turned into token IDs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum TokenizeError {
-    /// No chat template, or it failed to render (the message says why).
-    Template(String),
-    /// The tokenizer refused the text.
-    Tokenize(String),
-    /// A request shape vLLM would hash with extra keys or render differently
-    /// (multimodal parts, `continue_final_message`).
-    Unsupported(&'static str),
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {

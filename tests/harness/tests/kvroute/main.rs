@@ -10,6 +10,7 @@ mod config;
 mod lease;
 mod lifecycle;
 mod malformed;
+mod no_tokenizer;
 #[cfg(feature = "perfmap")]
 mod profile_loop;
 mod stats;
