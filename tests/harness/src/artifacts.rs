@@ -99,6 +99,43 @@ pub fn probe_wasm() -> Result<PathBuf> {
         .map_err(|e| anyhow!(e))
 }
 
+/// A release build of kvroute-wasm into `target` with `extra` cargo flags
+/// (e.g. `--no-default-features`), and the module's path.
+fn build_kvroute_module(
+    target: &Path,
+    extra: &[&str],
+    what: &str,
+) -> std::result::Result<PathBuf, String> {
+    let target_s = target.to_string_lossy().into_owned();
+    let mut args = vec![
+        "build",
+        "--release",
+        "--quiet",
+        "--target",
+        "wasm32-wasip1",
+        "-p",
+        "kvroute-wasm",
+    ];
+    args.extend_from_slice(extra);
+    let by_hand = args
+        .iter()
+        .filter(|a| **a != "--quiet")
+        .copied()
+        .collect::<Vec<_>>()
+        .join(" ");
+    args.extend_from_slice(&["--target-dir", &target_s]);
+    run_build(&args, what, &format!("cargo {by_hand}"))?;
+    let path = target.join("wasm32-wasip1/release/kvroute_wasm.wasm");
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "cargo built kvroute-wasm but {} is missing",
+            path.display()
+        ))
+    }
+}
+
 /// The kvroute module: `$KVROUTE_WASM`, or a fresh release build.
 pub fn kvroute_wasm() -> Result<PathBuf> {
     static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
@@ -115,29 +152,7 @@ pub fn kvroute_wasm() -> Result<PathBuf> {
                     ))
                 };
             }
-            let target = target_dir();
-            let target_s = target.to_string_lossy().into_owned();
-            run_build(
-                &[
-                    "build",
-                    "--release",
-                    "--quiet",
-                    "--target",
-                    "wasm32-wasip1",
-                    "-p",
-                    "kvroute-wasm",
-                    "--target-dir",
-                    &target_s,
-                ],
-                "the kvroute module",
-                "cargo build --release --target wasm32-wasip1 -p kvroute-wasm",
-            )?;
-            let path = target.join("wasm32-wasip1/release/kvroute_wasm.wasm");
-            if path.is_file() {
-                Ok(path)
-            } else {
-                Err(format!("cargo built kvroute-wasm but {} is missing", path.display()))
-            }
+            build_kvroute_module(&target_dir(), &[], "the kvroute module")
         })
         .clone()
         .map_err(|e| anyhow!(e))
@@ -149,30 +164,11 @@ pub fn kvroute_wasm_without_tokenizer() -> Result<PathBuf> {
     static BUILT: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let target = target_dir().join("no-tokenizer");
-            let target_s = target.to_string_lossy().into_owned();
-            run_build(
-                &[
-                    "build",
-                    "--release",
-                    "--quiet",
-                    "--target",
-                    "wasm32-wasip1",
-                    "-p",
-                    "kvroute-wasm",
-                    "--no-default-features",
-                    "--target-dir",
-                    &target_s,
-                ],
+            build_kvroute_module(
+                &target_dir().join("no-tokenizer"),
+                &["--no-default-features"],
                 "the kvroute module without the tokenizer feature",
-                "cargo build --release --target wasm32-wasip1 -p kvroute-wasm --no-default-features",
-            )?;
-            let path = target.join("wasm32-wasip1/release/kvroute_wasm.wasm");
-            if path.is_file() {
-                Ok(path)
-            } else {
-                Err(format!("cargo built kvroute-wasm but {} is missing", path.display()))
-            }
+            )
         })
         .clone()
         .map_err(|e| anyhow!(e))
