@@ -334,7 +334,7 @@ def singleton_references(shape, docs, primary_docs, ref):
 # ---------------------------------------------------------------- OCI
 
 
-def check_oci():
+def check_oci(crds, ref):
     print("oci:")
     with tempfile.TemporaryDirectory() as d:
         wasm = os.path.join(d, "m.wasm")
@@ -346,6 +346,41 @@ def check_oci():
         data, digest = build_oci.read_plugin(os.path.join(d, "a"), "t")
         with open(wasm, "rb") as f:
             expect(data == f.read() and digest == a["manifest_digest"], "plugin.wasm reads back as Istio's agent reads it")
+        return check_written_manifests(crds, ref, a["manifest_digest"], os.path.join(d, "manifests"))
+
+
+def check_written_manifests(crds, ref, manifest_digest, out):
+    """build-oci.py --image --manifests: istio/'s manifests with the image and
+    digest filled in, still valid, and otherwise the shipped ones."""
+    image = "registry.test:5000/team/kvroute-wasm:9.9.9"
+    written = build_oci.write_manifests(image, manifest_digest, out)
+    shipped = {os.path.relpath(p, out): os.path.join(ISTIO, os.path.relpath(p, out)) for p in written}
+    expect(len(written) == sum(1 for r in build_oci.MANIFEST_DIRS for n in os.listdir(os.path.join(ISTIO, r))
+                               if n.endswith(".yaml")), f"--manifests wrote all {len(written)} manifests")
+    for rel, src in sorted(shipped.items()):
+        with open(src) as f, open(os.path.join(out, rel)) as g:
+            back = g.read().replace(image, build_oci.SHIPPED_IMAGE).replace(manifest_digest.split(":", 1)[1],
+                                                                           build_oci.PLACEHOLDER_SHA256)
+            if back != f.read():
+                problem(f"--manifests {rel} differs from the shipped file beyond the image and digest")
+    hexdigest = manifest_digest.split(":", 1)[1]
+    for shape in sorted(equivalent.SHAPES):
+        for variant in sorted(equivalent.VARIANTS):
+            ef = equivalent.one(equivalent.shape_docs(shape, variant, out)["envoyfilter.yaml"], "EnvoyFilter")
+            (ec,) = patches(ef, "EXTENSION_CONFIG")
+            remote = ec["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]["remote"]
+            expect(remote["http_uri"]["uri"] == f"oci://{image}" and remote["sha256"] == hexdigest,
+                   f"--manifests {variant} {shape}: the EnvoyFilter pulls oci://{image} with the manifest digest")
+    print("schemas (--manifests):")
+    validate_schemas(crds, {p: equivalent.load_docs(p) for p in written})
+    print("names (--manifests):")
+    for shape in sorted(equivalent.SHAPES):
+        singleton_references(shape, equivalent.shape_docs(shape, "singleton", out), equivalent.shape_docs(shape, "lease", out), ref)
+    try:
+        build_oci.write_manifests("oci://" + image, manifest_digest, os.path.join(out, "bad"))
+        problem("--manifests accepted an image with an oci:// scheme")
+    except ValueError:
+        ok("--manifests refuses an image given with a scheme")
 
 
 # ---------------------------------------------------------------- Envoy
@@ -450,7 +485,7 @@ def main():
     for shape in sorted(equivalent.SHAPES):
         cross_references(shape, equivalent.shape_docs(shape), ref)
         singleton_references(shape, equivalent.shape_docs(shape, "singleton"), equivalent.shape_docs(shape), ref)
-    check_oci()
+    check_oci(crds, ref)
     if not a.no_envoy:
         envoy_checks(a.wasm)
     print(f"istio/check.py: {len(problems)} problem(s)")

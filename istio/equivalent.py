@@ -78,14 +78,15 @@ def load_docs(path):
         return [d for d in yaml.safe_load_all(f) if d is not None]
 
 
-def shape_docs(shape, variant="lease"):
+def shape_docs(shape, variant="lease", root=ISTIO):
     """Every YAML document of the variant's <shape>/ directory, by file name
-    (for the singleton variant, plus the primary's VirtualService file)."""
-    d = os.path.join(VARIANTS[variant], shape)
+    (for the singleton variant, plus the primary's VirtualService file).
+    root: a copy of istio/'s layout (build-oci.py --manifests) instead."""
+    d = os.path.join(root, os.path.relpath(VARIANTS[variant], ISTIO), shape)
     docs = {name: load_docs(os.path.join(d, name)) for name in sorted(os.listdir(d)) if name.endswith(".yaml")}
     vs_file = SHAPES[shape][2]
     if vs_file not in docs:
-        docs[vs_file] = load_docs(os.path.join(ISTIO, shape, vs_file))
+        docs[vs_file] = load_docs(os.path.join(root, shape, vs_file))
     return docs
 
 

@@ -2,6 +2,7 @@
 """Build an OCI image layout holding kvroute_wasm.wasm, without Docker.
 
     python3 istio/oci/build-oci.py [--wasm PATH] [--out DIR] [--tag 0.1.0]
+        [--image REGISTRY/REPO:TAG --manifests DIR]
 
 The image is the "compat" variant of the Wasm image specification that Istio's
 agent reads (pkg/wasm/imagefetcher.go, extractOCIStandardImage): an OCI image
@@ -14,7 +15,11 @@ timestamp, so the same module always gives the same manifest digest.
 
 It prints the manifest digest. Use that hex digest as `sha256` next to an
 `oci://` URL (the agent compares it with the manifest digest, not with the
-.wasm's own sha256). Push the layout with any OCI client, for example:
+.wasm's own sha256). With --image and --manifests it also writes istio/'s
+manifests (both shapes, both collector variants) into DIR with the image
+reference and that digest filled in, ready for `kubectl apply`; the shipped
+ones carry a placeholder image and a sha256 of zeros. Push the layout to that
+image with any OCI client, for example:
 
     oras cp --from-oci-layout DIR:TAG REGISTRY/kvroute/kvroute-wasm:TAG
     skopeo copy oci:DIR:TAG docker://REGISTRY/kvroute/kvroute-wasm:TAG
@@ -29,6 +34,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 import tarfile
 
@@ -102,6 +108,52 @@ def build(wasm, out, tag):
     }
 
 
+# What istio/'s shipped manifests hold in place of a real image and digest.
+SHIPPED_IMAGE = "registry.example.com/kvroute/kvroute-wasm:0.1.0"
+PLACEHOLDER_SHA256 = "0" * 64
+# istio/ subdirectories with manifests, and what each file must carry: the
+# EnvoyFilters pull the module (image and digest); the singleton variant's
+# pod patches mount the same image (image only).
+MANIFEST_DIRS = ("gateway", "sidecar", os.path.join("singleton", "gateway"), os.path.join("singleton", "sidecar"))
+IMAGE_REF = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
+                       r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})")
+
+
+def write_manifests(image, manifest_digest, out, istio_dir=None):
+    """Copy every .yaml of istio/'s MANIFEST_DIRS into out/ (same layout)
+    with the placeholder image replaced by `image` (a registry reference
+    without a scheme, as pushed) and the placeholder sha256 by the manifest
+    digest's hex. Returns the files written. Refuses a malformed reference,
+    and a shipped EnvoyFilter without exactly one placeholder of each kind
+    (the substitution must not silently miss one)."""
+    if not IMAGE_REF.fullmatch(image):
+        raise ValueError(f"--image {image!r} is not a registry reference like registry.io/kvroute/kvroute-wasm:0.1.0 "
+                         "(no oci:// scheme; a tag or @sha256: digest)")
+    algo, _, hexdigest = manifest_digest.partition(":")
+    if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
+        raise ValueError(f"manifest digest {manifest_digest!r} is not sha256:<64 hex digits>")
+    istio_dir = istio_dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    written = []
+    for rel in MANIFEST_DIRS:
+        src_dir = os.path.join(istio_dir, rel)
+        for name in sorted(os.listdir(src_dir)):
+            if not name.endswith(".yaml"):
+                continue
+            with open(os.path.join(src_dir, name)) as f:
+                text = f.read()
+            images, shas = text.count(SHIPPED_IMAGE), text.count(PLACEHOLDER_SHA256)
+            if name == "envoyfilter.yaml" and (images, shas) != (1, 1):
+                raise ValueError(f"{rel}/{name}: expected one placeholder image and one placeholder sha256, "
+                                 f"found {images} and {shas}")
+            text = text.replace(SHIPPED_IMAGE, image).replace(PLACEHOLDER_SHA256, hexdigest)
+            os.makedirs(os.path.join(out, rel), exist_ok=True)
+            dst = os.path.join(out, rel, name)
+            with open(dst, "w") as f:
+                f.write(text)
+            written.append(dst)
+    return written
+
+
 def read_plugin(layout, tag=None):
     """Read plugin.wasm back the way Istio's agent does: the index's manifest
     (by tag), its last layer must be tar+gzip, the file named plugin.wasm.
@@ -135,12 +187,27 @@ def main(argv=None):
     p.add_argument("--wasm", default=DEFAULT_WASM)
     p.add_argument("--out", default=os.path.join(REPO, "target", "oci", "kvroute-wasm"))
     p.add_argument("--tag", default="0.1.0")
+    p.add_argument("--image", help="where the layout will be pushed, e.g. registry.io/kvroute/kvroute-wasm:0.1.0 "
+                   "(with --manifests)")
+    p.add_argument("--manifests", metavar="DIR", help="write istio/'s manifests here with --image and the digest")
     a = p.parse_args(argv)
+    if bool(a.image) != bool(a.manifests):
+        p.error("--image and --manifests go together")
+    if a.image and not IMAGE_REF.fullmatch(a.image):
+        p.error(f"--image {a.image!r} is not a registry reference like registry.io/kvroute/kvroute-wasm:0.1.0 "
+                "(no oci:// scheme; a tag or @sha256: digest)")
     if not os.path.exists(a.wasm):
         print(f"build-oci.py: {a.wasm} is missing; build it with\n"
               "  cargo build --release --target wasm32-wasip1 -p kvroute-wasm", file=sys.stderr)
         return 2
     info = build(a.wasm, a.out, a.tag)
+    if a.manifests:
+        try:
+            info["manifests"] = write_manifests(a.image, info["manifest_digest"], a.manifests)
+        except ValueError as e:
+            print(f"build-oci.py: {e}", file=sys.stderr)
+            return 2
+        info["image"] = a.image
     print(json.dumps(info, indent=2))
     return 0
 
