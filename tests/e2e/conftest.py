@@ -400,7 +400,7 @@ class Envoy:
 @pytest.fixture
 def envoy(artifacts, tmp_path):
     """Factory: envoy(config, endpoints=[...] | eds=[...], concurrency=2,
-    state_listener=False, debug_listener=False) -> Envoy.
+    state_listener=False, debug_listener=False, wasm=None) -> Envoy.
 
     state_listener=True adds render.py's internal state listener on a free
     port (Envoy.state_port), and Envoy.state() reads from it. debug_listener=True
@@ -411,7 +411,7 @@ def envoy(artifacts, tmp_path):
     started = []
 
     def start(config=None, endpoints=None, eds=None, concurrency=2, wait_endpoints=True, state_listener=False,
-              debug_listener=False):
+              debug_listener=False, wasm=None):
         config = plugin_config() if config is None else config
         port, admin_port, state_port, debug_port = free_ports(4)
         if not debug_listener:
@@ -431,7 +431,7 @@ def envoy(artifacts, tmp_path):
             "--listen-port", str(port),
             "--admin-port", str(admin_port),
             "--plugin-config", plugin_path,
-            "--wasm", artifacts["wasm"],
+            "--wasm", artifacts["wasm"] if wasm is None else wasm,
         ]
         if state_port:
             args += ["--state-listener", f"127.0.0.1:{state_port}"]
