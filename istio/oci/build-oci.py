@@ -119,6 +119,14 @@ IMAGE_REF = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]+)?(/[a-z0-9]+([._
                        r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})")
 
 
+def image_problem(image):
+    """Why `image` is not a registry reference --image takes, or None."""
+    if IMAGE_REF.fullmatch(image):
+        return None
+    return (f"--image {image!r} is not a registry reference like registry.io/kvroute/kvroute-wasm:0.1.0 "
+            "(no oci:// scheme; a tag or @sha256: digest)")
+
+
 def write_manifests(image, manifest_digest, out, istio_dir=None):
     """Copy every .yaml of istio/'s MANIFEST_DIRS into out/ (same layout)
     with the placeholder image replaced by `image` (a registry reference
@@ -126,9 +134,8 @@ def write_manifests(image, manifest_digest, out, istio_dir=None):
     digest's hex. Returns the files written. Refuses a malformed reference,
     and a shipped EnvoyFilter without exactly one placeholder of each kind
     (the substitution must not silently miss one)."""
-    if not IMAGE_REF.fullmatch(image):
-        raise ValueError(f"--image {image!r} is not a registry reference like registry.io/kvroute/kvroute-wasm:0.1.0 "
-                         "(no oci:// scheme; a tag or @sha256: digest)")
+    if image_problem(image):
+        raise ValueError(image_problem(image))
     algo, _, hexdigest = manifest_digest.partition(":")
     if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexdigest):
         raise ValueError(f"manifest digest {manifest_digest!r} is not sha256:<64 hex digits>")
@@ -193,9 +200,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if bool(a.image) != bool(a.manifests):
         p.error("--image and --manifests go together")
-    if a.image and not IMAGE_REF.fullmatch(a.image):
-        p.error(f"--image {a.image!r} is not a registry reference like registry.io/kvroute/kvroute-wasm:0.1.0 "
-                "(no oci:// scheme; a tag or @sha256: digest)")
+    if a.image and image_problem(a.image):
+        p.error(image_problem(a.image))
     if not os.path.exists(a.wasm):
         print(f"build-oci.py: {a.wasm} is missing; build it with\n"
               "  cargo build --release --target wasm32-wasip1 -p kvroute-wasm", file=sys.stderr)
