@@ -89,6 +89,15 @@ def artifacts():
     return {"wasm": WASM, "wasm_no_tokenizer": WASM_NO_TOKENIZER, "emulator": EMULATOR}
 
 
+def no_tokenizer_wasm(artifacts):
+    """The module built without the `tokenizer` feature; fails the test when it is missing."""
+    path = artifacts["wasm_no_tokenizer"]
+    if not os.path.exists(path):
+        pytest.fail(f"{path} is missing; build it with cargo build --release --target wasm32-wasip1 "
+                    "-p kvroute-wasm --no-default-features --target-dir target/no-tokenizer", pytrace=False)
+    return path
+
+
 # --------------------------------------------------------------------------
 # processes
 

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from conftest import REPO, plugin_config
+from conftest import REPO, no_tokenizer_wasm, plugin_config
 
 UPSTREAM = ["127.0.0.1:9"]  # never contacted: these Envoys only start (or not)
 
@@ -52,10 +52,7 @@ def test_an_out_of_range_value_stops_envoy_and_the_log_names_the_field(envoy, ar
 
 
 def test_the_module_without_the_tokenizer_feature_refuses_a_tokenizer_config(envoy, artifacts):
-    lean = artifacts["wasm_no_tokenizer"]
-    if not os.path.exists(lean):
-        pytest.fail(f"{lean} is missing; build it with cargo build --release --target wasm32-wasip1 "
-                    "-p kvroute-wasm --no-default-features --target-dir target/no-tokenizer", pytrace=False)
+    lean = no_tokenizer_wasm(artifacts)
     e = envoy(with_tokenizer(), endpoints=UPSTREAM)  # the default module serves it
     e.assert_alive()
     log = refused(envoy, with_tokenizer(), lean)

@@ -14,12 +14,11 @@ without the `tokenizer` feature (`--no-default-features`), which these
 configs (no `tokenizerJson`) must run the same way.
 """
 
-import os
 import time
 
 import pytest
 
-from conftest import MODEL, post, wait_until
+from conftest import MODEL, no_tokenizer_wasm, post, wait_until
 from test_kv_events import BLOCK, held, kv_config, relay_binary, servers, stat, tokens  # noqa: F401
 
 PRECISE = {"type": "precise-prefix-cache-producer",
@@ -31,11 +30,7 @@ def artifacts(request, artifacts):
     """conftest's artifacts, with the module under test swapped per param."""
     if request.param == "default-module":
         return artifacts
-    path = artifacts["wasm_no_tokenizer"]
-    if not os.path.exists(path):
-        pytest.fail(f"{path} is missing; build it with cargo build --release --target wasm32-wasip1 "
-                    "-p kvroute-wasm --no-default-features --target-dir target/no-tokenizer", pytrace=False)
-    return {**artifacts, "wasm": path}
+    return {**artifacts, "wasm": no_tokenizer_wasm(artifacts)}
 
 
 def precise_config(srvs, **kv):
