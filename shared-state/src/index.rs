@@ -55,7 +55,7 @@ pub const SETS: usize = SHARD_BYTES / ENTRY_BYTES / WAYS;
 /// `docs/lab/2026-12-02-index-fixes.md`). With 8 a session brings at most 7.
 /// The price is more shard round trips for long new prompts (one
 /// read-modify-write per 8 blocks, 512 bytes of text at 16-token blocks);
-/// lookups stay about log2(blocks) reads.
+/// lookups stay about log2(groups) + 1 reads per stripe ([`last_held`]).
 pub const GROUP_BLOCKS: usize = 8;
 
 /// Endpoint slots per stripe: a group's entries for slots `8k..8k+7` live
