@@ -948,8 +948,15 @@ fn compile_plugin(
                 Some(n) => Some(n as u64),
                 None => None,
             };
+            let add_output = q.add_estimated_output_tokens.unwrap_or(false);
+            if q.learn_output_tokens == Some(true) && !add_output {
+                return Err(err(
+                    format!("{ppath}.learnOutputTokens"),
+                    "learns the output estimate, which only `addEstimatedOutputTokens: true` charges: set that too, or drop this",
+                ));
+            }
             Compiled::Inflight(InflightConfig {
-                add_estimated_output_tokens: q.add_estimated_output_tokens.unwrap_or(false),
+                add_estimated_output_tokens: add_output,
                 output_ratio: ratio,
                 max_estimated_output_tokens: cap,
                 hold_kv_until_end: q.hold_kv_until_end.unwrap_or(false),
@@ -1296,7 +1303,20 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                     ));
                 }
             }
-            Compiled::Tokenizer(t) => tokenizers.push(t.clone()),
+            Compiled::Tokenizer(t) => {
+                let known = |n: &String| {
+                    tokenizers
+                        .iter()
+                        .any(|o: &TokenizerConfig| o.model_names.contains(n))
+                };
+                if let Some(n) = t.model_names.iter().find(|&n| known(n)) {
+                    return Err(err(
+                        format!("{path}.parameters"),
+                        format!("model \"{n}\" already has a token-producer: one per model"),
+                    ));
+                }
+                tokenizers.push(t.clone());
+            }
             _ => {}
         }
         compiled.push(c);
@@ -1540,12 +1560,15 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                 ))
             }
         },
+        // The ceiling is 10 minutes, or the default when a longer poll
+        // interval makes that larger: every poll interval the collector
+        // accepts has a valid lease, also when `leaseMs` is not given.
         lease_ms: range_u64(
             "collector.leaseMs",
             c.lease_ms,
             3 * poll.max(1000),
             poll.max(300),
-            600_000,
+            (3 * poll.max(1000)).max(600_000),
             "ms (at least metricsPollIntervalMs and 300)",
         )?,
     };

@@ -321,6 +321,21 @@ fn precise_config_errors_name_the_field() {
         serde_json::json!({}),
     ));
     assert!(e.message.contains("chat template does not compile"), "{e}");
+    // One token-producer per model: a second one naming a model already
+    // served (as its modelName or a served name) is refused.
+    let mut v: Value = serde_json::from_str(&precise_doc(
+        serde_json::json!({"modelName": "m", "servedModelNames": ["alias"]}),
+        serde_json::json!({}),
+    ))
+    .unwrap();
+    v["plugins"].as_array_mut().unwrap().insert(
+        1,
+        serde_json::json!({"type": "token-producer", "name": "second",
+                           "parameters": {"modelName": "other", "servedModelNames": ["alias"]}}),
+    );
+    let e = reject(&v.to_string());
+    assert_eq!(e.path, "plugins[1].parameters");
+    assert!(e.message.contains("\"alias\""), "{e}");
     // Precise mode without the servers' held blocks would never match.
     let mut v: Value = serde_json::from_str(&precise_doc(
         serde_json::json!({"modelName": "m"}),
@@ -779,6 +794,20 @@ fn collector_mode_and_lease_are_checked() {
     ))
     .to_string();
     assert!(e.contains("collector.leaseMs"), "{e}");
+    // Every accepted poll interval has a valid default lease, in either mode
+    // (a 10-minute ceiling alone refused polls above 200 s without leaseMs).
+    for mode in ["singleton", "lease"] {
+        let c = Config::from_json(
+            with(serde_json::json!({"mode": mode, "metricsPollIntervalMs": 3_600_000})).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(c.collector.lease_ms, 10_800_000);
+    }
+    let e = reject(&with(
+        serde_json::json!({"mode": "lease", "leaseMs": 600_001}),
+    ))
+    .to_string();
+    assert!(e.contains("collector.leaseMs"), "{e}");
 }
 
 #[test]
@@ -961,6 +990,11 @@ fn kvroute_plugin_parameters_are_checked() {
     bad(
         r#"{"type":"cache-balance-scorer","name":"x","parameters":{"weight":5}}"#,
         "weight",
+    );
+    // The learnt output estimate is only charged with addEstimatedOutputTokens.
+    bad(
+        r#"{"type":"inflight-load-producer","name":"x","parameters":{"learnOutputTokens":true}}"#,
+        "learnOutputTokens",
     );
     // charsPerToken: a whole number, or "auto".
     let producer = |v: &str| {
