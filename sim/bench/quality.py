@@ -2,8 +2,8 @@
 """Routing quality through Envoy (issue 4): one command, one run, every arm.
 
     python3 sim/bench/quality.py --smoke            # CI: a few seconds per arm, exits 1 on any failure
-    python3 sim/bench/quality.py                    # full run, one seed (~1.2 h on 2 cores); writes docs/
-    python3 sim/bench/quality.py --seeds 1,2,3      # three seeds (~3.5 h)
+    python3 sim/bench/quality.py                    # full run, one seed (~2 h on 2 cores); writes docs/
+    python3 sim/bench/quality.py --seeds 1,2,3      # three seeds (~6 h)
     python3 sim/bench/quality.py --from-results a.json,b.json   # rewrite docs/ from runs of different workloads
     python3 sim/bench/quality.py --workloads shared-prefix --arms round-robin,kvroute
 
@@ -92,7 +92,7 @@ WORKLOADS = {
         "time_scale": 10,
         "stage_s": 150,
         "rates": [1, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 10],
-        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "smg-cache-aware"],
+        "arms": list(ALL_ARMS),
         "target": 2.0,
     },
     "code-generation": {
@@ -103,7 +103,7 @@ WORKLOADS = {
         "time_scale": 10,
         "stage_s": 150,
         "rates": [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6],
-        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "smg-cache-aware"],
+        "arms": list(ALL_ARMS),
         "target": 2.9,
     },
     "reasoning": {
@@ -113,7 +113,7 @@ WORKLOADS = {
         "time_scale": 30,
         "stage_s": 600,
         "rates": [0.2, 0.3, 0.4, 0.5, 0.6, 0.8],
-        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "active-request", "smg-cache-aware"],
+        "arms": list(ALL_ARMS),
         "target": 1.0,
     },
     "shared-prefix-skew": {
@@ -126,7 +126,7 @@ WORKLOADS = {
         # kvroute-default reached the old top (10 req/s) through Envoy in every
         # seed, so the ramp goes on to 14
         "rates": [1, 2, 3, 4, 5, 6, 8, 10, 12, 14],
-        "arms": ["round-robin", "kvroute", "kvroute-default", "always-sticky"],
+        "arms": list(ALL_ARMS),
         "target": None,
     },
     # Issue 15. Sized in tokens (the fleet's KV is ~262k tokens per server
@@ -833,7 +833,7 @@ def markdown(results, img_rel, stages=False):
              "\"sticky until saturated\" gains) checked end to end, through the real module.")
     L.append("")
     L.append("```sh")
-    L.append("python3 sim/bench/quality.py --seeds 1,2,3   # every arm, ~3.5 h; rewrites this section, the plots, results/quality.json")
+    L.append("python3 sim/bench/quality.py --seeds 1,2,3   # every arm on every workload, ~6 h; rewrites this section, the plots, results/quality.json")
     L.append("python3 sim/bench/quality.py --workloads W --arms A,B --seeds 1,2,3 --results w.json --out /tmp/w.md")
     L.append("python3 sim/bench/quality.py --from-results w.json,x.json   # this section from runs of different workloads, seeds or arms")
     L.append("python3 sim/bench/quality.py --smoke         # CI: every arm serves (~3 min after the builds)")
