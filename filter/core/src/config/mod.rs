@@ -1304,12 +1304,12 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                 }
             }
             Compiled::Tokenizer(t) => {
-                let known = |n: &String| {
+                let served = |n: &&String| {
                     tokenizers
                         .iter()
                         .any(|o: &TokenizerConfig| o.model_names.contains(n))
                 };
-                if let Some(n) = t.model_names.iter().find(|&n| known(n)) {
+                if let Some(n) = t.model_names.iter().find(served) {
                     return Err(err(
                         format!("{path}.parameters"),
                         format!("model \"{n}\" already has a token-producer: one per model"),
@@ -1513,6 +1513,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         3_600_000,
         "ms",
     )?;
+    let default_lease_ms = 3 * poll.max(1000);
     let collector = CollectorConfig {
         metrics_cluster: c.metrics_cluster.filter(|s| !s.is_empty()),
         metrics_path: match c.metrics_path {
@@ -1566,9 +1567,9 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         lease_ms: range_u64(
             "collector.leaseMs",
             c.lease_ms,
-            3 * poll.max(1000),
+            default_lease_ms,
             poll.max(300),
-            (3 * poll.max(1000)).max(600_000),
+            default_lease_ms.max(600_000),
             "ms (at least metricsPollIntervalMs and 300)",
         )?,
     };
