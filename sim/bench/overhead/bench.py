@@ -282,7 +282,8 @@ PROFILE_ARMS = {
     "kv-precise": {"plugin": {"+precise": True}},
     # The shipped profile (envoy/kvroute-config.json, kvroute-default: the
     # saturation-aware gate, kvroute-load-scorer, cache-balance-scorer,
-    # learnt bytes per token and output lengths) instead of the kvroute
+    # the sticky-only prefix-cache-scorer, learnt bytes per token and output
+    # lengths) instead of the kvroute
     # arm's llm-d baseline; routing and collector stay the bench's.
     "kv-default": {"plugin": {"+shipped": True}},
 }

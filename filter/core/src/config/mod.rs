@@ -593,6 +593,7 @@ struct PrefixScorerParams {
     prefix_match_info_producer_name: Option<String>,
     match_length_weight: Option<f64>,
     match_length_scale_tokens: Option<i64>,
+    sticky_only: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -1172,6 +1173,7 @@ fn compile_plugin(
             Compiled::Scorer(Scorer::PrefixCache(PrefixCacheScorer {
                 match_length_weight: w,
                 match_length_scale_tokens: scale.max(0) as u64,
+                sticky_only: q.sticky_only.unwrap_or(false),
             }))
         }
         "no-hit-lru-scorer" => {
@@ -1400,6 +1402,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                             Scorer::PrefixCache(PrefixCacheScorer {
                                 match_length_weight: 0.0,
                                 match_length_scale_tokens: 8192,
+                                sticky_only: false,
                             }),
                             weight,
                         ))

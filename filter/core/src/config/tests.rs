@@ -693,7 +693,8 @@ fn prefix_cache_scorer_match_length() {
         c.scheduler.scorers[0].0,
         Scorer::PrefixCache(PrefixCacheScorer {
             match_length_weight: 0.3,
-            match_length_scale_tokens: 4096
+            match_length_scale_tokens: 4096,
+            sticky_only: false,
         })
     );
     let c = accept(&one_plugin("prefix-cache-scorer", "{}"));
@@ -701,6 +702,16 @@ fn prefix_cache_scorer_match_length() {
         c.scheduler.scorers[0].0,
         Scorer::PrefixCache(PrefixCacheScorer::default())
     );
+    let c = accept(&one_plugin("prefix-cache-scorer", r#"{"stickyOnly":true}"#));
+    assert_eq!(
+        c.scheduler.scorers[0].0,
+        Scorer::PrefixCache(PrefixCacheScorer {
+            sticky_only: true,
+            ..Default::default()
+        })
+    );
+    let e = reject(&one_plugin("prefix-cache-scorer", r#"{"stickyOnly":1}"#));
+    assert_eq!(e.path, "plugins[0].parameters.stickyOnly");
     let e = reject(&one_plugin(
         "prefix-cache-scorer",
         r#"{"matchLengthWeight":1.5}"#,
@@ -953,7 +964,24 @@ fn shipped_files_run_the_kvroute_default_profile() {
             "blocks stay cut at 4 bytes/token"
         );
         let names: Vec<_> = s.scorers.iter().map(|(x, _)| x.type_name()).collect();
-        assert_eq!(names, ["kvroute-load-scorer", "cache-balance-scorer"]);
+        assert_eq!(
+            names,
+            [
+                "kvroute-load-scorer",
+                "cache-balance-scorer",
+                "prefix-cache-scorer"
+            ]
+        );
+        assert_eq!(
+            s.scorers[2],
+            (
+                Scorer::PrefixCache(PrefixCacheScorer {
+                    sticky_only: true,
+                    ..Default::default()
+                }),
+                0.5
+            )
+        );
         assert_eq!(s.picker, Picker::MaxScore(TieBreak::Prefix));
     }
     // llm-d's matched profile: nothing of kvroute's switched on.

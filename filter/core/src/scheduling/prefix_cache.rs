@@ -9,6 +9,31 @@
 //!
 //! The length term favours long absolute hits over a high share of a short
 //! prompt.
+//!
+//! ## `stickyOnly` (kvroute's; the shipped `kvroute-default` sets it, weight 0.5)
+//!
+//! With `stickyOnly: true` the scorer scores only requests the affinity
+//! filter kept on their sticky endpoints (its `sticky` branch); for every
+//! other request (no affinity, gate-released, exploration, no filter) every
+//! candidate scores 1, so it moves nothing there.
+//!
+//! Why: every endpoint above the affinity threshold is sticky, however much
+//! more one of them holds. A server that holds only a group's system prompt
+//! (6,000 of 7,200 tokens, 0.83) and the one that also holds the repeated
+//! question are both sticky, and `kvroute-load-scorer` values the
+//! question's 1,200 tokens only as their prefill time (its lookahead,
+//! 0.5 × 1,200 / 32,768 ≈ 0.02 of score), so a small load difference sends
+//! the repeat to the other server. That recomputes the question and puts a
+//! second copy in a cache that is already full, evicting something else:
+//! the miss costs more than its prefill. At weight 0.5 the longer match
+//! is worth 0.5 × 0.17 ≈ 0.08, about 5,400 queued prefill tokens, before
+//! load moves a repeat. Scoring the released and cold requests too is what
+//! the plain scorer would do; those are the load and cache-balance
+//! scorers' to place (a released request's warm servers are the saturated
+//! ones). Measured in the fleet simulator (`sim/bench/default_sweep.py`,
+//! nine seeds): shared-prefix-skew's knee over round robin 1.10 [worst
+//! 1.09] → 1.14 [1.12], its hit ratio ÷ the ceiling 0.962 → 0.979; the
+//! other five workloads moved by less than 0.01 (`docs/benchmarks.md`).
 
 use super::{Candidate, RequestView};
 
@@ -18,6 +43,9 @@ pub struct PrefixCacheScorer {
     pub match_length_weight: f64,
     /// tokens at which the match-length term saturates
     pub match_length_scale_tokens: u64,
+    /// kvroute's `stickyOnly`: score only requests the affinity filter kept
+    /// on their sticky endpoints; every other request scores 1 everywhere.
+    pub sticky_only: bool,
 }
 
 impl Default for PrefixCacheScorer {
@@ -25,6 +53,7 @@ impl Default for PrefixCacheScorer {
         PrefixCacheScorer {
             match_length_weight: 0.0,
             match_length_scale_tokens: 8192,
+            sticky_only: false,
         }
     }
 }
@@ -79,6 +108,7 @@ mod tests {
         let s = PrefixCacheScorer {
             match_length_weight: 0.5,
             match_length_scale_tokens: 8192,
+            ..Default::default()
         };
         let mut out = [0.0; 2];
         // 32 blocks = 2048 tokens: ratio 0.5, length (2048/8192)² = 1/16.
@@ -88,6 +118,7 @@ mod tests {
         let long = PrefixCacheScorer {
             match_length_weight: 1.0,
             match_length_scale_tokens: 1024,
+            ..Default::default()
         };
         long.score(&r, &[c(32), c(64)], &[0, 1], &mut out);
         assert_eq!(out, [1.0, 1.0]);

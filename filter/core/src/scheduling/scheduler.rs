@@ -199,6 +199,9 @@ impl Scheduler {
                 Scorer::KvCacheUtilization => {
                     kv_cache_utilization::score(cands, &passing, &mut buf)
                 }
+                Scorer::PrefixCache(s) if s.sticky_only && branch != Branch::Sticky => {
+                    buf.iter_mut().for_each(|o| *o = 1.0)
+                }
                 Scorer::PrefixCache(s) => s.score(req, cands, &passing, &mut buf),
                 Scorer::NoHitLru => no_hit_lru::score(req, cands, &passing, &mut buf),
                 Scorer::KvrouteLoad(s) => s.score(req, cands, &held, &passing, &mut buf),
@@ -387,6 +390,74 @@ mod tests {
             "{s0} {s1}"
         );
         assert_eq!(d.primary, 1);
+    }
+
+    #[test]
+    fn sticky_only_prefix_scores_the_sticky_branch_alone() {
+        let s = |sticky_only| Scheduler {
+            scorers: vec![
+                (
+                    Scorer::TokenLoad(TokenLoadScorer {
+                        queue_threshold_tokens: 32_768.0,
+                    }),
+                    1.0,
+                ),
+                (
+                    Scorer::PrefixCache(PrefixCacheScorer {
+                        sticky_only,
+                        ..Default::default()
+                    }),
+                    0.5,
+                ),
+            ],
+            ..Default::default()
+        };
+        let load_only = Scheduler {
+            scorers: vec![(
+                Scorer::TokenLoad(TokenLoadScorer {
+                    queue_threshold_tokens: 32_768.0,
+                }),
+                1.0,
+            )],
+            ..Default::default()
+        };
+        // Both warm endpoints are sticky (10/12 and 12/12 blocks); load alone
+        // sends the repeat to the one without its last blocks, the longer
+        // match keeps it where all of it is held.
+        let c = [cand(10, 0, 0), cand(12, 2000, 1), cand(0, 0, 0)];
+        let d = load_only.schedule(&req(12), &c, &mut Rng::new(1)).unwrap();
+        assert_eq!((d.primary, d.branch), (0, Branch::Sticky));
+        for only in [true, false] {
+            let d = s(only).schedule(&req(12), &c, &mut Rng::new(1)).unwrap();
+            assert_eq!((d.primary, d.branch), (1, Branch::Sticky));
+        }
+        // Gate-released: every candidate scores 1 with stickyOnly, the plain
+        // scorer still ranks by affinity.
+        let c = [cand(10, 300_000, 3), cand(12, 300_000, 3), cand(0, 0, 0)];
+        let prefix_part = |only: bool| {
+            let d = s(only).schedule(&req(12), &c, &mut Rng::new(1)).unwrap();
+            assert_eq!((d.primary, d.branch), (2, Branch::SaturationRelease));
+            let l = load_only.schedule(&req(12), &c, &mut Rng::new(1)).unwrap();
+            (0..3)
+                .map(|i| d.report[i].score.unwrap() - l.report[i].score.unwrap())
+                .collect::<Vec<f64>>()
+        };
+        assert!(prefix_part(true).iter().all(|p| (p - 0.5).abs() < 1e-9));
+        let plain = prefix_part(false);
+        assert!((plain[0] - 0.5 * 10.0 / 12.0).abs() < 1e-9, "{plain:?}");
+        assert!(
+            (plain[1] - 0.5).abs() < 1e-9 && plain[2].abs() < 1e-9,
+            "{plain:?}"
+        );
+        // No affinity anywhere: neutral too.
+        let c = [cand(1, 0, 0), cand(0, 0, 0)];
+        let d = s(true).schedule(&req(12), &c, &mut Rng::new(1)).unwrap();
+        let l = load_only.schedule(&req(12), &c, &mut Rng::new(1)).unwrap();
+        assert_eq!(d.branch, Branch::NoAffinity);
+        for i in 0..2 {
+            let part = d.report[i].score.unwrap() - l.report[i].score.unwrap();
+            assert!((part - 0.5).abs() < 1e-9, "{part}");
+        }
     }
 
     #[test]
