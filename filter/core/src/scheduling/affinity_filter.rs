@@ -26,9 +26,11 @@
 //!
 //! `loadSignal` (kvroute's parameter): `"inflight"` (the default, llm-d's
 //! semantics above, exactly) or `"saturation"`, where both gates read
-//! [`saturation::signal`](super::saturation)'s `P* + O` instead of
-//! `inflight_tokens`: the prefill queue merged with the server's waiting
-//! requests, plus the wait for KV admission when the server's KV is full.
+//! [`saturation::signal`](super::saturation)'s `L + O + x` instead of
+//! `inflight_tokens`: the queue (prefill and held KV) merged with the
+//! server's waiting requests, plus the wait for KV admission when the
+//! server's KV is full, plus this request's own uncached prefill there (so
+//! a release pays for recomputing the prompt on the cold endpoint).
 
 use super::{saturation, Candidate, RequestView, Rng};
 use crate::collector::prefill_rate::PrefillRateParams;
@@ -55,7 +57,7 @@ pub enum LoadSignal {
     /// llm-d's: in-flight tokens.
     #[default]
     Inflight,
-    /// kvroute's: [`saturation::signal`]'s `P* + O`.
+    /// kvroute's: [`saturation::signal`]'s `L + O + x`.
     Saturation,
 }
 
@@ -104,7 +106,7 @@ impl AffinityFilter {
     }
 
     /// The tokens the gates compare for `c`: in-flight tokens, or the
-    /// saturation signal's `P* + O` (`loadSignal`).
+    /// saturation signal's `L + O + x` (`loadSignal`).
     pub fn gate_tokens(&self, req: &RequestView, c: &Candidate) -> f64 {
         match self.load_signal {
             LoadSignal::Inflight => c.inflight_tokens as f64,
@@ -411,6 +413,10 @@ mod tests {
     /// defaults (τ = 15928 × 18 = 286,704 tokens) on both sides of τ, and
     /// for other rates and penalties, against the token gate given τ
     /// directly (`maxTokensInFlightPenalty`, llm-d's earlier interface).
+    /// The saturation signal with own counts only is the same gap with each
+    /// side's own uncached prefill added: here the sticky candidate holds
+    /// the whole prompt and the other none of its 100 tokens, so it
+    /// releases exactly when the gap > τ + 100.
     #[test]
     fn ttft_gate_is_llm_ds_token_gap() {
         for (rate, penalty_ms) in [(15_928.0, 18_000.0), (1000.0, 2000.0), (20_480.0, 250.0)] {
@@ -431,7 +437,16 @@ mod tests {
             };
             let r = req(10);
             for other in [0, 1, 12_345] {
-                for gap in [0, tau - 1, tau, tau + 1, tau + 2, 2 * tau] {
+                for gap in [
+                    0,
+                    tau - 1,
+                    tau,
+                    tau + 1,
+                    tau + 2,
+                    tau + 99,
+                    tau + 101,
+                    2 * tau,
+                ] {
                     let c = [cand(10, other + gap), cand(0, other)];
                     let want = gap > tau;
                     let fired =
@@ -444,9 +459,8 @@ mod tests {
                     }
                     assert_eq!(fired(&tokens), want, "token gate, τ {tau}, gap {gap}");
                     // Own counts only (one gateway, no fresh metrics), in
-                    // flight split between prefill and held: the saturation
-                    // signal decides exactly as llm-d's.
-                    let llm_d = fired(&ttft);
+                    // flight split between prefill and held: llm-d's gap,
+                    // with the cold side's own 100-token prefill added.
                     let c = c.map(|x| Candidate {
                         inflight_prefill_tokens: x.inflight_tokens / 3,
                         inflight_held_tokens: x.inflight_tokens - x.inflight_tokens / 3,
@@ -455,7 +469,7 @@ mod tests {
                     assert_eq!(
                         run(&saturation_without_metrics, &r, &c).0
                             == FilterBranch::SaturationRelease,
-                        llm_d,
+                        gap > tau + 100,
                         "saturation gate, τ {tau}, gap {gap}"
                     );
                 }
@@ -501,8 +515,9 @@ mod tests {
             FilterBranch::SaturationRelease
         );
         // Ours 500 + (40 − 2.5 − 1) foreign × 250 each, plus the KV
-        // overflow 50000 + 9 × 20 uncached − 50000, at 1000 tok/s.
-        assert_eq!(saturation.gate_ttft_ms(&r, &full), 9805.0);
+        // overflow 50000 + 9 × 20 uncached − 50000, plus its own 20
+        // uncached tokens, at 1000 tok/s.
+        assert_eq!(saturation.gate_ttft_ms(&r, &full), 9825.0);
         let stale = Candidate {
             metrics: None,
             ..full
@@ -510,6 +525,42 @@ mod tests {
         assert_eq!(
             run(&saturation, &r, &[stale, cand(0, 0)]).0,
             FilterBranch::Sticky
+        );
+    }
+
+    /// The same queue gap (3 s of held tokens at 1000 tok/s, τ 2 s) releases
+    /// a short prompt and keeps a long one: moving the 10,000-token prompt
+    /// costs its whole prefill on the cold endpoint (10 s), more than the
+    /// queue it would skip; the 100-token one costs 0.1 s.
+    #[test]
+    fn saturation_gate_prices_the_cold_prefill() {
+        let f = AffinityFilter {
+            max_ttft_penalty_ms: 2000.0,
+            peak_prefill_throughput: 1000.0,
+            load_signal: LoadSignal::Saturation,
+            ..Default::default()
+        };
+        let busy = |blocks: u32| Candidate {
+            inflight_held_tokens: 3000,
+            inflight_requests: 3,
+            ..cand(blocks, 3000)
+        };
+        assert_eq!(
+            run(&f, &req(10), &[busy(10), cand(0, 0)]).0,
+            FilterBranch::SaturationRelease
+        );
+        assert_eq!(
+            run(&f, &req(1000), &[busy(1000), cand(0, 0)]),
+            (FilterBranch::Sticky, vec![0])
+        );
+        // llm-d's signal compares the queues alone and releases both.
+        let inflight = AffinityFilter {
+            load_signal: LoadSignal::Inflight,
+            ..f.clone()
+        };
+        assert_eq!(
+            run(&inflight, &req(1000), &[busy(1000), cand(0, 0)]).0,
+            FilterBranch::SaturationRelease
         );
     }
 }

@@ -54,15 +54,30 @@
 //!   is taken to need as much; 0 when `C` is unknown).
 //!
 //! With one gateway and room in the KV cache, `L = P + H`: exactly the
-//! in-flight tokens llm-d's gate compares (with the held part), so the
-//! gate's llm-d token-gap equivalence holds for it (tests in
-//! `affinity_filter`).
+//! in-flight tokens llm-d's gate compares (with the held part).
 //!
-//! TTFT estimate (the gate's, ms): `ttft(e) = (L(e) + O(e)) / rate(e) × 1000`
-//! where `rate(e)` is the gate's prefill rate (`peakPrefillThroughput` or
-//! its online estimate). Freeing KV takes decode steps, so counting the
-//! overflow at the prefill rate is a lower bound on the admission wait: the
-//! gate errs towards staying sticky.
+//! TTFT estimate (the gate's, ms):
+//! `ttft(e) = (L(e) + O(e) + x(e)) / rate(e) × 1000`, where `rate(e)` is
+//! the gate's prefill rate (`peakPrefillThroughput` or its online estimate)
+//! and `x(e)` is this request's own prefill there: what it would wait for
+//! on e, its own uncached tokens included. Freeing KV takes decode steps,
+//! so counting the overflow at the prefill rate is a lower bound on the
+//! admission wait: the gate errs towards staying sticky.
+//!
+//! Why `x(e)`: llm-d's gate compares only the queues, so a release is
+//! priced as if the request's prefill cost the same everywhere; it costs
+//! the whole uncached prompt on a cold endpoint and almost nothing on the
+//! warm one. With held KV in `L` (decoding requests count until their
+//! streams end) the queues of a fleet near its capacity differ by more
+//! than τ often, and without `x` a long-context request left its warm
+//! server whenever they did. Measured in the simulator (agent-session,
+//! 9k–17k-token contexts, the Envoy-calibrated peak of 14,860 tok/s,
+//! τ 2 s): without `x`, 27 % of the requests at 12 req/s and 42 % at 13
+//! were released and seed 1's knee was 12 req/s; with it, 9 % and 11 %,
+//! and 13 req/s (`docs/lab/2026-12-06-gate-own-prefill.md`). A short prompt
+//! (small `x`) is released as before. With own counts only, the gate is
+//! llm-d's token gap over in-flight tokens plus `x` on each side (tests in
+//! `affinity_filter`).
 //!
 //! ## `kvroute-load-scorer`
 //!
@@ -104,13 +119,15 @@ pub struct Signal {
     pub kv_tokens: f64,
     /// `C`: the server's KV capacity, if known.
     pub kv_capacity_tokens: Option<f64>,
+    /// `x`: this request's own uncached tokens here.
+    pub request_tokens: f64,
 }
 
 impl Signal {
-    /// `L + O`: what stands between this request and its first token, in
-    /// prefill-equivalent tokens.
+    /// `L + O + x`: what stands between this request and its first token,
+    /// its own prefill included, in prefill-equivalent tokens.
     pub fn ttft_tokens(&self) -> f64 {
-        self.queue_tokens + self.admission_tokens
+        self.queue_tokens + self.admission_tokens + self.request_tokens
     }
 }
 
@@ -128,6 +145,7 @@ pub fn signal(req: &RequestView, c: &Candidate) -> Signal {
             admission_tokens: 0.0,
             kv_tokens: own_held,
             kv_capacity_tokens: None,
+            request_tokens: x,
         };
     };
     let n = c.inflight_requests as f64;
@@ -160,6 +178,7 @@ pub fn signal(req: &RequestView, c: &Candidate) -> Signal {
         admission_tokens: admission,
         kv_tokens: clean(kv),
         kv_capacity_tokens: capacity,
+        request_tokens: x,
     }
 }
 
@@ -195,7 +214,7 @@ impl KvrouteLoadScorer {
             let c = &cands[i];
             let s = signal(req, c);
             // Held tokens count once, in the KV half.
-            let queue = s.prefill_tokens + s.admission_tokens + c.uncached_tokens(req) as f64;
+            let queue = s.prefill_tokens + s.admission_tokens + s.request_tokens;
             let cap = s.kv_capacity_tokens.unwrap_or(self.kv_capacity_tokens);
             let h = held.get(i).copied().unwrap_or(0) as f64;
             let q = (queue / self.queue_threshold_tokens).min(1.0);
@@ -258,6 +277,7 @@ mod tests {
                 admission_tokens: 0.0,
                 kv_tokens: 5000.0,
                 kv_capacity_tokens: None,
+                request_tokens: 100.0,
             }
         );
     }
@@ -317,8 +337,9 @@ mod tests {
         };
         let s = signal(&req(1000), &full);
         assert_eq!(s.admission_tokens, 2500.0);
-        // 21 foreign requests × this request's 1000 tokens, plus the wait.
-        assert_eq!(s.ttft_tokens(), 21_000.0 + 2500.0);
+        // 21 foreign requests × this request's 1000 tokens, plus the wait,
+        // plus its own prefill.
+        assert_eq!(s.ttft_tokens(), 21_000.0 + 2500.0 + 1000.0);
         // A warm request needs less room: 9500 + 3 × 200 − 10000.
         let warm = Candidate {
             matched_blocks: 80,
