@@ -4,12 +4,20 @@ simulator (kvroute-simulate): knee throughput over round robin's, median and
 worst seed. A benchmark, not a test: it prints figures and never fails on them.
 
     python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x] [--segments]
-                                       [--rates 1,2,3]
+                                       [--rates 1,2,3] [--peaks-from sim/bench/results/quality.json]
 
 The fleet, workloads, ramps, SLO and knee rule are quality.py's own (imported
 from it). `kvroute-default` is the shipped plugin JSON (envoy/kvroute-config.json)
 with the fleet's block size and the calibrated peak, as quality.py's arm of
 the same name; the other arms are kvroute-simulate's --arm (quality.py's arms).
+
+The peak is the modelled fleet's own (`sim_peak`) unless --peaks-from names a
+quality.py results file: through Envoy the calibration also measures HTTP and
+the emulators' host, so its peak is lower (14,780-16,165 tok/s on five workloads,
+11,942 on reasoning, against the model's 18,204), and a gate whose tau is peak x maxTTFTPenaltyMs
+releases at a smaller token gap there. Both are worth a run: the modelled
+peak is the fleet's, the calibrated one is what the arms had in the Envoy
+figures (docs/lab/2026-12-06-gate-own-prefill.md).
 """
 
 import argparse
@@ -106,6 +114,10 @@ def main():
     p.add_argument("--json", default=None, help="write every knee here")
     p.add_argument("--segments", action="store_true",
                    help="segment prompts (exact token counts for the router) instead of text bodies")
+    p.add_argument("--peaks-from", default=None, metavar="RESULTS_JSON",
+                   help="each workload's peakPrefillThroughput from the calibration of a quality.py results file "
+                        "(e.g. sim/bench/results/quality.json) instead of the modelled fleet's: the peak the arms "
+                        "had through Envoy, where HTTP and the emulator's host add to the measured TTFT")
     p.add_argument("--rates", default=None,
                    help="the ramp's offered rates (req/s, comma list) for every workload run, instead of "
                         "quality.py's; for a finer grid around a knee")
@@ -113,9 +125,17 @@ def main():
     seeds = [int(s) for s in a.seeds.split(",")]
     arms = a.arms.split(",")
     work = tempfile.mkdtemp(prefix="kvroute-sweep.")
-    peak = sim_peak()
+    peaks = {}
+    if a.peaks_from:
+        with open(a.peaks_from) as f:
+            for wname, w in json.load(f)["workloads"].items():
+                if (w.get("calibration") or {}).get("peak"):
+                    peaks[wname] = float(w["calibration"]["peak"])
     results = {}
     for wname in a.workloads.split(","):
+        peak = peaks.get(wname, sim_peak())
+        print(f"{wname}: peakPrefillThroughput {peak:g} tok/s"
+              f"{' (calibrated through Envoy)' if wname in peaks else ''}", file=sys.stderr)
         w = dict(quality.WORKLOADS[wname])
         if a.rates:
             w["rates"] = [float(x) for x in a.rates.split(",")]
