@@ -506,6 +506,20 @@ fn compile_peak_prefill(
             let q: AutoPeakParams = strict_value_req(obj, path)?;
             let initial = tps(&format!("{path}.initial"), q.initial, 15_928.0, 0.0)?;
             if q.auto == Some(false) {
+                // The estimator's knobs mean nothing without it: refuse them
+                // rather than ignore a setting the operator believes is used.
+                let knobs = [
+                    ("floor", q.floor.is_some()),
+                    ("ceiling", q.ceiling.is_some()),
+                    ("smoothing", q.smoothing.is_some()),
+                    ("minTokensPerRequest", q.min_tokens_per_request.is_some()),
+                ];
+                if let Some((name, _)) = knobs.iter().find(|(_, set)| *set) {
+                    return Err(err(
+                        format!("{path}.{name}"),
+                        "applies only with \"auto\": true (with \"auto\": false the gate uses \"initial\" alone)",
+                    ));
+                }
                 return Ok((initial, None));
             }
             if initial <= 0.0 {

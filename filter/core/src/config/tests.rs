@@ -883,6 +883,14 @@ fn peak_prefill_throughput_auto() {
     assert_eq!(e.path, format!("{path}.smoothing"));
     let e = bad(r#"{"minTokensPerRequest":0}"#);
     assert_eq!(e.path, format!("{path}.minTokensPerRequest"));
+    // With "auto": false the estimator's knobs are refused, not ignored.
+    for knob in ["floor", "ceiling", "smoothing", "minTokensPerRequest"] {
+        let e = bad(&format!(r#"{{"auto":false,"initial":8000,"{knob}":1}}"#));
+        assert_eq!(e.path, format!("{path}.{knob}"));
+        assert!(e.message.contains("only with \"auto\": true"), "{e}");
+    }
+    let e = bad(r#"{"auto":false,"initial":-1}"#);
+    assert_eq!(e.path, format!("{path}.initial"));
     let e = bad("-1");
     assert_eq!(e.path, path);
     let e = bad("true");
