@@ -74,7 +74,10 @@
 //! 9k–17k-token contexts, the Envoy-calibrated peak of 14,860 tok/s,
 //! τ 2 s): without `x`, 27 % of the requests at 12 req/s and 42 % at 13
 //! were released and seed 1's knee was 12 req/s; with it, 9 % and 11 %,
-//! and 13 req/s (`docs/lab/2026-12-06-gate-own-prefill.md`). A short prompt
+//! and 13 req/s; at the modelled fleet's own peak, where τ is 23 % larger,
+//! that seed sits on the same edge and goes the other way. Through Envoy the
+//! default's knees became 13, 14, 13 req/s against llm-d matched's 12, 14,
+//! 13 (`docs/lab/2026-12-06-gate-own-prefill.md`). A short prompt
 //! (small `x`) is released as before. With own counts only, the gate is
 //! llm-d's token gap over in-flight tokens plus `x` on each side (tests in
 //! `affinity_filter`).
