@@ -83,7 +83,8 @@ def test_collector_estimates_each_endpoints_prefill_rate_and_the_gate_uses_it(fl
     # The gate divides by the endpoint's own estimate. A request held in
     # flight on a warm endpoint charges its uncached suffix there; the next
     # request with the same prefix sticks to it, and the decision header's
-    # ttft_ms is that charge over the endpoint's estimate (not over INITIAL).
+    # ttft_ms is that charge plus the probe's own uncached tokens there (the
+    # saturation signal's x) over the endpoint's estimate (not over INITIAL).
     prefix = text("calib-shared", PROMPT_BYTES)
     first = completion(e.port, prefix, max_tokens=1)
     warm = first.served_by
@@ -98,8 +99,10 @@ def test_collector_estimates_each_endpoints_prefill_rate_and_the_gate_uses_it(fl
     d = r.decision
     assert r.served_by == warm and d["branch"] == "sticky", r
     estimate = e.state_by_address()[warm]["metrics"]["prefillTokensPerS"]
-    assert abs(float(d["ttft_ms"]) - charge / estimate * 1000) < 0.2, (d, charge, estimate)
-    assert abs(float(d["ttft_ms"]) - charge / INITIAL * 1000) > 1, (d, charge)
+    own = int(d["uncached_tokens"])
+    assert 0 < own < charge, d
+    assert abs(float(d["ttft_ms"]) - (charge + own) / estimate * 1000) < 0.2, (d, charge, estimate)
+    assert abs(float(d["ttft_ms"]) - (charge + own) / INITIAL * 1000) > 1, (d, charge)
     held_thread.join(timeout=15)
 
     # A stalled metric: /metrics answers 500, so the snapshot goes stale and
