@@ -72,7 +72,7 @@
 //! than τ often, and without `x` a long-context request left its warm
 //! server whenever they did. Measured in the simulator (agent-session,
 //! 9k–17k-token contexts, the Envoy-calibrated peak of 14,860 tok/s,
-//! τ 2 s): without `x`, 27 % of the requests at 12 req/s and 42 % at 13
+//! τ 2 s): without `x`, 27 % of the requests at 12 req/s and 43 % at 13
 //! were released and seed 1's knee was 12 req/s; with it, 9 % and 11 %,
 //! and 13 req/s; at the modelled fleet's own peak, where τ is 23 % larger,
 //! that seed sits on the same edge and goes the other way. Through Envoy the
