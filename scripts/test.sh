@@ -23,7 +23,8 @@
 #   9. the demo with short settings (bash scripts/demo-check.sh): checks that it prints its
 #      routing tables and stops every process it started
 #  10. benchmark smokes: routing quality (sim/bench/test_quality.py, its results merging; then
-#      sim/bench/quality.py --smoke, every arm incl. smg)
+#      sim/bench/quality.py --smoke, every arm incl. smg; through the filter, each stage's
+#      Envoy counters must count every request once: routed, failed open or rejected)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk; again with --fresh, every
 #      request a new prompt, and --fresh tail, a known prompt with a new last block, which
 #      fails unless most decisions stick, at 8 KiB); they prove the

@@ -46,7 +46,10 @@ def stage_rows(report, rates):
                      "hit_ratio": s["hit_ratio"], "max_token_share": max(shares) if shares else 0,
                      "hit_ratio_ceiling": s.get("hit_ratio_ceiling"),
                      "hit_over_ceiling": (s["hit_ratio"] / s["hit_ratio_ceiling"]
-                                          if s["hit_ratio"] is not None and s.get("hit_ratio_ceiling") else None)})
+                                          if s["hit_ratio"] is not None and s.get("hit_ratio_ceiling") else None),
+                     # the gate's releases and the routed requests of the stage (None for round robin)
+                     "saturation_releases": (s.get("router_counters") or {}).get("kvroute_branch_saturation_release"),
+                     "routed": (s.get("router_counters") or {}).get("kvroute_routed")})
     return rows
 
 
@@ -101,6 +104,9 @@ def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
         # the stages up to the knee: the lowest share of the ceiling the arm reached there
         within = [r["hit_over_ceiling"] for r in rows if r["rate"] <= k["rate"] and r["hit_over_ceiling"] is not None]
         k["min_hit_over_ceiling"] = min(within) if within else None
+        # every stage's gate releases / routed requests (the simulator counts the filter's branches)
+        k["releases_by_stage"] = [[r["rate"], r["saturation_releases"], r["routed"]] for r in rows
+                                  if r["routed"] is not None]
     return k, rows
 
 

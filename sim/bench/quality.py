@@ -555,6 +555,9 @@ class Bench:
                     "--ceiling-block-size", str(FLEET["block_size"]),
                     "--request-timeout-s", str(self.args.request_timeout_s),
                     "--stop-after-ttft-p90", str(self.args.slo_s * self.args.stop_factor), *w["loadgen"]]
+            if admin:
+                # the filter's counters (branches, fail-open) per stage
+                argv += ["--router-stats", f"http://127.0.0.1:{admin}/stats?filter=kvroute_&type=Counters"]
             t0 = time.time()
             with open(os.path.join(self.work, f"{tag}.loadgen.log"), "w") as lf:
                 r = subprocess.run(argv, stdout=lf, stderr=subprocess.STDOUT)
@@ -674,6 +677,10 @@ def summarize_arm(report, w, stats, wall):
             # share of the fleet's prompt tokens each endpoint served (counter-based, router-agnostic)
             "token_shares": [s / tot for s in shares] if tot > 0 else [],
             "max_token_share": (max(shares) / tot) if tot > 0 else None,
+            # how much each of the filter's counters rose over the stage, without the kvroute_ prefix
+            # (kvroute-loadgen --router-stats; None for smg, {} for Envoy without kvroute)
+            "router": ({k.split("kvroute_", 1)[-1]: v for k, v in st["router_counters"].items()}
+                       if st.get("router_counters") is not None else None),
         })
     return {"stages": stages, "envoy_stats": stats, "wall_s": wall}
 
@@ -813,7 +820,24 @@ def check_arm(res):
             problems.append(f"stage {s['label']}: {s['error_rate'] * 100:.0f} % errors {s['errors']}")
         if s["hit_ratio"] is None:
             problems.append(f"stage {s['label']}: endpoint counters unreadable")
+        problems += router_count_problems(s)
     return "; ".join(problems)
+
+
+def router_count_problems(s):
+    """Through the kvroute filter, a stage's counters must account for every request: each one
+    routed, failed open or rejected, and each routed one on exactly one branch."""
+    c = s.get("router")
+    if not c:  # not read (smg, older results) or no filter (round robin's plain Envoy)
+        return []
+    decided = c.get("routed", 0) + c.get("fail_open", 0) + c.get("rejected", 0)
+    branches = sum(v for k, v in c.items() if k.startswith("branch_"))
+    out = []
+    if decided != s["requests"]:
+        out.append(f"stage {s['label']}: the filter decided {decided} of {s['requests']} requests")
+    if branches != c.get("routed", 0):
+        out.append(f"stage {s['label']}: {branches} branch counts for {c.get('routed', 0)} routed")
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -959,16 +983,14 @@ def markdown(results, img_rel, stages=False):
                  + f"![{wname}]({img_rel}/quality-{wname}.svg)")
         L.append("")
         L.append("| arm | knee req/s | throughput at knee | hit % | prefill busy | busiest server's share | TTFT p90 s | "
-                 "branches sticky / release / no-affinity |")
+                 "branches sticky / release / no-affinity: knee stage (whole run\\*) |")
         L.append("|---|---|---|---|---|---|---|---|")
         for arm, res in w["arms"].items():
             if "error" in res:
                 L.append(f"| {arm} | failed: {res['error'][:80]} | | | | | | |")
                 continue
-            st = res.get("envoy_stats") or {}
-            br = (f"{st.get('branch_sticky', 0)} / {st.get('branch_saturation_release', 0)} / "
-                  f"{st.get('branch_no_affinity', 0)}") if st and arm != "legacy-blend" else "–"
             k = res.get("knee")
+            br = branches_cell(arm, res, k)
             if k:
                 L.append(f"| {arm} | {k['rate']:g} | {k['throughput']:,.0f} {k['metric']} | "
                          f"{fmt(k['hit_ratio'] and k['hit_ratio'] * 100, '.0f')} | {prefill_busy(k, f)} | "
@@ -979,8 +1001,8 @@ def markdown(results, img_rel, stages=False):
         L.append("")
         if stages:
             L.append("| arm | rate | req | err % | TTFT p50 | TTFT p90 | TPOT p90 (ms) | in tok/s | out tok/s | hit % | "
-                     "server shares of prompt tokens % | host lag (s) |")
-            L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                     "server shares of prompt tokens % | host lag (s) | branches sticky / release / no-affinity |")
+            L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for arm, res in w["arms"].items():
                 for s in res.get("stages", []):
                     shares = "/".join(f"{x * 100:.0f}" for x in s["token_shares"]) or "–"
@@ -988,9 +1010,29 @@ def markdown(results, img_rel, stages=False):
                              f"{fmt(s['ttft_p50_s'], '.2f')} | {fmt(s['ttft_p90_s'], '.2f')} | "
                              f"{fmt(s['tpot_p90_s'] and s['tpot_p90_s'] * 1000, '.0f')} | {s['input_tps']:,.0f} | "
                              f"{s['output_tps']:,.0f} | {fmt(s['hit_ratio'] and s['hit_ratio'] * 100, '.0f')} | "
-                             f"{shares} | {fmt(s['host_lag_s'], '.1f')} |")
+                             f"{shares} | {fmt(s['host_lag_s'], '.1f')} | {branch_triple(s.get('router')) or '–'} |")
             L.append("")
     return "\n".join(L) + "\n"
+
+
+def branch_triple(c):
+    """`sticky / release / no-affinity` of the filter's branch counters, or None without them."""
+    if not c:
+        return None
+    return (f"{c.get('branch_sticky', 0)} / {c.get('branch_saturation_release', 0)} / "
+            f"{c.get('branch_no_affinity', 0)}")
+
+
+def branches_cell(arm, res, k):
+    """The knee stage's branch counts; runs from before per-stage counters give the whole run's (marked *)."""
+    if arm == "legacy-blend":  # no affinity filter: every decision is the unfiltered branch
+        return "–"
+    if k:
+        for s in res.get("stages", []):
+            if s["rate"] == k["rate"] and s.get("router") is not None:
+                return branch_triple(s["router"]) or "–"
+    whole = branch_triple(res.get("envoy_stats"))
+    return f"{whole}\\*" if whole else "–"
 
 
 def run_of(results):

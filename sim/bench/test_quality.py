@@ -194,3 +194,28 @@ def test_agreement_gives_the_simulator_the_shipped_profile_envoy_ran(tmp_path):
     assert params["prefix-cache-affinity-filter"]["peakPrefillThroughput"] == 15230.0
     assert params["prefix-cache-affinity-filter"]["maxTTFTPenaltyMs"] == r["penalty_ms"]
     assert doc["schedulingProfiles"], "the shipped profile's scheduling profiles"
+
+
+def test_the_filters_counters_must_account_for_every_request():
+    s = {"label": "rate 3/s", "requests": 10,
+         "router": {"routed": 9, "fail_open": 1, "branch_sticky": 6, "branch_saturation_release": 2,
+                    "branch_no_affinity": 1}}
+    assert quality.router_count_problems(s) == []
+    # a decision the stage's counters missed, and a routed request on no branch
+    s["router"]["routed"] = 8
+    assert quality.router_count_problems(s) == ["stage rate 3/s: the filter decided 9 of 10 requests",
+                                                "stage rate 3/s: 9 branch counts for 8 routed"]
+    # not read (smg, older results) or no filter (plain Envoy): nothing to check
+    for c in (None, {}):
+        assert quality.router_count_problems(dict(s, router=c)) == []
+
+
+def test_the_knee_table_gives_the_knee_stages_branches_else_the_whole_runs():
+    res = arm(2)
+    res["envoy_stats"] = {"branch_sticky": 50, "branch_saturation_release": 7, "branch_no_affinity": 3}
+    k = quality.knee(res["stages"], 2.0, "prefill")
+    assert quality.branches_cell("kvroute-default", res, k) == "50 / 7 / 3\\*"
+    res["stages"][1]["router"] = {"routed": 20, "branch_sticky": 17, "branch_saturation_release": 2,
+                                  "branch_no_affinity": 1}
+    assert quality.branches_cell("kvroute-default", res, k) == "17 / 2 / 1"
+    assert quality.branches_cell("legacy-blend", res, k) == "–"

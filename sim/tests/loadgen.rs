@@ -154,6 +154,7 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
         request_timeout: Duration::from_secs(10),
         reset: true,
         ceiling_block_size: Some(64),
+        router_stats: None,
     };
     let report = run(cfg, &|_| {}).await.unwrap();
     assert_eq!(report.stages.len(), 2);
@@ -197,6 +198,7 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
         request_timeout: Duration::from_secs(10),
         reset: false,
         ceiling_block_size: None,
+        router_stats: None,
     };
     let report = run(cfg, &|_| {}).await.unwrap();
     assert_eq!(report.stages[0].hit_ratio, None);

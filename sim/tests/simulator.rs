@@ -96,6 +96,36 @@ fn every_request_finishes_or_is_counted_dropped_and_every_charge_is_released() {
         assert!(t.finished > 0, "{arm}: {t:?}");
         assert_eq!(r.inflight_after, 0, "{arm}: charges left in the load table");
         assert_eq!(t.reaped, 0, "{arm}: a charge had to be reaped");
+        // Each stage reports the decisions as the filter counts them in
+        // Envoy: one per request, each routed one on exactly one branch.
+        for s in &r.stages {
+            let Some(c) = &s.router_counters else {
+                assert_eq!(arm, "round-robin", "{arm}: no router counters");
+                continue;
+            };
+            let get = |k: &str| c.get(k).copied().unwrap_or(0);
+            let decided =
+                get("kvroute_routed") + get("kvroute_fail_open") + get("kvroute_rejected");
+            assert_eq!(decided, s.requests, "{arm} {}: {c:?}", s.stage);
+            let branches: u64 = c
+                .iter()
+                .filter(|(k, _)| k.starts_with("kvroute_branch_"))
+                .map(|(_, v)| v)
+                .sum();
+            assert_eq!(branches, get("kvroute_routed"), "{arm} {}: {c:?}", s.stage);
+        }
+        if arm == "kvroute" {
+            // The branches are told apart: a group's first prompt has no
+            // affinity, its later ones stick.
+            let total = |k: &str| -> u64 {
+                r.stages
+                    .iter()
+                    .filter_map(|s| s.router_counters.as_ref()?.get(k))
+                    .sum()
+            };
+            assert!(total("kvroute_branch_no_affinity") > 0, "{arm}");
+            assert!(total("kvroute_branch_sticky") > 0, "{arm}");
+        }
     }
     // A closed loop whose every request is refused ends (each client stops).
     let mut c = cfg("kvroute", "concurrency:4@10s", 1, false);

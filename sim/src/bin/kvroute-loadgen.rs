@@ -37,6 +37,10 @@ kvroute-loadgen --target http://127.0.0.1:PORT --workload NAME --stages SPEC [op
   --request-timeout-s X     wall-clock limit per request [600]
   --ceiling-block-size B    the servers' KV block size: each stage also reports the
                             stream's hit-ratio ceiling (hit_ratio_ceiling) in B-token blocks [off]
+  --router-stats URL        a router's counters in Envoy admin text (e.g.
+                            http://127.0.0.1:ADMIN/stats?filter=kvroute_&type=Counters):
+                            each stage also reports how much each rose
+                            (router_counters) [off]
   --no-reset                do not POST /emulator/reset to the endpoints first
   --stop-after-ttft-p90 X   end the ramp after the first stage whose TTFT p90 (model
                             seconds) is above X, or that had no successful request [off]
@@ -61,6 +65,7 @@ const FLAGS: &[(&str, bool)] = &[
     ("output-tokens", true),
     ("request-timeout-s", true),
     ("ceiling-block-size", true),
+    ("router-stats", true),
     ("no-reset", false),
     ("stop-after-ttft-p90", true),
 ];
@@ -159,6 +164,7 @@ fn config(f: &Flags) -> Result<Parsed, String> {
                     b => Some(b),
                 },
             },
+            router_stats: f.str("router-stats").map(str::to_owned),
         },
         f.str("json").map(str::to_owned),
         stop,

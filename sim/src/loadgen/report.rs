@@ -115,6 +115,12 @@ pub struct StageReport {
     /// endpoints); latencies are inflated when this is not ~0.
     pub emulator_host_lag_s: Option<f64>,
     pub endpoints: Vec<EndpointShare>,
+    /// How much each of the router's counters rose over the stage (full
+    /// names, e.g. `kvroute_branch_saturation_release`): Envoy's admin page
+    /// (`kvroute-loadgen --router-stats`) or the simulator's own count of
+    /// the same decisions. Absent when not read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router_counters: Option<BTreeMap<String, u64>>,
 }
 
 /// Builds a stage report. `before`/`after` are per-endpoint counters (same
@@ -208,6 +214,7 @@ pub fn stage_report(
         client_cached_ratio: (prompt > 0).then(|| cached as f64 / prompt as f64),
         emulator_host_lag_s: complete.then_some(lag),
         endpoints: shares,
+        router_counters: None,
     }
 }
 

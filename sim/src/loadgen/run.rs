@@ -11,6 +11,7 @@ use crate::rng::SeededRng;
 use crate::simulator::parts_pieces;
 use crate::simulator::prompt::piece_block_hashes;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -32,6 +33,10 @@ pub struct RunConfig {
     /// The servers' KV block size (tokens): when set, each stage reports
     /// the stream's hit-ratio ceiling in blocks of this size.
     pub ceiling_block_size: Option<u32>,
+    /// A router's counters (Envoy's admin `/stats?filter=kvroute_`): read
+    /// before and after each stage, which then reports their increase
+    /// (`router_counters`). `None`: not read.
+    pub router_stats: Option<String>,
 }
 
 /// The workload and the ceiling of what it has sent so far.
@@ -94,6 +99,63 @@ pub async fn read_counters(
         generation_tokens: sum("vllm:generation_tokens_total")?,
         host_lag_s: sum("kvroute_emulator_host_lag_seconds_total").unwrap_or(0.0),
     })
+}
+
+/// Integer counters of an Envoy admin `/stats` text answer (`name: value`
+/// lines); other lines (histograms, gauges that are not integers) are skipped.
+pub fn parse_stats(text: &str) -> BTreeMap<String, u64> {
+    text.lines()
+        .filter_map(|l| {
+            let (name, value) = l.split_once(": ")?;
+            Some((name.trim().to_owned(), value.trim().parse::<u64>().ok()?))
+        })
+        .collect()
+}
+
+/// How much each counter rose from `before` to `after` (a counter missing
+/// before counts from 0; one that fell, e.g. after a restart, counts 0).
+pub fn counter_increase(
+    before: &BTreeMap<String, u64>,
+    after: &BTreeMap<String, u64>,
+) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(k, v)| {
+            let was = before.get(k).copied().unwrap_or(0);
+            (k.clone(), v.saturating_sub(was))
+        })
+        .collect()
+}
+
+/// The kvroute filter hands its counts to Envoy on its tick, at most
+/// `FLUSH_PERIOD_MS` apart: a stage's last decisions reach the admin page
+/// within that, so the read after a stage waits twice it (wall time).
+const ROUTER_FLUSH_WAIT: Duration =
+    Duration::from_millis(2 * kvroute_core::lifecycle::FLUSH_PERIOD_MS as u64);
+
+async fn read_router_stats(
+    client: &HttpClient,
+    url: &str,
+    log: &dyn Fn(&str),
+) -> Option<BTreeMap<String, u64>> {
+    let answer = tokio::time::timeout(Duration::from_secs(5), client.get(url)).await;
+    match answer {
+        Ok(Ok(r)) if r.status.is_success() => Some(parse_stats(&r.text())),
+        Ok(Ok(r)) => {
+            log(&format!("warning: router stats {url}: HTTP {}", r.status));
+            None
+        }
+        Ok(Err(e)) => {
+            log(&format!("warning: router stats {url}: {e}"));
+            None
+        }
+        Err(_) => {
+            log(&format!(
+                "warning: router stats {url}: no answer within 5 s"
+            ));
+            None
+        }
+    }
 }
 
 async fn read_all(
@@ -322,9 +384,20 @@ pub async fn run_until(
             stage.label()
         ));
         let before = read_all(&client, &cfg.endpoints, log).await;
+        let router_before = match &cfg.router_stats {
+            Some(url) => read_router_stats(&client, url, log).await,
+            None => None,
+        };
         let records = run_stage(&client, &cfg, &workload, stage, i as u64).await;
         let after = read_all(&client, &cfg.endpoints, log).await;
-        let report = stage_report(
+        let router_after = match &cfg.router_stats {
+            Some(url) => {
+                tokio::time::sleep(ROUTER_FLUSH_WAIT).await;
+                read_router_stats(&client, url, log).await
+            }
+            None => None,
+        };
+        let mut report = stage_report(
             stage.label(),
             stage.duration_s,
             &records,
@@ -332,6 +405,9 @@ pub async fn run_until(
             &before,
             &after,
         );
+        if let (Some(b), Some(a)) = (&router_before, &router_after) {
+            report.router_counters = Some(counter_increase(b, a));
+        }
         let over = stop_ttft_p90_s.filter(|limit| match report.ttft_s.p90 {
             Some(p90) => p90 > *limit,
             None => true,
@@ -355,4 +431,34 @@ pub async fn run_until(
         endpoints: cfg.endpoints.clone(),
         stages,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envoy_admin_counters_parse_and_subtract() {
+        // As Envoy's admin /stats?filter=kvroute_ answers (a histogram line
+        // and a non-integer value are skipped).
+        let before = parse_stats(
+            "kvroute_branch_sticky: 10\nkvroute_routed: 12\n\
+             kvroute_lat: P0(nan,1) P25(nan,2)\nkvroute_ratio: 0.5\n",
+        );
+        assert_eq!(before.len(), 2);
+        assert_eq!(before["kvroute_routed"], 12);
+        let after = parse_stats(
+            "kvroute_branch_sticky: 15\nkvroute_routed: 20\n\
+             kvroute_branch_saturation_release: 3\n",
+        );
+        let d = counter_increase(&before, &after);
+        assert_eq!(d["kvroute_branch_sticky"], 5);
+        assert_eq!(d["kvroute_routed"], 8);
+        // Not there before: counted from 0.
+        assert_eq!(d["kvroute_branch_saturation_release"], 3);
+        // A counter that fell (the router restarted) rose by nothing.
+        let d = counter_increase(&after, &before);
+        assert_eq!(d["kvroute_routed"], 0);
+        assert_eq!(parse_stats("").len(), 0);
+    }
 }

@@ -44,6 +44,7 @@ use crate::vllm_hash::VllmBlockHasher;
 use crate::vllm_model::{Engine as Server, EngineConfig, RequestId, StepResult};
 use kvroute_core::config::{Config, EndpointSource};
 use kvroute_core::engine::{Engine as Router, Outcome};
+use kvroute_core::lifecycle::Counter;
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_core::scheduling::Rng;
 use kvroute_shared_state::load::{LoadTable, Ticket};
@@ -312,6 +313,10 @@ pub struct Sim {
     /// The hit-ratio ceiling of the requests so far, in the modelled
     /// servers' own blocks.
     ceiling: Ceiling,
+    /// The filter's counters the routing decisions of the current stage
+    /// would have raised in Envoy (`kvroute_routed`, `kvroute_branch_*`,
+    /// `kvroute_fail_open`, `kvroute_rejected`).
+    router_counts: BTreeMap<&'static str, u64>,
 }
 
 impl Sim {
@@ -444,6 +449,7 @@ impl Sim {
             client_queue: Vec::new(),
             use_: Utilization::default(),
             ceiling: Ceiling::new(cfg.fleet.engine.block_size),
+            router_counts: BTreeMap::new(),
             cfg,
         })
     }
@@ -665,6 +671,15 @@ impl Sim {
                         }
                     },
                 };
+                let mut count = |c: Counter| *self.router_counts.entry(c.name()).or_insert(0) += 1;
+                match &outcome {
+                    Outcome::Routed(r) => {
+                        count(Counter::Routed);
+                        count(Counter::for_branch(r.decision.branch));
+                    }
+                    Outcome::FailOpen(_) => count(Counter::FailOpen),
+                    Outcome::Reject { .. } => count(Counter::Rejected),
+                }
                 match outcome {
                     Outcome::Routed(r) => {
                         let e = *by_address
@@ -942,7 +957,13 @@ impl Sim {
         let after = self.counters();
         let mut records = std::mem::take(&mut self.done);
         records.sort_by(|a, b| a.sent_at_s.total_cmp(&b.sent_at_s));
-        stage_report(label, duration_s, &records, &self.names, before, &after)
+        let mut report = stage_report(label, duration_s, &records, &self.names, before, &after);
+        let counts = std::mem::take(&mut self.router_counts);
+        if matches!(self.router, KvRouter::Kvroute { .. }) {
+            report.router_counters =
+                Some(counts.into_iter().map(|(k, v)| (k.to_owned(), v)).collect());
+        }
+        report
     }
 
     fn run_stage(&mut self, stage: &Stage, stage_no: u64) -> Result<StageReport, String> {
