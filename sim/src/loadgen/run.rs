@@ -33,7 +33,8 @@ pub struct RunConfig {
     /// The servers' KV block size (tokens): when set, each stage reports
     /// the stream's hit-ratio ceiling in blocks of this size.
     pub ceiling_block_size: Option<u32>,
-    /// A router's counters (Envoy's admin `/stats?filter=kvroute_`): read
+    /// A router's counters (Envoy's admin
+    /// `/stats?filter=kvroute_&type=Counters`): read
     /// before and after each stage, which then reports their increase
     /// (`router_counters`). `None`: not read.
     pub router_stats: Option<String>,
@@ -67,19 +68,25 @@ pub struct RunReport {
     pub stages: Vec<StageReport>,
 }
 
+/// GETs `url` within 5 s; its body, or why not.
+async fn get_text(client: &HttpClient, url: &str) -> Result<String, String> {
+    let r = tokio::time::timeout(Duration::from_secs(5), client.get(url))
+        .await
+        .map_err(|_| format!("{url}: no answer within 5 s"))??;
+    if !r.status.is_success() {
+        return Err(format!("{url}: HTTP {}", r.status));
+    }
+    Ok(r.text())
+}
+
 /// Reads the prefix-cache and token counters of one endpoint.
 pub async fn read_counters(
     client: &HttpClient,
     endpoint: &str,
 ) -> Result<EndpointCounters, String> {
     let url = format!("http://{endpoint}/metrics");
-    let r = tokio::time::timeout(Duration::from_secs(5), client.get(&url))
-        .await
-        .map_err(|_| format!("{url}: no answer within 5 s"))??;
-    if !r.status.is_success() {
-        return Err(format!("{url}: HTTP {}", r.status));
-    }
-    let samples = prometheus::parse(&r.text()).map_err(|e| format!("{url}: {e}"))?;
+    let samples =
+        prometheus::parse(&get_text(client, &url).await?).map_err(|e| format!("{url}: {e}"))?;
     let sum = |name: &str| -> Result<f64, String> {
         let v: Vec<f64> = samples
             .iter()
@@ -138,21 +145,10 @@ async fn read_router_stats(
     url: &str,
     log: &dyn Fn(&str),
 ) -> Option<BTreeMap<String, u64>> {
-    let answer = tokio::time::timeout(Duration::from_secs(5), client.get(url)).await;
-    match answer {
-        Ok(Ok(r)) if r.status.is_success() => Some(parse_stats(&r.text())),
-        Ok(Ok(r)) => {
-            log(&format!("warning: router stats {url}: HTTP {}", r.status));
-            None
-        }
-        Ok(Err(e)) => {
-            log(&format!("warning: router stats {url}: {e}"));
-            None
-        }
-        Err(_) => {
-            log(&format!(
-                "warning: router stats {url}: no answer within 5 s"
-            ));
+    match get_text(client, url).await {
+        Ok(text) => Some(parse_stats(&text)),
+        Err(e) => {
+            log(&format!("warning: router stats unreadable: {e}"));
             None
         }
     }
