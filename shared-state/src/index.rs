@@ -195,15 +195,36 @@ pub struct Holder {
     pub capacity_blocks: u64,
 }
 
+/// How far ahead of its endpoint's counter an entry may be recorded and
+/// still count as just written (age 0). An entry is ahead when a request
+/// routed before it was rejected by the server and its blocks were taken
+/// back off the counter ([`crate::load::LoadTable::undo`]); it is never
+/// ahead by more than the blocks of the requests rejected while it was
+/// being written, far below this.
+pub const AHEAD_WINDOW: u32 = 1 << 24;
+
 impl Holder {
-    /// Is an entry written for this holder still held?
+    /// Is an entry written for this holder still held? Its age is
+    /// `counter − recorded` in 32-bit arithmetic; an entry recorded up to
+    /// [`AHEAD_WINDOW`] ahead of the counter has age 0.
     pub fn holds(&self, slot: u16, generation: u16, recorded: u32) -> bool {
         slot == self.slot
             && generation == self.generation
             && (self.capacity_blocks == 0
                 || self.capacity_blocks >= u64::from(u32::MAX / 2)
-                || u64::from((self.insert_counter as u32).wrapping_sub(recorded))
-                    < self.capacity_blocks)
+                || u64::from(age(self.insert_counter, recorded)) < self.capacity_blocks)
+    }
+}
+
+/// An entry's age in blocks: how far its endpoint's counter has moved
+/// since it was recorded; 0 if it was recorded ahead of the counter (see
+/// [`AHEAD_WINDOW`]).
+pub fn age(insert_counter: u64, recorded: u32) -> u32 {
+    let a = (insert_counter as u32).wrapping_sub(recorded);
+    if a > u32::MAX - AHEAD_WINDOW {
+        0
+    } else {
+        a
     }
 }
 
@@ -252,7 +273,7 @@ fn key_hash(h: u64) -> u64 {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Entry {
     hash: u64,
     slot: u16,
@@ -479,7 +500,7 @@ pub fn refresh_due(holder: &Holder, first_recorded: Option<u32>) -> bool {
     if holder.capacity_blocks == 0 || holder.capacity_blocks >= u64::from(u32::MAX / 2) {
         return false;
     }
-    let age = u64::from((holder.insert_counter as u32).wrapping_sub(recorded));
+    let age = u64::from(age(holder.insert_counter, recorded));
     age >= holder.capacity_blocks / 2
 }
 
@@ -578,6 +599,66 @@ pub fn insert_seeded(
         stats.cas_retries += retries;
     }
     Ok(stats)
+}
+
+/// Takes back what [`insert`] wrote for a request the server rejected:
+/// every entry for `holder` of a block of `hashes` from block `from` on
+/// that is still exactly as that insert wrote it (`recorded`) is cleared.
+/// Entries rewritten since (another request's insert, an LRU refresh) and
+/// the blocks before `from` (held before the request came) stay. What the
+/// insert overwrote in a full set is not brought back: it was an entry the
+/// set's eviction chose, as any other insert's would be. Returns the
+/// entries cleared and the CAS races lost.
+pub fn remove(
+    store: &dyn Store,
+    geo: &IndexGeometry,
+    hashes: &[u64],
+    from: usize,
+    holder: &Holder,
+    recorded: u32,
+) -> Result<(u32, u32), StoreError> {
+    let (mut cleared, mut retries) = (0u32, 0u32);
+    if from >= hashes.len() {
+        return Ok((0, 0));
+    }
+    let start = from / GROUP_BLOCKS * GROUP_BLOCKS;
+    let stripe = stripe_of(holder.slot);
+    for (i, group) in hashes[start..].chunks(GROUP_BLOCKS).enumerate() {
+        let first = start + i * GROUP_BLOCKS;
+        let own = &group[from.saturating_sub(first).min(group.len())..];
+        let key = geo.shard_key(group_key(&hashes[start..], i), stripe);
+        let Updated { result, retries: r } = update_bytes(
+            store,
+            &key,
+            None,
+            || vec![0; SHARD_BYTES],
+            |shard| shard.resize(SHARD_BYTES, 0),
+            |shard| {
+                let mut n = 0u32;
+                for &h in own {
+                    let hash = key_hash(h);
+                    let mine = Entry {
+                        hash,
+                        slot: holder.slot,
+                        generation: holder.generation,
+                        recorded,
+                    };
+                    for set in sets_of(hash, holder.slot) {
+                        for k in set * WAYS..(set + 1) * WAYS {
+                            if read_entry(shard, k) == mine {
+                                write_entry(shard, k, Entry::default());
+                                n += 1;
+                            }
+                        }
+                    }
+                }
+                (n > 0).then_some(n)
+            },
+        )?;
+        cleared += result.unwrap_or(0);
+        retries += r;
+    }
+    Ok((cleared, retries))
 }
 
 /// Writes one entry; returns false if it was already there as written.
@@ -877,6 +958,48 @@ mod tests {
         }
         let m = longest_prefixes(&s, &geo, &mine, &[holder(3, 20, 0)]).unwrap();
         assert_eq!(m.matched_blocks, vec![8]);
+    }
+
+    /// A rejected request's entries are cleared; the blocks its endpoint
+    /// held before it, another endpoint's entries of the same blocks and
+    /// entries rewritten since stay.
+    #[test]
+    fn remove_clears_only_the_requests_own_entries() {
+        let s = MemoryStore::new();
+        let geo = IndexGeometry::from_budget(1 << 20);
+        let a = chain(11, 20);
+        // Endpoint 0 held the first 9 blocks (recorded 9); endpoint 1 all 20.
+        insert(&s, &geo, &a[..9], 0, &holder(0, 9, 0), ALWAYS).unwrap();
+        insert(&s, &geo, &a, 0, &holder(1, 20, 0), ALWAYS).unwrap();
+        // The request: all 20 on endpoint 0, counter 20 after its charge.
+        insert(&s, &geo, &a, 8, &holder(0, 20, 0), ALWAYS).unwrap();
+        let look = |c0: u64| {
+            longest_prefixes(&s, &geo, &a, &[holder(0, c0, 0), holder(1, 20, 0)])
+                .unwrap()
+                .matched_blocks
+        };
+        assert_eq!(look(20), vec![20, 20]);
+        let (cleared, _) = remove(&s, &geo, &a, 9, &holder(0, 20, 0), 20).unwrap();
+        assert_eq!(cleared, 11, "blocks 9..20 were the request's own");
+        // Block 8 was rewritten (its group's refresh) and stays held, as do
+        // the blocks before it and endpoint 1's entries.
+        assert_eq!(look(9), vec![9, 20]);
+        // A second removal finds nothing of its own.
+        assert_eq!(remove(&s, &geo, &a, 9, &holder(0, 20, 0), 20).unwrap().0, 0);
+    }
+
+    /// An entry recorded ahead of its endpoint's counter (a request before
+    /// it was rejected and taken back off the counter) is held, as just
+    /// written; the window is bounded.
+    #[test]
+    fn entries_ahead_of_the_counter_count_as_just_written() {
+        let h = |counter| holder(0, counter, 100);
+        assert!(h(50).holds(0, 1, 60));
+        assert_eq!(age(50, 60), 0);
+        assert_eq!(age(160, 60), 100);
+        assert!(!h(160).holds(0, 1, 60));
+        assert!(!h(0).holds(0, 1, AHEAD_WINDOW + 1));
+        assert_eq!(age(u64::from(u32::MAX) + 5, 3), 1, "the counter wraps");
     }
 
     #[test]

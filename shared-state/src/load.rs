@@ -109,6 +109,23 @@ pub struct Ticket {
     pub output_tokens: u64,
 }
 
+/// What a decision wrote to an endpoint's record besides its charge: the
+/// blocks it moved the eviction clock by, the text bytes it counted, and
+/// its cold-pick stamp with the stamp it replaced. Kept by the request so
+/// that a request the server rejects can be taken back
+/// ([`LoadTable::undo`]): only work a server accepted changes what the
+/// index and the learners believe.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Undo {
+    pub slot: u16,
+    pub generation: u16,
+    pub new_blocks: u64,
+    pub routed_bytes: u64,
+    /// 0: the decision was not cold.
+    pub cold_stamp: u64,
+    pub prev_cold_pick: u64,
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LoadTable {
     /// The state epoch: the collector bumps it after every change to the
@@ -313,6 +330,35 @@ impl LoadTable {
         ))
     }
 
+    /// The last cold-pick stamp of `slot` if it belongs to `generation`
+    /// (0 otherwise): what [`Undo::prev_cold_pick`] keeps.
+    pub fn last_cold_pick(&self, slot: u16, generation: u16) -> u64 {
+        self.get(slot, generation).map_or(0, |r| r.last_cold_pick)
+    }
+
+    /// Takes back what a rejected request's decision wrote to its
+    /// endpoint's record (see [`Undo`]): the eviction clock goes back by
+    /// its blocks (index entries recorded meanwhile are then ahead of the
+    /// clock and count as just written: `index::AHEAD_WINDOW`), its bytes
+    /// come off the routed total, and its cold stamp is replaced by the
+    /// one before it unless a later cold pick replaced it already. False
+    /// when the record belongs to another generation now (nothing to undo).
+    pub fn undo(&mut self, u: &Undo) -> bool {
+        let Some(rec) = self
+            .records
+            .get_mut(u.slot as usize)
+            .filter(|r| r.generation == u.generation)
+        else {
+            return false;
+        };
+        rec.insert_counter = rec.insert_counter.saturating_sub(u.new_blocks);
+        rec.routed_prompt_bytes = rec.routed_prompt_bytes.wrapping_sub(u.routed_bytes);
+        if u.cold_stamp != 0 && rec.last_cold_pick == u.cold_stamp {
+            rec.last_cold_pick = u.prev_cold_pick;
+        }
+        true
+    }
+
     fn bucket_of(&mut self, t: &Ticket) -> Option<&mut Bucket> {
         let rec = self
             .records
@@ -479,6 +525,35 @@ mod tests {
         assert!(!t.release_rest(&old, false));
         assert!(t.release_rest(&fresh, false));
         assert_eq!(t.get(0, 1).unwrap().inflight_requests(), 0);
+    }
+
+    #[test]
+    fn undo_takes_back_what_the_decision_wrote() {
+        let mut t = LoadTable::default();
+        t.charge(1, 3, 0, W, 10, 0, 40, 7).unwrap();
+        assert!(t.add_routed_bytes(1, 3, 1000));
+        let before = t.get(1, 3).unwrap().clone();
+        let prev = t.last_cold_pick(1, 3);
+        let (k, counter) = t.charge(1, 3, 100, W, 500, 0, 300, 9).unwrap();
+        assert_eq!(counter, 340);
+        assert!(t.add_routed_bytes(1, 3, 4096));
+        let u = Undo {
+            slot: 1,
+            generation: 3,
+            new_blocks: 300,
+            routed_bytes: 4096,
+            cold_stamp: 9,
+            prev_cold_pick: prev,
+        };
+        assert!(t.release_rest(&k, false));
+        assert!(t.undo(&u));
+        assert_eq!(t.get(1, 3).unwrap(), &before);
+        // A later cold pick's stamp is not overwritten by the undo.
+        let (_, _) = t.charge(1, 3, 200, W, 5, 0, 2, 11).unwrap();
+        assert!(t.undo(&Undo { new_blocks: 0, ..u }));
+        assert_eq!(t.get(1, 3).unwrap().last_cold_pick, 11);
+        // Another generation's record is left alone.
+        assert!(!t.undo(&Undo { generation: 4, ..u }));
     }
 
     #[test]
