@@ -16,7 +16,7 @@ use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
 use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
 use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
 use kvroute_shared_state::index::{self, Holder, IndexGeometry};
-use kvroute_shared_state::load::{window_ms, LoadTable, Ticket};
+use kvroute_shared_state::load::{window_ms, LoadTable, Ticket, Undo};
 use kvroute_shared_state::metrics::MetricsTable;
 use kvroute_shared_state::{Store, StoreError, ENDPOINTS_KEY, LOAD_KEY, METRICS_KEY};
 use std::fmt::Write as _;
@@ -95,6 +95,28 @@ pub struct Routed {
     pub cas_retries: u32,
     /// Precise mode's part (`None` when it is off).
     pub precise: Option<PreciseUse>,
+    /// What the decision wrote beyond the charge, to take back if the
+    /// server rejects the request (`None` if the charge did not land).
+    pub provisional: Option<Provisional>,
+}
+
+/// What a routed request wrote to shared state beyond its in-flight
+/// charge: the endpoint record's eviction clock, routed bytes and cold
+/// stamp ([`Undo`]), and the prompt's index entries. It is written at
+/// decision time, so identical cold prompts arriving together find the
+/// first one's blocks and go together; if the server then rejects the
+/// request, [`Engine::take_back`] undoes it (issue 40: only work a server
+/// accepted changes what kvroute believes).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Provisional {
+    pub undo: Undo,
+    /// The prompt's block hashes (empty: nothing was inserted).
+    hashes: Vec<u64>,
+    /// The first block that was new on the endpoint (the blocks before it
+    /// were held before the request came, and stay).
+    from_block: usize,
+    /// The counter the entries were recorded at.
+    recorded: u32,
 }
 
 impl Routed {
@@ -653,7 +675,15 @@ impl Engine {
             .inflight
             .charge(sched_view, &sched_candidates[decision.primary]);
         let cand = &candidates[decision.primary];
+        // A server evicts at most its whole cache for one prompt: a prompt
+        // longer than that ages the endpoint's entries by its capacity.
+        let capacity = holders[decision.primary].capacity_blocks;
         let new_blocks = u64::from(view.total_blocks.saturating_sub(cand.matched_blocks));
+        let new_blocks = if capacity == 0 {
+            new_blocks
+        } else {
+            new_blocks.min(capacity)
+        };
         let cold_stamp = if decision.cold { now_ms.max(1) } else { 0 };
         let window = window_ms(self.config.collector.reap_after_ms);
 
@@ -666,6 +696,7 @@ impl Engine {
             LoadTable::decode,
             LoadTable::encode,
             |t: &mut LoadTable| {
+                let prev_cold_pick = t.last_cold_pick(chosen.slot, chosen.generation);
                 let charged = t.charge(
                     chosen.slot,
                     chosen.generation,
@@ -679,12 +710,27 @@ impl Engine {
                 if let (Some(_), Some(b)) = (&charged, text_bytes) {
                     t.add_routed_bytes(chosen.slot, chosen.generation, b);
                 }
-                charged
+                charged.map(|(ticket, counter)| (ticket, counter, prev_cold_pick))
             },
         );
         let charged = charged?;
         let mut cas_retries = charged.retries;
-        let (ticket, counter_after) = charged.result.map_or((None, 0), |(t, c)| (Some(t), c));
+        let (ticket, counter_after, prev_cold_pick) = charged
+            .result
+            .map_or((None, 0, 0), |(t, c, p)| (Some(t), c, p));
+        let mut provisional = ticket.map(|_| Provisional {
+            undo: Undo {
+                slot: chosen.slot,
+                generation: chosen.generation,
+                new_blocks,
+                routed_bytes: text_bytes.unwrap_or(0),
+                cold_stamp,
+                prev_cold_pick,
+            },
+            hashes: Vec::new(),
+            from_block: 0,
+            recorded: counter_after as u32,
+        });
 
         // Record the blocks for the chosen endpoint (advisory: a failure
         // only costs future affinity).
@@ -720,6 +766,12 @@ impl Engine {
             {
                 cas_retries += st.cas_retries;
             }
+            if let Some(p) = provisional.as_mut() {
+                // Kept whether or not the insert went through: a partial
+                // insert's entries are cleared all the same.
+                p.hashes = hashes.to_vec();
+                p.from_block = cand.matched_blocks as usize;
+            }
         }
 
         let mut destination = chosen.address.clone();
@@ -735,7 +787,52 @@ impl Engine {
             stream: false,
             cas_retries,
             precise: precise_use,
+            provisional,
         }))
+    }
+
+    /// Takes back a request the server rejected (a non-2xx answer, or a
+    /// reset before any response byte): releases what its charge still
+    /// holds and undoes the rest of what its decision wrote
+    /// ([`Provisional`]), in the same load-table write; then clears its
+    /// index entries. Returns the CAS races lost.
+    pub fn take_back(
+        &self,
+        store: &dyn Store,
+        ticket: &Ticket,
+        p: &Provisional,
+        prompt_released: bool,
+    ) -> Result<u32, StoreError> {
+        let mut retries = update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| {
+                t.release_rest(ticket, prompt_released);
+                t.undo(&p.undo);
+                Some(())
+            },
+        )?
+        .retries;
+        if !p.hashes.is_empty() {
+            let me = Holder {
+                slot: p.undo.slot,
+                generation: p.undo.generation,
+                insert_counter: 0,
+                capacity_blocks: 0,
+            };
+            let (_, r) = index::remove(
+                store,
+                &self.geometry,
+                &p.hashes,
+                p.from_block,
+                &me,
+                p.recorded,
+            )?;
+            retries += r;
+        }
+        Ok(retries)
     }
 
     /// Releases the prompt part of a charge (first response byte).

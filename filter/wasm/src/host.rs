@@ -107,6 +107,11 @@ impl Host for SdkHost {
             .map_err(err("proxy_replace_header_map_value"))
     }
 
+    fn response_header(&self, name: &str) -> HostResult<Option<Vec<u8>>> {
+        hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+            .map_err(err("proxy_get_header_map_value"))
+    }
+
     fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>> {
         hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
             .map_err(err("proxy_get_buffer_bytes"))

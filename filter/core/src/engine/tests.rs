@@ -1060,3 +1060,65 @@ fn output_tokens_are_learnt_from_the_servers() {
         assert_eq!(stale, before, "stale metrics fall back to the ratio");
     }
 }
+
+/// Per endpoint: (insert counter, routed prompt bytes, last cold pick).
+fn records(s: &MemoryStore) -> Vec<(u64, u64, u64)> {
+    let load = LoadTable::decode(
+        s.get(kvroute_shared_state::LOAD_KEY)
+            .unwrap()
+            .as_ref()
+            .map(|(b, _)| b.as_slice()),
+    );
+    load.records
+        .iter()
+        .map(|r| (r.insert_counter, r.routed_prompt_bytes, r.last_cold_pick))
+        .collect()
+}
+
+/// Issue 40: a prompt longer than an endpoint's whole cache moves its
+/// eviction clock by the capacity at most (the server cannot evict more
+/// than it holds), and a rejected request taken back leaves the clock,
+/// the routed bytes, the cold stamp and the index as they were.
+#[test]
+fn a_long_prompt_ages_by_the_capacity_at_most_and_take_back_restores_all() {
+    let mut c = default_profile(THREE);
+    c.prefix.auto_tune = false;
+    c.prefix.lru_capacity_per_server = 64;
+    let e = Engine::new(c);
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let mut rng = Rng::new(3);
+    let warm = chat("a warm system prompt. ".repeat(20).as_str(), "hello");
+    let w = routed(e.route(&s, ApiKind::ChatCompletions, &warm, 1, &mut rng));
+    e.release_rest(&s, &w.ticket.unwrap(), false).unwrap();
+    let before = records(&s);
+    let long = chat(&"x".repeat(64 * 64 * 3), "q");
+    let r = routed(e.route(&s, ApiKind::ChatCompletions, &long, 2, &mut rng));
+    let after = records(&s);
+    let grew: u64 = after
+        .iter()
+        .zip(before.iter().chain(std::iter::repeat(&(0, 0, 0))))
+        .map(|(a, b)| a.0 - b.0)
+        .sum();
+    assert_eq!(grew, 64, "{after:?} after {before:?}");
+    let p = r.provisional.as_ref().unwrap();
+    assert_eq!(p.undo.new_blocks, 64);
+    e.take_back(&s, &r.ticket.unwrap(), p, false).unwrap();
+    let restored = records(&s);
+    assert_eq!(
+        &restored[..before.len()],
+        &before[..],
+        "{restored:?} after {before:?}"
+    );
+    assert!(restored[before.len()..].iter().all(|r| *r == (0, 0, 0)));
+    assert!(inflight(&e, &s).iter().all(|&(t, r)| t == 0 && r == 0));
+    // The long prompt is cold everywhere again; the warm one still sticks.
+    let again = routed(e.route(&s, ApiKind::ChatCompletions, &long, 3, &mut rng));
+    assert!(
+        again.explanation().starts_with("branch=no-affinity"),
+        "{}",
+        again.explanation()
+    );
+    let w2 = routed(e.route(&s, ApiKind::ChatCompletions, &warm, 4, &mut rng));
+    assert_eq!(primary(&w2), primary(&w), "{}", w2.explanation());
+}

@@ -104,6 +104,9 @@ pub trait Host {
     fn remove_request_header(&self, name: &str) -> HostResult<()>;
     fn set_request_header(&self, name: &str, value: &str) -> HostResult<()>;
     fn set_response_header(&self, name: &str, value: &str) -> HostResult<()>;
+    /// A response header's value (in the response headers callback;
+    /// `:status` tells whether the server accepted the request).
+    fn response_header(&self, name: &str) -> HostResult<Option<Vec<u8>>>;
     /// The buffered request body, `size` bytes from the start.
     fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>>;
     /// Answers the request locally with a JSON body.
@@ -143,6 +146,9 @@ pub enum Counter {
     BranchExploration,
     BranchOther,
     ClientHeaderStripped,
+    /// Routed requests the server did not accept (non-2xx, or no response
+    /// at all), whose index and learner writes were taken back.
+    TakenBack,
     HostErrors,
     MetricsPollFailures,
     ReapedRequests,
@@ -167,7 +173,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 27] = [
+    pub const ALL: [Counter; 28] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -177,6 +183,7 @@ impl Counter {
         Counter::BranchExploration,
         Counter::BranchOther,
         Counter::ClientHeaderStripped,
+        Counter::TakenBack,
         Counter::HostErrors,
         Counter::MetricsPollFailures,
         Counter::ReapedRequests,
@@ -208,6 +215,7 @@ impl Counter {
             Counter::BranchExploration => "kvroute_branch_exploration",
             Counter::BranchOther => "kvroute_branch_other",
             Counter::ClientHeaderStripped => "kvroute_client_header_stripped",
+            Counter::TakenBack => "kvroute_taken_back",
             Counter::HostErrors => "kvroute_host_errors",
             Counter::MetricsPollFailures => "kvroute_metrics_poll_failures",
             Counter::ReapedRequests => "kvroute_reaped_requests",

@@ -6,6 +6,14 @@
 //! response, or [`Stream::on_end`] on any other exit: release the rest. The
 //! release flags make every exit path release exactly once.
 //!
+//! Only work a server accepted changes what kvroute believes: the decision
+//! writes the index, the endpoint's eviction clock, its routed bytes and
+//! cold stamp at once (so identical cold prompts arriving together still
+//! go together), and the request keeps what it wrote
+//! ([`Provisional`]). A response whose `:status` is not 2xx, or an end
+//! before any response header (a reset, a connect failure), takes it all
+//! back with the charge's release ([`Engine::take_back`](crate::engine::Engine::take_back)).
+//!
 //! A non-streaming request (`"stream"` absent or false) releases everything
 //! at its first response body byte, in one write: the model server sends
 //! such a body only once the request has finished, so prefill and decode
@@ -14,7 +22,7 @@
 //! three more VM crossings per request.
 
 use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
-use crate::engine::{openai_error, Outcome, Unrouted};
+use crate::engine::{openai_error, Outcome, Provisional, Unrouted};
 use crate::request::{ApiKind, ParseError};
 use kvroute_shared_state::load::Ticket;
 use std::rc::Rc;
@@ -29,6 +37,12 @@ pub struct Stream {
     /// Set once the request is known to be routable.
     kind: Option<ApiKind>,
     ticket: Option<Ticket>,
+    /// What the decision wrote beyond the charge (taken back if the server
+    /// does not accept the request).
+    provisional: Option<Provisional>,
+    /// The response headers came with a 2xx `:status` (or one that could
+    /// not be read: then kvroute keeps what it wrote, as before).
+    accepted: bool,
     /// The routed request asked for a streamed response.
     streaming: bool,
     prompt_released: bool,
@@ -44,6 +58,8 @@ impl Stream {
             worker,
             kind: None,
             ticket: None,
+            provisional: None,
+            accepted: false,
             streaming: false,
             prompt_released: false,
             done: false,
@@ -75,6 +91,21 @@ impl Stream {
             return;
         }
         self.done = true;
+        let taken_back = match (&self.worker, &self.ticket, &self.provisional) {
+            (Some(w), Some(t), Some(p)) if !self.accepted => Some((
+                w,
+                w.engine.take_back(host.store(), t, p, self.prompt_released),
+            )),
+            _ => None,
+        };
+        if let Some((w, r)) = taken_back {
+            w.counts.inc(host, Counter::TakenBack);
+            match r {
+                Ok(retries) => w.counts.add(host, Counter::CasRetries, u64::from(retries)),
+                Err(e) => w.host_error(host, "taking back a rejected request", e),
+            }
+            return;
+        }
         if let (Some(w), Some(t)) = (&self.worker, &self.ticket) {
             match w.engine.release_rest(host.store(), t, self.prompt_released) {
                 Ok(retries) => w.counts.add(host, Counter::CasRetries, u64::from(retries)),
@@ -233,9 +264,12 @@ impl Stream {
             Outcome::Routed(r) => {
                 let header = &w.engine.config.routing.destination_header;
                 if let Err(e) = host.set_request_header(header, &r.destination) {
-                    // The request goes on unrouted; give the charge back.
+                    // The request goes on unrouted; give the charge back,
+                    // and what the decision wrote (the endpoint never
+                    // saw the request).
                     w.host_error(host, "setting the destination header", e);
                     self.ticket = r.ticket;
+                    self.provisional = r.provisional;
                     self.release_rest(host);
                     return Action::Continue;
                 }
@@ -258,6 +292,7 @@ impl Stream {
                 if w.engine.config.routing.debug_header {
                     self.explanation = Some(r.explanation());
                 }
+                self.provisional = r.provisional;
                 Action::Continue
             }
             Outcome::FailOpen(why) => Self::unrouted(&w, host, &why),
@@ -269,6 +304,19 @@ impl Stream {
     }
 
     pub fn on_response_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        if self.provisional.is_some() {
+            self.accepted = match host.response_header(":status") {
+                Ok(Some(v)) => v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit),
+                // Unknown: keep what the decision wrote, as before.
+                Ok(None) => true,
+                Err(e) => {
+                    if let Some(w) = &self.worker {
+                        w.host_error(host, "reading the response status", e);
+                    }
+                    true
+                }
+            };
+        }
         if let Some(x) = self.explanation.take() {
             if let Err(e) = host.set_response_header(DECISION_HEADER, &x) {
                 if let Some(w) = &self.worker {

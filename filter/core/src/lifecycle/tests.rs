@@ -17,6 +17,8 @@ struct FakeHost {
     root_id: RefCell<Vec<u8>>,
     request_headers: RefCell<Vec<(String, Vec<u8>)>>,
     response_headers: RefCell<Vec<(String, String)>>,
+    /// The upstream's `:status` as the response headers callback reads it.
+    response_status: RefCell<Option<String>>,
     body: RefCell<Vec<u8>>,
     replies: RefCell<Vec<(u32, String)>>,
     logs: RefCell<Vec<(Level, String)>>,
@@ -125,6 +127,17 @@ impl Host for FakeHost {
             .borrow_mut()
             .push((name.to_string(), value.to_string()));
         Ok(())
+    }
+    fn response_header(&self, name: &str) -> HostResult<Option<Vec<u8>>> {
+        self.fail("proxy_get_header_map_value")?;
+        Ok(match name {
+            ":status" => self
+                .response_status
+                .borrow()
+                .clone()
+                .map(String::into_bytes),
+            _ => None,
+        })
     }
     fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>> {
         self.fail("proxy_get_buffer_bytes")?;
@@ -384,6 +397,100 @@ fn a_streaming_request_releases_the_prompt_then_the_rest() {
     assert_eq!(inflight(&host, &w), (0, 0));
     s.on_end(&host);
     assert_eq!(inflight(&host, &w), (0, 0));
+}
+
+/// The upstream answers `status`: response headers, one body chunk that
+/// ends the response, the stream's end.
+fn serve(host: &FakeHost, s: &mut Stream, status: &str) {
+    *host.response_status.borrow_mut() = Some(status.to_string());
+    s.on_response_headers(host, false);
+    s.on_response_body(host, 10, true);
+    s.on_end(host);
+}
+
+/// A counter's value once the VM's batched counts are flushed.
+fn count(host: &FakeHost, w: &Worker, c: Counter) -> i64 {
+    w.flush(host);
+    host.counter(c)
+}
+
+/// Per endpoint: (insert counter, routed prompt bytes) from the state page.
+fn written(host: &FakeHost, w: &Worker) -> Vec<(u64, u64)> {
+    let v: serde_json::Value =
+        serde_json::from_str(&w.engine.state_json(host.store(), 0).unwrap()).unwrap();
+    v["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["insertCounter"].as_u64().unwrap(),
+                e["routedPromptBytes"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Issue 40: only work a server accepted changes what kvroute believes.
+/// A request answered with a non-2xx status, or ended before any response
+/// header, leaves the eviction clock, the routed bytes and the index as if
+/// it had never been routed (its charge is released as always); an
+/// accepted one keeps them, and its prompt is then sticky.
+#[test]
+fn a_request_the_server_does_not_accept_leaves_no_trace() {
+    let (host, w) = filter("");
+    let mut warm = routed_stream(&host, &w, chat_body("warm"));
+    serve(&host, &mut warm, "200");
+    let before = written(&host, &w);
+    let long = chat_body(&"an over-length prompt ".repeat(400));
+    for (i, status) in ["400", "413", "503", "500", "429", "reset"]
+        .into_iter()
+        .enumerate()
+    {
+        let sticky = count(&host, &w, Counter::BranchSticky);
+        let mut s = routed_stream(&host, &w, long.clone());
+        assert_eq!(
+            count(&host, &w, Counter::BranchSticky),
+            sticky,
+            "{status}: the rejected prompt was found in the index"
+        );
+        if status == "reset" {
+            s.on_end(&host);
+        } else {
+            serve(&host, &mut s, status);
+        }
+        assert_eq!(written(&host, &w), before, "{status}");
+        assert_eq!(inflight(&host, &w), (0, 0), "{status}");
+        assert_eq!(count(&host, &w, Counter::TakenBack), i as i64 + 1);
+    }
+    // Accepted: kept, and the same prompt then sticks.
+    let mut s = routed_stream(&host, &w, long.clone());
+    serve(&host, &mut s, "200");
+    assert_ne!(written(&host, &w), before);
+    let sticky = count(&host, &w, Counter::BranchSticky);
+    let mut again = routed_stream(&host, &w, long);
+    assert_eq!(count(&host, &w, Counter::BranchSticky), sticky + 1);
+    serve(&host, &mut again, "200");
+    assert_eq!(count(&host, &w, Counter::TakenBack), 6);
+    assert_eq!(inflight(&host, &w), (0, 0));
+}
+
+/// Identical prompts arriving together still go together: the second
+/// finds the first's blocks while the first is in flight; if the first is
+/// then rejected its entries go, and the next cold prompt is cold again.
+#[test]
+fn a_burst_sticks_while_in_flight_and_a_rejection_clears_it() {
+    let (host, w) = filter("");
+    let body = chat_body(&"burst document ".repeat(60));
+    let mut first = routed_stream(&host, &w, body.clone());
+    let sticky = count(&host, &w, Counter::BranchSticky);
+    let mut second = routed_stream(&host, &w, body.clone());
+    assert_eq!(count(&host, &w, Counter::BranchSticky), sticky + 1);
+    serve(&host, &mut first, "400");
+    serve(&host, &mut second, "400");
+    let mut third = routed_stream(&host, &w, body);
+    assert_eq!(count(&host, &w, Counter::BranchSticky), sticky + 1);
+    serve(&host, &mut third, "200");
 }
 
 #[test]
@@ -759,7 +866,7 @@ fn histograms_are_sampled_in_the_vm_and_recorded_on_the_tick() {
     let reads = host.clock_reads.get();
     for i in 0..DECISION_SAMPLE_EVERY {
         let mut s = routed_stream(&host, &w, chat_body(&format!("q{i}")));
-        s.on_end(&host);
+        serve(&host, &mut s, "200");
     }
     // One clock read per request, and one more for the timed one.
     assert_eq!(host.clock_reads.get() - reads, DECISION_SAMPLE_EVERY + 1);
