@@ -153,6 +153,8 @@ mod tests {
             max_output_tokens: None,
             stream: false,
             cache_salt: salt.map(Into::into),
+            sequences: 1,
+            batch_rest: Default::default(),
         }
     }
 

@@ -12,6 +12,7 @@ use crate::collector::{envoy_clusters, vllm_metrics};
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::precise::{Fallback, PreciseUse};
 use crate::request::{parse_request, ApiKind, ParseError, ParseLimits, Prompt};
+use crate::scheduling::charge::Work;
 use crate::scheduling::{Candidate, Decision, EndpointMetrics, RequestView, Rng};
 use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
 use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
@@ -365,12 +366,22 @@ impl Engine {
             Prompt::Text(t) => Some(t.len() as u64),
             Prompt::TokenIds(_) => None,
         };
+        // n / best_of and a completions batch's other prompts (their text
+        // estimated at `charsPerToken`, as a prompt without a learnt figure).
+        let cpt = u64::from(self.config.prefix.blocks.chars_per_token.max(1));
+        let rest = req.batch_rest;
+        let work = Work {
+            sequences: req.sequences,
+            extra_prompts: rest.prompts,
+            extra_prompt_tokens: rest.token_ids.saturating_add(rest.text_bytes.div_ceil(cpt)),
+        };
         match self.route_parsed_precise(
             store,
             &blocks.block_hashes,
             blocks.prompt_tokens,
             precise_in,
             req.max_output_tokens,
+            work,
             text_bytes,
             now_ms,
             rng,
@@ -551,6 +562,7 @@ impl Engine {
             prompt_tokens,
             None,
             max_output_tokens,
+            Work::ONE,
             None,
             now_ms,
             rng,
@@ -614,6 +626,7 @@ impl Engine {
         prompt_tokens: u64,
         precise: Option<(&[u64], u64)>,
         max_output_tokens: Option<u64>,
+        work: Work,
         text_bytes: Option<u64>,
         now_ms: u64,
         rng: &mut Rng,
@@ -669,11 +682,11 @@ impl Engine {
             return Ok(None);
         };
         let chosen = &endpoints[decision.primary];
-        let charge = self
-            .config
-            .scheduler
-            .inflight
-            .charge(sched_view, &sched_candidates[decision.primary]);
+        let charge = self.config.scheduler.inflight.charge_work(
+            sched_view,
+            &sched_candidates[decision.primary],
+            work,
+        );
         let cand = &candidates[decision.primary];
         // A server evicts at most its whole cache for one prompt: a prompt
         // longer than that ages the endpoint's entries by its capacity.

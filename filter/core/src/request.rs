@@ -97,6 +97,97 @@ pub struct InferenceRequest {
     pub stream: bool,
     /// vLLM's `cache_salt`: requests with different salts never share blocks.
     pub cache_salt: Option<String>,
+    /// Output sequences per prompt: `max(n, best_of)`, at least 1.
+    pub sequences: u64,
+    /// A completions batch's prompts after the first (routing follows the
+    /// first; the charge counts them all).
+    pub batch_rest: BatchRest,
+}
+
+/// The prompts of a completions batch after the first: counted, not kept.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchRest {
+    pub prompts: u64,
+    /// Bytes of the text prompts among them.
+    pub text_bytes: u64,
+    /// Token IDs of the token-ID prompts among them.
+    pub token_ids: u64,
+}
+
+impl BatchRest {
+    /// Counts the rest of a batch's list. Any JSON value is accepted as an
+    /// element (as vLLM's own validation, not routing, judges them): a
+    /// string counts its bytes, a list its elements, anything else nothing.
+    pub(crate) fn count<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<BatchRest, A::Error> {
+        let mut rest = BatchRest::default();
+        while let Some(item) = seq.next_element::<RestItem>()? {
+            rest.prompts = rest.prompts.saturating_add(1);
+            rest.text_bytes = rest.text_bytes.saturating_add(item.text_bytes);
+            rest.token_ids = rest.token_ids.saturating_add(item.token_ids);
+        }
+        Ok(rest)
+    }
+}
+
+/// One prompt of a batch after the first (see [`BatchRest::count`]).
+struct RestItem {
+    text_bytes: u64,
+    token_ids: u64,
+}
+
+impl<'de> Deserialize<'de> for RestItem {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const NOTHING: RestItem = RestItem {
+            text_bytes: 0,
+            token_ids: 0,
+        };
+        impl<'de> Visitor<'de> for V {
+            type Value = RestItem;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a prompt")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<RestItem, E> {
+                Ok(RestItem {
+                    text_bytes: v.len() as u64,
+                    token_ids: 0,
+                })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RestItem, A::Error> {
+                let mut n = 0u64;
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    n = n.saturating_add(1);
+                }
+                Ok(RestItem {
+                    text_bytes: 0,
+                    token_ids: n,
+                })
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<RestItem, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(NOTHING)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<RestItem, E> {
+                Ok(NOTHING)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<RestItem, E> {
+                Ok(NOTHING)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<RestItem, E> {
+                Ok(NOTHING)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<RestItem, E> {
+                Ok(NOTHING)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<RestItem, E> {
+                Ok(NOTHING)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<RestItem, E> {
+                Ok(NOTHING)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Limits applied while parsing. serde_json itself refuses nesting deeper
@@ -183,6 +274,7 @@ pub fn parse_request(
         return Err(ParseError::Json("expected a JSON object".into()));
     }
     let json_err = |e: serde_json::Error| ParseError::Json(e.to_string());
+    let mut batch_rest = BatchRest::default();
     let (common, prompt) = match kind {
         ApiKind::ChatCompletions => {
             let p = render::parse(render::Body::Chat, body)?;
@@ -193,11 +285,14 @@ pub fn parse_request(
         }
         ApiKind::Completions => {
             let mut b: CompletionBody = serde_json::from_slice(body).map_err(json_err)?;
-            let prompt = match b.prompt.take() {
-                Some(CompletionPrompt::Text(t)) => Prompt::Text(t.into_owned().into_bytes()),
-                Some(CompletionPrompt::Tokens(t)) => Prompt::TokenIds(t),
+            let (prompt, rest) = match b.prompt.take() {
+                Some(CompletionPrompt::Text(t, rest)) => {
+                    (Prompt::Text(t.into_owned().into_bytes()), rest)
+                }
+                Some(CompletionPrompt::Tokens(t, rest)) => (Prompt::TokenIds(t), rest),
                 None => return Err(ParseError::MissingPrompt),
             };
+            batch_rest = rest;
             (b.common(), prompt)
         }
         ApiKind::Responses => {
@@ -231,6 +326,12 @@ pub fn parse_request(
         max_output_tokens,
         stream: common.stream.unwrap_or(false),
         cache_salt: common.cache_salt.map(Cow::into_owned),
+        sequences: common
+            .n
+            .unwrap_or(1)
+            .max(common.best_of.unwrap_or(1))
+            .max(1),
+        batch_rest,
     })
 }
 
@@ -257,6 +358,10 @@ macro_rules! body_struct {
             stream: Option<bool>,
             #[serde(borrow, default)]
             cache_salt: Option<Cow<'a, str>>,
+            #[serde(default)]
+            n: Option<u64>,
+            #[serde(default)]
+            best_of: Option<u64>,
             $($field)*
         }
         impl<'a> $name<'a> {
@@ -268,6 +373,8 @@ macro_rules! body_struct {
                     max_output_tokens: self.max_output_tokens,
                     stream: self.stream,
                     cache_salt: self.cache_salt.take(),
+                    n: self.n,
+                    best_of: self.best_of,
                 }
             }
         }
@@ -281,6 +388,8 @@ struct Common<'a> {
     max_output_tokens: Option<u64>,
     stream: Option<bool>,
     cache_salt: Option<Cow<'a, str>>,
+    n: Option<u64>,
+    best_of: Option<u64>,
 }
 
 body_struct!(EmbeddingsBody {});
@@ -360,8 +469,8 @@ body_struct!(CompletionBody {
 /// `prompt` is a string, a list of strings (batch: the first one routes),
 /// a list of token IDs, or a list of token-ID lists (batch: the first routes).
 enum CompletionPrompt<'a> {
-    Text(Cow<'a, str>),
-    Tokens(Vec<u32>),
+    Text(Cow<'a, str>, BatchRest),
+    Tokens(Vec<u32>, BatchRest),
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for CompletionPrompt<'a> {
@@ -373,31 +482,43 @@ impl<'de: 'a, 'a> Deserialize<'de> for CompletionPrompt<'a> {
                 f.write_str("a string, an array of strings, an array of token IDs, or an array of token-ID arrays")
             }
             fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(CompletionPrompt::Text(Cow::Borrowed(v)))
+                Ok(CompletionPrompt::Text(
+                    Cow::Borrowed(v),
+                    BatchRest::default(),
+                ))
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(CompletionPrompt::Text(Cow::Owned(v.to_owned())))
+                Ok(CompletionPrompt::Text(
+                    Cow::Owned(v.to_owned()),
+                    BatchRest::default(),
+                ))
             }
             fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(CompletionPrompt::Text(Cow::Owned(v)))
+                Ok(CompletionPrompt::Text(Cow::Owned(v), BatchRest::default()))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let first: Option<PromptItem<'a>> = seq.next_element()?;
                 let result = match first {
-                    None => CompletionPrompt::Text(Cow::Borrowed("")),
-                    Some(PromptItem::Text(t)) => CompletionPrompt::Text(t),
-                    Some(PromptItem::Tokens(t)) => CompletionPrompt::Tokens(t),
+                    None => CompletionPrompt::Text(Cow::Borrowed(""), BatchRest::default()),
+                    Some(PromptItem::Text(t)) => CompletionPrompt::Text(t, BatchRest::default()),
+                    Some(PromptItem::Tokens(t)) => {
+                        CompletionPrompt::Tokens(t, BatchRest::default())
+                    }
                     Some(PromptItem::Token(t)) => {
                         let mut ids = vec![t];
                         while let Some(id) = seq.next_element::<u32>()? {
                             ids.push(id);
                         }
-                        return Ok(CompletionPrompt::Tokens(ids));
+                        return Ok(CompletionPrompt::Tokens(ids, BatchRest::default()));
                     }
                 };
-                // Batch: the remaining prompts do not influence routing.
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(result)
+                // Batch: the remaining prompts do not influence routing,
+                // but are charged (counted, not kept).
+                let rest = BatchRest::count(&mut seq)?;
+                Ok(match result {
+                    CompletionPrompt::Text(t, _) => CompletionPrompt::Text(t, rest),
+                    CompletionPrompt::Tokens(t, _) => CompletionPrompt::Tokens(t, rest),
+                })
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))
@@ -520,6 +641,62 @@ fn render_message(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 40: the work a request asks for beyond one output of one
+    /// prompt is read, so it can be charged.
+    #[test]
+    fn n_best_of_and_a_batch_are_read() {
+        let lim = ParseLimits::default();
+        let p = |k, b: &str| parse_request(k, b.as_bytes(), &lim).unwrap();
+        let c = p(
+            ApiKind::ChatCompletions,
+            r#"{"model":"m","n":4,"messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert_eq!((c.sequences, c.batch_rest), (4, BatchRest::default()));
+        let c = p(
+            ApiKind::Completions,
+            r#"{"model":"m","prompt":"x","n":2,"best_of":5}"#,
+        );
+        assert_eq!(c.sequences, 5);
+        let c = p(ApiKind::Completions, r#"{"model":"m","prompt":"x","n":0}"#);
+        assert_eq!(c.sequences, 1, "n: 0 is still one sequence");
+        let c = p(
+            ApiKind::Completions,
+            r#"{"model":"m","prompt":["first","second!",[1,2,3],{"x":1},7]}"#,
+        );
+        assert_eq!(c.prompt, Prompt::Text(b"first".to_vec()));
+        assert_eq!(
+            c.batch_rest,
+            BatchRest {
+                prompts: 4,
+                text_bytes: 7,
+                token_ids: 3
+            }
+        );
+        let c = p(
+            ApiKind::Completions,
+            r#"{"model":"m","prompt":[[1,2],[3,4,5],[6]]}"#,
+        );
+        assert_eq!(c.prompt, Prompt::TokenIds(vec![1, 2]));
+        assert_eq!(
+            c.batch_rest,
+            BatchRest {
+                prompts: 2,
+                text_bytes: 0,
+                token_ids: 4
+            }
+        );
+        // A token-ID list is one prompt, not a batch.
+        let c = p(ApiKind::Completions, r#"{"model":"m","prompt":[1,2,3]}"#);
+        assert_eq!(c.batch_rest, BatchRest::default());
+        // A bad `n` is a bad body (vLLM refuses it too).
+        assert!(parse_request(
+            ApiKind::ChatCompletions,
+            br#"{"model":"m","n":-1,"messages":[{"role":"user","content":"x"}]}"#,
+            &lim
+        )
+        .is_err());
+    }
 
     fn chat(body: &str) -> Result<InferenceRequest, ParseError> {
         parse_request(

@@ -156,7 +156,7 @@ proptest! {
     #[test]
     fn blocks_are_prefix_stable(a in proptest::collection::vec(any::<u8>(), 0..2000), b in proptest::collection::vec(any::<u8>(), 0..500)) {
         let cfg = BlockConfig { block_size_tokens: 4, chars_per_token: 4, max_prefix_tokens: 0 };
-        let req = |p: Vec<u8>| InferenceRequest { kind: ApiKind::Completions, model: "m".into(), prompt: Prompt::Text(p), max_output_tokens: None, stream: false, cache_salt: None };
+        let req = |p: Vec<u8>| InferenceRequest { kind: ApiKind::Completions, model: "m".into(), prompt: Prompt::Text(p), max_output_tokens: None, stream: false, cache_salt: None, sequences: 1, batch_rest: Default::default() };
         let short = prompt_blocks(&req(a.clone()), &cfg);
         let mut longer = a.clone();
         longer.extend_from_slice(&b);

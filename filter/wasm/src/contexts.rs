@@ -106,6 +106,10 @@ impl HttpContext for Request {
         action(self.0.on_request_body(&SdkHost, body_size, end_of_stream))
     }
 
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        action(self.0.on_request_trailers(&SdkHost))
+    }
+
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         action(self.0.on_response_headers(&SdkHost, end_of_stream))
     }

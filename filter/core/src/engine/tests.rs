@@ -1122,3 +1122,45 @@ fn a_long_prompt_ages_by_the_capacity_at_most_and_take_back_restores_all() {
     let w2 = routed(e.route(&s, ApiKind::ChatCompletions, &warm, 4, &mut rng));
     assert_eq!(primary(&w2), primary(&w), "{}", w2.explanation());
 }
+
+/// Issue 40: `n` multiplies the output part of the charge (not the
+/// prefill); a completions batch is charged for every prompt.
+#[test]
+fn n_and_batches_are_charged_for_all_their_work() {
+    let e = Engine::new(default_profile(THREE));
+    let ticket = |body: &str| {
+        let s = MemoryStore::new();
+        e.collector_init(&s).unwrap();
+        let r = routed(e.route(
+            &s,
+            ApiKind::Completions,
+            body.as_bytes(),
+            0,
+            &mut Rng::new(1),
+        ));
+        r.ticket.unwrap()
+    };
+    let prompt = "a completions prompt ".repeat(40);
+    let one = ticket(&format!(
+        r#"{{"model":"m","prompt":"{prompt}","max_tokens":50}}"#
+    ));
+    let four = ticket(&format!(
+        r#"{{"model":"m","prompt":"{prompt}","max_tokens":50,"n":4}}"#
+    ));
+    assert!(one.output_tokens > 0, "{one:?}");
+    assert_eq!(four.prompt_tokens, one.prompt_tokens);
+    // The output part holds the uncached prompt once and 4 outputs.
+    assert_eq!(
+        four.output_tokens - one.prompt_tokens,
+        4 * (one.output_tokens - one.prompt_tokens),
+        "{one:?} {four:?}"
+    );
+    let batch = ticket(&format!(
+        r#"{{"model":"m","prompt":["{prompt}","{prompt}","{prompt}"],"max_tokens":50}}"#
+    ));
+    assert_eq!(
+        batch.prompt_tokens,
+        one.prompt_tokens + 2 * (prompt.len() as u64).div_ceil(4)
+    );
+    assert!(batch.output_tokens > 3 * (one.output_tokens - one.prompt_tokens));
+}

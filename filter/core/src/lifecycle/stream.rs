@@ -50,6 +50,9 @@ pub struct Stream {
     explanation: Option<String>,
     /// Stop buffering (body too large in fail-open mode).
     passthrough: bool,
+    /// Bytes of request body buffered so far (a body that ends with
+    /// trailers is routed in the trailers callback, with this size).
+    buffered: usize,
 }
 
 impl Stream {
@@ -65,6 +68,7 @@ impl Stream {
             done: false,
             explanation: None,
             passthrough: false,
+            buffered: 0,
         }
     }
 
@@ -242,8 +246,34 @@ impl Stream {
             };
         }
         if !end_of_stream {
+            self.buffered = body_size;
             return Action::Pause;
         }
+        self.route_body(host, &w, kind, body_size)
+    }
+
+    /// A request body that ends with trailers (gRPC-style, HTTP/2): its
+    /// last body callback did not say end of stream, so it is routed here,
+    /// on what was buffered, before the request goes upstream.
+    pub fn on_request_trailers(&mut self, host: &dyn Host) -> Action {
+        let (Some(w), Some(kind)) = (self.worker.clone(), self.kind) else {
+            return Action::Continue;
+        };
+        if self.passthrough || self.ticket.is_some() {
+            return Action::Continue;
+        }
+        let size = self.buffered;
+        self.route_body(host, &w, kind, size)
+    }
+
+    /// Reads the buffered body, routes it and acts on the outcome.
+    fn route_body(
+        &mut self,
+        host: &dyn Host,
+        w: &Rc<Worker>,
+        kind: ApiKind,
+        body_size: usize,
+    ) -> Action {
         let body = match host.request_body(body_size) {
             Ok(b) => b.unwrap_or_default(),
             Err(e) => {
@@ -295,10 +325,10 @@ impl Stream {
                 self.provisional = r.provisional;
                 Action::Continue
             }
-            Outcome::FailOpen(why) => Self::unrouted(&w, host, &why),
+            Outcome::FailOpen(why) => Self::unrouted(w, host, &why),
             Outcome::Reject { status, body, .. } => {
                 w.counts.inc(host, Counter::Rejected);
-                Self::reply(&w, host, status, &body)
+                Self::reply(w, host, status, &body)
             }
         }
     }

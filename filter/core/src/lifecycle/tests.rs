@@ -493,6 +493,36 @@ fn a_burst_sticks_while_in_flight_and_a_rejection_clears_it() {
     serve(&host, &mut third, "200");
 }
 
+/// Issue 40: a body that ends with trailers (gRPC-style over HTTP/2) is
+/// routed and charged in the trailers callback, not passed on unrouted.
+#[test]
+fn a_body_that_ends_with_trailers_is_routed_and_charged() {
+    let (host, w) = filter("");
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+    let body = chat_body("with trailers");
+    let n = body.len();
+    *host.body.borrow_mut() = body;
+    assert_eq!(s.on_request_body(&host, n, false), Action::Pause);
+    assert!(host.header("x-gateway-destination-endpoint").is_none());
+    assert_eq!(s.on_request_trailers(&host), Action::Continue);
+    assert!(host.header("x-gateway-destination-endpoint").is_some());
+    assert_eq!(count(&host, &w, Counter::Routed), 1);
+    assert_eq!(inflight(&host, &w).1, 1);
+    // A second trailers callback (none in Envoy) changes nothing.
+    assert_eq!(s.on_request_trailers(&host), Action::Continue);
+    assert_eq!(count(&host, &w, Counter::Routed), 1);
+    serve(&host, &mut s, "200");
+    assert_eq!(inflight(&host, &w), (0, 0));
+    // An unroutable path's trailers pass.
+    host.set_request("POST", "/other", &[]);
+    let mut p = Stream::new(Some(w.clone()));
+    assert_eq!(p.on_request_headers(&host, false), Action::Continue);
+    assert_eq!(p.on_request_trailers(&host), Action::Continue);
+    assert_eq!(count(&host, &w, Counter::Routed), 1);
+}
+
 #[test]
 fn every_other_exit_releases_at_the_end() {
     let (host, w) = filter("");

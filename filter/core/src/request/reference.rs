@@ -5,8 +5,8 @@
 
 #![allow(dead_code)]
 
-use super::{ApiKind, InferenceRequest, ParseError, ParseLimits, Prompt};
-use serde::de::{self, IgnoredAny, SeqAccess, Visitor};
+use super::{ApiKind, BatchRest, InferenceRequest, ParseError, ParseLimits, Prompt};
+use serde::de::{self, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
@@ -32,6 +32,7 @@ pub fn parse_request(
         return Err(ParseError::Json("expected a JSON object".into()));
     }
     let json_err = |e: serde_json::Error| ParseError::Json(e.to_string());
+    let mut batch_rest = BatchRest::default();
     let (common, prompt) = match kind {
         ApiKind::ChatCompletions => {
             let mut b: ChatBody = serde_json::from_slice(body).map_err(json_err)?;
@@ -40,11 +41,14 @@ pub fn parse_request(
         }
         ApiKind::Completions => {
             let mut b: CompletionBody = serde_json::from_slice(body).map_err(json_err)?;
-            let prompt = match b.prompt.take() {
-                Some(CompletionPrompt::Text(t)) => Prompt::Text(t.into_owned().into_bytes()),
-                Some(CompletionPrompt::Tokens(t)) => Prompt::TokenIds(t),
+            let (prompt, rest) = match b.prompt.take() {
+                Some(CompletionPrompt::Text(t, rest)) => {
+                    (Prompt::Text(t.into_owned().into_bytes()), rest)
+                }
+                Some(CompletionPrompt::Tokens(t, rest)) => (Prompt::TokenIds(t), rest),
                 None => return Err(ParseError::MissingPrompt),
             };
+            batch_rest = rest;
             (b.common(), prompt)
         }
         ApiKind::Responses => {
@@ -79,6 +83,12 @@ pub fn parse_request(
         max_output_tokens,
         stream: common.stream.unwrap_or(false),
         cache_salt: common.cache_salt.map(Cow::into_owned),
+        sequences: common
+            .n
+            .unwrap_or(1)
+            .max(common.best_of.unwrap_or(1))
+            .max(1),
+        batch_rest,
     })
 }
 
@@ -105,6 +115,10 @@ macro_rules! body_struct {
             stream: Option<bool>,
             #[serde(borrow, default)]
             cache_salt: Option<Cow<'a, str>>,
+            #[serde(default)]
+            n: Option<u64>,
+            #[serde(default)]
+            best_of: Option<u64>,
             $($field)*
         }
         impl<'a> $name<'a> {
@@ -116,6 +130,8 @@ macro_rules! body_struct {
                     max_output_tokens: self.max_output_tokens,
                     stream: self.stream,
                     cache_salt: self.cache_salt.take(),
+                    n: self.n,
+                    best_of: self.best_of,
                 }
             }
         }
@@ -129,6 +145,8 @@ struct Common<'a> {
     max_output_tokens: Option<u64>,
     stream: Option<bool>,
     cache_salt: Option<Cow<'a, str>>,
+    n: Option<u64>,
+    best_of: Option<u64>,
 }
 
 body_struct!(EmbeddingsBody {});
@@ -211,8 +229,8 @@ body_struct!(CompletionBody {
 /// `prompt` is a string, a list of strings (batch: the first one routes),
 /// a list of token IDs, or a list of token-ID lists (batch: the first routes).
 enum CompletionPrompt<'a> {
-    Text(Cow<'a, str>),
-    Tokens(Vec<u32>),
+    Text(Cow<'a, str>, BatchRest),
+    Tokens(Vec<u32>, BatchRest),
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for CompletionPrompt<'a> {
@@ -224,31 +242,43 @@ impl<'de: 'a, 'a> Deserialize<'de> for CompletionPrompt<'a> {
                 f.write_str("a string, an array of strings, an array of token IDs, or an array of token-ID arrays")
             }
             fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(CompletionPrompt::Text(Cow::Borrowed(v)))
+                Ok(CompletionPrompt::Text(
+                    Cow::Borrowed(v),
+                    BatchRest::default(),
+                ))
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(CompletionPrompt::Text(Cow::Owned(v.to_owned())))
+                Ok(CompletionPrompt::Text(
+                    Cow::Owned(v.to_owned()),
+                    BatchRest::default(),
+                ))
             }
             fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-                Ok(CompletionPrompt::Text(Cow::Owned(v)))
+                Ok(CompletionPrompt::Text(Cow::Owned(v), BatchRest::default()))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let first: Option<PromptItem<'a>> = seq.next_element()?;
                 let result = match first {
-                    None => CompletionPrompt::Text(Cow::Borrowed("")),
-                    Some(PromptItem::Text(t)) => CompletionPrompt::Text(t),
-                    Some(PromptItem::Tokens(t)) => CompletionPrompt::Tokens(t),
+                    None => CompletionPrompt::Text(Cow::Borrowed(""), BatchRest::default()),
+                    Some(PromptItem::Text(t)) => CompletionPrompt::Text(t, BatchRest::default()),
+                    Some(PromptItem::Tokens(t)) => {
+                        CompletionPrompt::Tokens(t, BatchRest::default())
+                    }
                     Some(PromptItem::Token(t)) => {
                         let mut ids = vec![t];
                         while let Some(id) = seq.next_element::<u32>()? {
                             ids.push(id);
                         }
-                        return Ok(CompletionPrompt::Tokens(ids));
+                        return Ok(CompletionPrompt::Tokens(ids, BatchRest::default()));
                     }
                 };
-                // Batch: the remaining prompts do not influence routing.
-                while seq.next_element::<IgnoredAny>()?.is_some() {}
-                Ok(result)
+                // Batch: the remaining prompts do not influence routing,
+                // but are charged (counted, not kept).
+                let rest = BatchRest::count(&mut seq)?;
+                Ok(match result {
+                    CompletionPrompt::Text(t, _) => CompletionPrompt::Text(t, rest),
+                    CompletionPrompt::Tokens(t, _) => CompletionPrompt::Tokens(t, rest),
+                })
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))

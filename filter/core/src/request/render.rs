@@ -57,6 +57,8 @@ enum Field {
     Tools,
     Instructions,
     Input,
+    N,
+    BestOf,
     Other,
 }
 
@@ -72,6 +74,8 @@ fn field(body: Body, key: &[u8]) -> Field {
         (b"tools", Body::Chat) => Field::Tools,
         (b"instructions", Body::Responses) => Field::Instructions,
         (b"input", Body::Responses) => Field::Input,
+        (b"n", _) => Field::N,
+        (b"best_of", _) => Field::BestOf,
         _ => Field::Other,
     }
 }
@@ -102,8 +106,10 @@ pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
         max_output_tokens: None,
         stream: None,
         cache_salt: None,
+        n: None,
+        best_of: None,
     };
-    let mut seen = [false; 10];
+    let mut seen = [false; 12];
     let mut messages = None;
     // Where the front block (tools, instructions) goes when it comes late.
     let mut body_rendered = false;
@@ -182,6 +188,14 @@ pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
                         }
                     }
                 }
+            }
+            Field::N => {
+                once(&cur, &mut seen[10], "n")?;
+                common.n = cur.value()?;
+            }
+            Field::BestOf => {
+                once(&cur, &mut seen[11], "best_of")?;
+                common.best_of = cur.value()?;
             }
             Field::Input => {
                 once(&cur, &mut seen[9], "input")?;

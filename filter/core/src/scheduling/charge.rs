@@ -21,7 +21,40 @@
 //! request overstates KV use many times over on shared-prefix traffic
 //! (measured: the gate then saw KV admission waits that were not there).
 
+//!
+//! A request can ask for more than one prompt's work ([`Work`]): `n` or
+//! `best_of` output sequences (vLLM samples them from one prefill, so the
+//! output part is multiplied and the prompt part is not), and a
+//! completions batch (`prompt` a list: every prompt after the first is
+//! charged as uncached prefill, and each gets its own outputs).
+
 use super::{Candidate, RequestView};
+
+/// What one request asks of a server beyond one prompt and one output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Work {
+    /// Output sequences per prompt: `max(n, best_of)`, at least 1.
+    pub sequences: u64,
+    /// Prompts of a completions batch after the first.
+    pub extra_prompts: u64,
+    /// Their estimated tokens (charged as uncached).
+    pub extra_prompt_tokens: u64,
+}
+
+impl Work {
+    /// One prompt, one output sequence.
+    pub const ONE: Work = Work {
+        sequences: 1,
+        extra_prompts: 0,
+        extra_prompt_tokens: 0,
+    };
+}
+
+impl Default for Work {
+    fn default() -> Self {
+        Work::ONE
+    }
+}
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct InflightConfig {
@@ -66,7 +99,16 @@ impl Charge {
 
 impl InflightConfig {
     pub fn charge(&self, req: &RequestView, cand: &Candidate) -> Charge {
-        let prompt_tokens = cand.uncached_tokens(req);
+        self.charge_work(req, cand, Work::ONE)
+    }
+
+    /// [`charge`](Self::charge) of a request that asks for `work`: the
+    /// output part (estimate and cap per sequence) times the sequences of
+    /// every prompt, the batch's other prompts added to the prompt part.
+    pub fn charge_work(&self, req: &RequestView, cand: &Candidate, work: Work) -> Charge {
+        let prompt_tokens = cand
+            .uncached_tokens(req)
+            .saturating_add(work.extra_prompt_tokens);
         let output_tokens = if self.add_estimated_output_tokens {
             let est = match req
                 .learnt_output_tokens
@@ -89,6 +131,8 @@ impl InflightConfig {
             .flatten()
             .min()
             .unwrap_or(0)
+            .saturating_mul(work.sequences.max(1))
+            .saturating_mul(work.extra_prompts.saturating_add(1))
         } else {
             0
         };
@@ -226,5 +270,67 @@ mod tests {
         };
         r.learnt_output_tokens = Some(8000);
         assert_eq!(off.charge(&r, &cold).output_tokens, 0);
+    }
+
+    /// Issue 40: `n`/`best_of` multiply the output part, not the prefill;
+    /// a batch's other prompts add their tokens to the prompt part and get
+    /// outputs of their own.
+    #[test]
+    fn sequences_and_batches_are_charged() {
+        let r = RequestView {
+            prompt_tokens: 1000,
+            total_blocks: 15,
+            block_size_tokens: 64,
+            max_output_tokens: Some(300),
+            learnt_output_tokens: None,
+            tie_key: None,
+        };
+        let cold = Candidate::default();
+        let on = InflightConfig {
+            add_estimated_output_tokens: true,
+            ..Default::default()
+        };
+        let one = on.charge(&r, &cold);
+        assert_eq!(one, on.charge_work(&r, &cold, Work::ONE));
+        let n4 = Work {
+            sequences: 4,
+            ..Work::ONE
+        };
+        assert_eq!(
+            on.charge_work(&r, &cold, n4),
+            Charge {
+                prompt_tokens: one.prompt_tokens,
+                output_tokens: 4 * one.output_tokens,
+            }
+        );
+        let batch = Work {
+            sequences: 2,
+            extra_prompts: 2,
+            extra_prompt_tokens: 500,
+        };
+        assert_eq!(
+            on.charge_work(&r, &cold, batch),
+            Charge {
+                prompt_tokens: one.prompt_tokens + 500,
+                output_tokens: 2 * 3 * one.output_tokens,
+            }
+        );
+        let hold = InflightConfig {
+            hold_kv_until_end: true,
+            ..on.clone()
+        };
+        let h = hold.charge_work(&r, &cold, batch);
+        assert_eq!(
+            h.output_tokens,
+            6 * one.output_tokens + one.prompt_tokens + 500
+        );
+        // Saturates, never wraps.
+        let huge = Work {
+            sequences: u64::MAX,
+            extra_prompts: u64::MAX,
+            extra_prompt_tokens: u64::MAX,
+        };
+        let c = hold.charge_work(&r, &cold, huge);
+        assert_eq!((c.prompt_tokens, c.output_tokens), (u64::MAX, u64::MAX));
     }
 }
