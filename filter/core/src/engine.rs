@@ -804,6 +804,87 @@ impl Engine {
         }))
     }
 
+    /// Moves a request's charge to the endpoint that actually served it:
+    /// Envoy retried it (connect failure, refused stream, reset before the
+    /// request) to the next address of the destination header. One
+    /// load-table write releases the charge on the routed endpoint, undoes
+    /// what the decision wrote there ([`Provisional`]: that server never
+    /// saw the request) and charges the same tokens to `to`; then the
+    /// routed endpoint's new index entries are cleared. Nothing is
+    /// recorded for `to` in the index: its blocks reach the index with
+    /// that prompt's next request. Returns the new ticket (`None` when
+    /// `to` is not a known healthy endpoint: the charge is only released)
+    /// and the CAS races lost.
+    pub fn move_charge(
+        &self,
+        store: &dyn Store,
+        ticket: &Ticket,
+        provisional: Option<&Provisional>,
+        to: &str,
+        now_ms: u64,
+    ) -> Result<(Option<Ticket>, u32), StoreError> {
+        let table = self.endpoint_table(store)?;
+        let target = table
+            .endpoints
+            .iter()
+            .find(|e| e.healthy && e.address == to)
+            .map(|e| (e.slot, e.generation));
+        let window = window_ms(self.config.collector.reap_after_ms);
+        let updated = update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| {
+                t.release_rest(ticket, false);
+                if let Some(p) = provisional {
+                    t.undo(&p.undo);
+                }
+                Some(target.and_then(|(slot, generation)| {
+                    t.charge(
+                        slot,
+                        generation,
+                        now_ms,
+                        window,
+                        ticket.prompt_tokens,
+                        ticket.output_tokens,
+                        0,
+                        0,
+                    )
+                    .map(|(t, _)| t)
+                }))
+            },
+        )?;
+        let mut retries = updated.retries;
+        if let Some(p) = provisional {
+            retries += self.remove_entries(store, p)?;
+        }
+        Ok((updated.result.flatten(), retries))
+    }
+
+    /// Clears a provisional record's index entries; returns the CAS races
+    /// lost.
+    fn remove_entries(&self, store: &dyn Store, p: &Provisional) -> Result<u32, StoreError> {
+        if p.hashes.is_empty() {
+            return Ok(0);
+        }
+        let me = Holder {
+            slot: p.undo.slot,
+            generation: p.undo.generation,
+            insert_counter: 0,
+            capacity_blocks: 0,
+        };
+        let (_, r) = index::remove(
+            store,
+            &self.geometry,
+            &p.hashes,
+            p.from_block,
+            &me,
+            p.recorded,
+        )?;
+        Ok(r)
+    }
+
     /// Takes back a request the server rejected (a non-2xx answer, or a
     /// reset before any response byte): releases what its charge still
     /// holds and undoes the rest of what its decision wrote
@@ -828,23 +909,7 @@ impl Engine {
             },
         )?
         .retries;
-        if !p.hashes.is_empty() {
-            let me = Holder {
-                slot: p.undo.slot,
-                generation: p.undo.generation,
-                insert_counter: 0,
-                capacity_blocks: 0,
-            };
-            let (_, r) = index::remove(
-                store,
-                &self.geometry,
-                &p.hashes,
-                p.from_block,
-                &me,
-                p.recorded,
-            )?;
-            retries += r;
-        }
+        retries += self.remove_entries(store, p)?;
         Ok(retries)
     }
 

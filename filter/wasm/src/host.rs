@@ -112,6 +112,10 @@ impl Host for SdkHost {
             .map_err(err("proxy_get_header_map_value"))
     }
 
+    fn upstream_address(&self) -> HostResult<Option<Vec<u8>>> {
+        hostcalls::get_property(vec!["upstream", "address"]).map_err(err("proxy_get_property"))
+    }
+
     fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>> {
         hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
             .map_err(err("proxy_get_buffer_bytes"))

@@ -107,6 +107,9 @@ pub trait Host {
     /// A response header's value (in the response headers callback;
     /// `:status` tells whether the server accepted the request).
     fn response_header(&self, name: &str) -> HostResult<Option<Vec<u8>>>;
+    /// Envoy's `upstream.address` (`ip:port` of the host that answered),
+    /// `None` when there was none (a local reply).
+    fn upstream_address(&self) -> HostResult<Option<Vec<u8>>>;
     /// The buffered request body, `size` bytes from the start.
     fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>>;
     /// Answers the request locally with a JSON body.
@@ -149,6 +152,9 @@ pub enum Counter {
     /// Routed requests the server did not accept (non-2xx, or no response
     /// at all), whose index and learner writes were taken back.
     TakenBack,
+    /// Routed requests Envoy retried to another endpoint, whose charge
+    /// moved there.
+    ChargeMoved,
     HostErrors,
     MetricsPollFailures,
     ReapedRequests,
@@ -173,7 +179,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 28] = [
+    pub const ALL: [Counter; 29] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -184,6 +190,7 @@ impl Counter {
         Counter::BranchOther,
         Counter::ClientHeaderStripped,
         Counter::TakenBack,
+        Counter::ChargeMoved,
         Counter::HostErrors,
         Counter::MetricsPollFailures,
         Counter::ReapedRequests,
@@ -216,6 +223,7 @@ impl Counter {
             Counter::BranchOther => "kvroute_branch_other",
             Counter::ClientHeaderStripped => "kvroute_client_header_stripped",
             Counter::TakenBack => "kvroute_taken_back",
+            Counter::ChargeMoved => "kvroute_charge_moved",
             Counter::HostErrors => "kvroute_host_errors",
             Counter::MetricsPollFailures => "kvroute_metrics_poll_failures",
             Counter::ReapedRequests => "kvroute_reaped_requests",

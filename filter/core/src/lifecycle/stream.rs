@@ -40,6 +40,9 @@ pub struct Stream {
     /// What the decision wrote beyond the charge (taken back if the server
     /// does not accept the request).
     provisional: Option<Provisional>,
+    /// The endpoint the request was routed to (`ip:port`), until the
+    /// response headers say which one answered.
+    primary: Option<String>,
     /// The response headers came with a 2xx `:status` (or one that could
     /// not be read: then kvroute keeps what it wrote, as before).
     accepted: bool,
@@ -62,6 +65,7 @@ impl Stream {
             kind: None,
             ticket: None,
             provisional: None,
+            primary: None,
             accepted: false,
             streaming: false,
             prompt_released: false,
@@ -266,6 +270,41 @@ impl Stream {
         self.route_body(host, &w, kind, size)
     }
 
+    /// Envoy retries a request that could not reach its endpoint
+    /// (`retry_on: connect-failure,refused-stream,reset-before-request`) to
+    /// the next address of the destination header: the charge moves to
+    /// the endpoint that answered, and what the decision wrote for the
+    /// routed one is taken back (`Engine::move_charge`).
+    fn follow_retry(&mut self, host: &dyn Host) {
+        let (Some(primary), Some(w), Some(t)) =
+            (self.primary.take(), self.worker.clone(), self.ticket)
+        else {
+            return;
+        };
+        let to = match host.upstream_address() {
+            Ok(Some(a)) if a != primary.as_bytes() => a,
+            Ok(_) => return,
+            Err(e) => {
+                w.host_error(host, "reading the upstream address", e);
+                return;
+            }
+        };
+        let to = String::from_utf8_lossy(&to);
+        let now = w.now_ms(host);
+        match w
+            .engine
+            .move_charge(host.store(), &t, self.provisional.as_ref(), &to, now)
+        {
+            Ok((ticket, retries)) => {
+                self.ticket = ticket;
+                self.provisional = None;
+                w.counts.inc(host, Counter::ChargeMoved);
+                w.counts.add(host, Counter::CasRetries, u64::from(retries));
+            }
+            Err(e) => w.host_error(host, "moving the charge to the retried endpoint", e),
+        }
+    }
+
     /// Reads the buffered body, routes it and acts on the outcome.
     fn route_body(
         &mut self,
@@ -322,6 +361,7 @@ impl Stream {
                 if w.engine.config.routing.debug_header {
                     self.explanation = Some(r.explanation());
                 }
+                self.primary = Some(r.primary_address().to_string());
                 self.provisional = r.provisional;
                 Action::Continue
             }
@@ -334,6 +374,7 @@ impl Stream {
     }
 
     pub fn on_response_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        self.follow_retry(host);
         if self.provisional.is_some() {
             self.accepted = match host.response_header(":status") {
                 Ok(Some(v)) => v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit),

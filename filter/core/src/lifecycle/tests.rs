@@ -19,6 +19,8 @@ struct FakeHost {
     response_headers: RefCell<Vec<(String, String)>>,
     /// The upstream's `:status` as the response headers callback reads it.
     response_status: RefCell<Option<String>>,
+    /// Envoy's `upstream.address` as the response headers callback reads it.
+    upstream: RefCell<Option<String>>,
     body: RefCell<Vec<u8>>,
     replies: RefCell<Vec<(u32, String)>>,
     logs: RefCell<Vec<(Level, String)>>,
@@ -138,6 +140,10 @@ impl Host for FakeHost {
                 .map(String::into_bytes),
             _ => None,
         })
+    }
+    fn upstream_address(&self) -> HostResult<Option<Vec<u8>>> {
+        self.fail("proxy_get_property")?;
+        Ok(self.upstream.borrow().clone().map(String::into_bytes))
     }
     fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>> {
         self.fail("proxy_get_buffer_bytes")?;
@@ -521,6 +527,64 @@ fn a_body_that_ends_with_trailers_is_routed_and_charged() {
     assert_eq!(p.on_request_headers(&host, false), Action::Continue);
     assert_eq!(p.on_request_trailers(&host), Action::Continue);
     assert_eq!(count(&host, &w, Counter::Routed), 1);
+}
+
+/// Per endpoint address: in-flight requests.
+fn inflight_by_address(host: &FakeHost, w: &Worker) -> HashMap<String, u64> {
+    let v: serde_json::Value =
+        serde_json::from_str(&w.engine.state_json(host.store(), 0).unwrap()).unwrap();
+    v["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["address"].as_str().unwrap().to_string(),
+                e["inflightRequests"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Issue 40: Envoy retried the request to the next address of the
+/// destination header: the charge moves to the endpoint that answered,
+/// and what the decision wrote for the routed one is taken back.
+#[test]
+fn a_retry_to_another_endpoint_moves_the_charge() {
+    let (host, w) = filter("");
+    let before = written(&host, &w);
+    let body = serde_json::json!({"model":"m","stream":true,"messages":[{"role":"user","content":"retried ".repeat(50)}]});
+    let mut s = routed_stream(&host, &w, body.to_string().into_bytes());
+    let primary = host.header("x-gateway-destination-endpoint").unwrap();
+    let primary = primary.split(',').next().unwrap().to_string();
+    let other = ["127.0.0.1:1", "127.0.0.1:2"]
+        .into_iter()
+        .find(|a| *a != primary)
+        .unwrap();
+    assert_eq!(inflight_by_address(&host, &w)[&primary], 1);
+    *host.upstream.borrow_mut() = Some(other.to_string());
+    *host.response_status.borrow_mut() = Some("200".into());
+    s.on_response_headers(&host, false);
+    let now = inflight_by_address(&host, &w);
+    assert_eq!((now[&primary], now[other]), (0, 1), "{now:?}");
+    assert_eq!(
+        written(&host, &w),
+        before,
+        "the routed endpoint never saw it"
+    );
+    assert_eq!(count(&host, &w, Counter::ChargeMoved), 1);
+    s.on_response_body(&host, 5, false);
+    s.on_response_body(&host, 5, true);
+    s.on_end(&host);
+    assert_eq!(inflight(&host, &w), (0, 0));
+    // Answered by the routed endpoint: nothing moves.
+    let mut s = routed_stream(&host, &w, chat_body("direct"));
+    let primary = host.header("x-gateway-destination-endpoint").unwrap();
+    *host.upstream.borrow_mut() = primary.split(',').next().map(str::to_string);
+    serve(&host, &mut s, "200");
+    assert_eq!(count(&host, &w, Counter::ChargeMoved), 1);
+    assert_ne!(written(&host, &w), before);
+    assert_eq!(inflight(&host, &w), (0, 0));
 }
 
 #[test]
