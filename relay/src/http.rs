@@ -131,8 +131,12 @@ pub async fn serve_with_stats(
     limits: ServeLimits,
     stats: Arc<HttpStats>,
 ) {
-    let connections = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let in_flight = Arc::new(Semaphore::new(limits.max_in_flight.max(1)));
+    let connections = Arc::new(Semaphore::new(
+        limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    ));
+    let in_flight = Arc::new(Semaphore::new(
+        limits.max_in_flight.clamp(1, Semaphore::MAX_PERMITS),
+    ));
     loop {
         // A slot first: past the bound, connections wait in the accept queue.
         let Ok(slot) = connections.clone().acquire_owned().await else {

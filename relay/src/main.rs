@@ -33,6 +33,9 @@ USAGE: kvroute-relay --sub ipc:///run/kvroute/kv-events.sock --listen $POD_IP:91
   -h, --help               this text
 ";
 
+/// The longest timeout a flag may set: a day, in ms.
+const MAX_TIMEOUT_MS: u64 = 86_400_000;
+
 struct Args {
     sub: SubConfig,
     listen: String,
@@ -70,7 +73,15 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
                 .filter(|&n| n > 0)
                 .ok_or_else(|| format!("{name} {v:?}: expected a positive integer"))
         };
-        let ms = |v: String| count(v).map(|n| Duration::from_millis(n as u64));
+        // At most a day: hyper adds the header timeout to `Instant::now()`,
+        // which must not overflow.
+        let ms = |v: String| {
+            v.parse::<u64>()
+                .ok()
+                .filter(|n| (1..=MAX_TIMEOUT_MS).contains(n))
+                .map(Duration::from_millis)
+                .ok_or_else(|| format!("{name} {v:?}: expected 1 to {MAX_TIMEOUT_MS} (ms)"))
+        };
         match name.as_str() {
             "--sub" => sub = Some(value()?),
             "--topic" => topic = value()?,
@@ -88,14 +99,20 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
                 let v = value()?;
                 let n = v
                     .parse::<u64>()
-                    .map_err(|_| format!("{name} {v:?}: expected a non-negative integer (ms)"))?;
+                    .ok()
+                    .filter(|&n| n <= MAX_TIMEOUT_MS)
+                    .ok_or_else(|| format!("{name} {v:?}: expected 0 to {MAX_TIMEOUT_MS} (ms)"))?;
                 health.grace = Duration::from_millis(n);
             }
             "--health-max-silence-ms" => {
                 let v = value()?;
-                let n = v.parse::<u64>().map_err(|_| {
-                    format!("{name} {v:?}: expected a non-negative integer (ms; 0: off)")
-                })?;
+                let n = v
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|&n| n <= MAX_TIMEOUT_MS)
+                    .ok_or_else(|| {
+                        format!("{name} {v:?}: expected 0 (off) to {MAX_TIMEOUT_MS} (ms)")
+                    })?;
                 health.max_silence = (n > 0).then(|| Duration::from_millis(n));
             }
             other => return Err(format!("unknown flag {other:?} (see --help)")),
