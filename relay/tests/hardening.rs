@@ -214,6 +214,15 @@ async fn slow_silent_and_too_many_clients_leave_a_polling_client_served_and_the_
         .expect("the test's own deadline");
 }
 
+/// The same on one thread, as the binary runs (`main.rs`: `current_thread`):
+/// the relay, its ZMQ side and every client share it.
+#[tokio::test(flavor = "current_thread")]
+async fn the_same_abuse_on_one_thread_as_the_binary_runs() {
+    timeout(Duration::from_secs(60), abuse())
+        .await
+        .expect("the test's own deadline");
+}
+
 async fn abuse() {
     const SLOW: usize = 6;
     const SILENT: usize = 6;
