@@ -477,6 +477,14 @@ async fn in_flight() {
         sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(stats.idle_timeouts.load(Ordering::Relaxed), 1);
+    // A client that reads gets the whole answer (8.4 MB: 128 chunks of 64 KiB).
+    let (status, body) = timeout(Duration::from_secs(20), get_once(addr, "/kv/snapshot"))
+        .await
+        .expect("the 8 MB snapshot within 20 s");
+    assert_eq!(status, 200);
+    assert!(body.len() > 8_000_000, "{} bytes", body.len());
+    let snap: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(snap["blocks"].as_array().unwrap().len(), 400_000);
     assert!(stats.busy.load(Ordering::Relaxed) >= 1);
     drop(publisher);
     for t in tasks {
