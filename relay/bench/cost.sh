@@ -36,7 +36,8 @@ start_relay() { # $1 = --max-blocks
     --max-blocks "$1" 2>/dev/null &
   RPID=$!
   PIDS+=("$RPID")
-  for _ in $(seq 50); do curl -sf "$BASE/healthz" >/dev/null && return; sleep 0.1; done
+  # /metrics, not /healthz: /healthz is 503 until the publisher (started next) is connected.
+  for _ in $(seq 50); do curl -sf "$BASE/metrics" >/dev/null && return; sleep 0.1; done
   echo "relay did not start"; exit 1
 }
 stop_relay() { kill "$RPID"; wait "$RPID" 2>/dev/null || true; }

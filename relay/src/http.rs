@@ -1,63 +1,265 @@
 //! The HTTP side (hyper 1, HTTP/1.1): `/kv/events`, `/kv/snapshot`,
 //! `/healthz`, `/metrics`. Answers are built by `state::Relay` under a short
 //! lock; nothing here blocks on the ZMQ side.
+//!
+//! The relay is a network service, so every connection is bounded
+//! ([`ServeLimits`]):
+//! - at most `max_connections` open: a slot is taken before `accept`, so
+//!   beyond the bound new connections wait in the kernel's accept queue;
+//! - hyper's `header_read_timeout`: a connection that has not sent a whole
+//!   request head this long after it became ready for one (accepted, or its
+//!   previous answer sent) is closed. This ends slowloris heads and silent
+//!   connections, and is also the keep-alive idle limit;
+//! - an I/O inactivity timeout (`tokio-io-timeout`): a read or write that
+//!   makes no progress this long fails the connection (a client that stops
+//!   reading an answer, or stalls a request body);
+//! - at most `max_in_flight` answers held at once, from the request to the
+//!   last chunk handed to hyper; past it the answer is `503 busy` at once.
 
 use crate::Shared;
 use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
+use futures_util::StreamExt;
+use http_body_util::{combinators::BoxBody, BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_io_timeout::TimeoutStream;
 
 /// Hashes per `/kv/events` page when `limit` is not given, and the most a
 /// caller may ask for.
 pub const DEFAULT_LIMIT: usize = 4096;
 pub const MAX_LIMIT: usize = 65_536;
 
+/// hyper's per-connection read buffer bound (bytes). A request is a GET line
+/// and a few headers; hyper answers 431 past it. hyper's minimum is 8 KiB.
+pub const MAX_BUF_BYTES: usize = 16 * 1024;
+
+/// Answers are handed to hyper in chunks of this size (bytes), so a large
+/// answer (a full snapshot is about 1.3 MB) is taken only as fast as the
+/// client reads it, and its in-flight slot is held until then.
+const CHUNK_BYTES: usize = 64 * 1024;
+
+/// Bounds of the HTTP side; the defaults are the flags' defaults.
+#[derive(Clone, Copy, Debug)]
+pub struct ServeLimits {
+    /// A request head must be complete this long after the connection is
+    /// ready for one (hyper's `header_read_timeout`; also the keep-alive
+    /// idle limit).
+    pub header_timeout: Duration,
+    /// A read or write with no progress for this long closes the connection.
+    pub idle_timeout: Duration,
+    /// Open connections at most.
+    pub max_connections: usize,
+    /// Answers held at once at most; past it, `503 busy`.
+    pub max_in_flight: usize,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits {
+            header_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(30),
+            max_connections: 512,
+            max_in_flight: 64,
+        }
+    }
+}
+
+/// Counters of the HTTP side, for `/metrics` and tests.
+#[derive(Debug, Default)]
+pub struct HttpStats {
+    /// Connections open now, and the most open at once.
+    pub open: AtomicUsize,
+    pub peak: AtomicUsize,
+    pub accepted: AtomicU64,
+    /// Connections closed by the header timeout, by the inactivity timeout.
+    pub header_timeouts: AtomicU64,
+    pub idle_timeouts: AtomicU64,
+    /// Requests answered `503 busy` (no in-flight slot).
+    pub busy: AtomicU64,
+}
+
+impl HttpStats {
+    fn metrics(&self, limits: &ServeLimits) -> String {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        format!(
+            "# HELP kvroute_relay_http_connections Open HTTP connections (bound: --max-connections).\n\
+             # TYPE kvroute_relay_http_connections gauge\n\
+             kvroute_relay_http_connections {}\n\
+             # HELP kvroute_relay_http_max_connections The --max-connections bound.\n\
+             # TYPE kvroute_relay_http_max_connections gauge\n\
+             kvroute_relay_http_max_connections {}\n\
+             # HELP kvroute_relay_http_connections_total HTTP connections accepted.\n\
+             # TYPE kvroute_relay_http_connections_total counter\n\
+             kvroute_relay_http_connections_total {}\n\
+             # HELP kvroute_relay_http_timeouts_total Connections closed by a timeout, by kind.\n\
+             # TYPE kvroute_relay_http_timeouts_total counter\n\
+             kvroute_relay_http_timeouts_total{{kind=\"header\"}} {}\n\
+             kvroute_relay_http_timeouts_total{{kind=\"idle\"}} {}\n\
+             # HELP kvroute_relay_http_busy_total Requests answered 503 for want of an in-flight slot.\n\
+             # TYPE kvroute_relay_http_busy_total counter\n\
+             kvroute_relay_http_busy_total {}\n",
+            self.open.load(Ordering::Relaxed),
+            limits.max_connections,
+            get(&self.accepted),
+            get(&self.header_timeouts),
+            get(&self.idle_timeouts),
+            get(&self.busy),
+        )
+    }
+}
+
+/// An answer's body: chunks of one buffer, holding an in-flight slot until
+/// hyper has taken the last one (or dropped the body).
+type Body = BoxBody<Bytes, Infallible>;
+
 /// Serves until the task is dropped.
-pub async fn serve(listener: TcpListener, state: Shared) {
+pub async fn serve(listener: TcpListener, state: Shared, limits: ServeLimits) {
+    serve_with_stats(listener, state, limits, Arc::new(HttpStats::default())).await
+}
+
+/// [`serve`], counting into `stats`.
+pub async fn serve_with_stats(
+    listener: TcpListener,
+    state: Shared,
+    limits: ServeLimits,
+    stats: Arc<HttpStats>,
+) {
+    let connections = Arc::new(Semaphore::new(
+        limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+    ));
+    let in_flight = Arc::new(Semaphore::new(
+        limits.max_in_flight.clamp(1, Semaphore::MAX_PERMITS),
+    ));
     loop {
+        // A slot first: past the bound, connections wait in the accept queue.
+        let Ok(slot) = connections.clone().acquire_owned().await else {
+            return;
+        };
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("kvroute-relay: accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
-        let state = state.clone();
+        stats.accepted.fetch_add(1, Ordering::Relaxed);
+        let open = stats.open.fetch_add(1, Ordering::Relaxed) + 1;
+        stats.peak.fetch_max(open, Ordering::Relaxed);
+        let mut io = TimeoutStream::new(stream);
+        io.set_read_timeout(Some(limits.idle_timeout));
+        io.set_write_timeout(Some(limits.idle_timeout));
+        let (state, in_flight, stats) = (state.clone(), in_flight.clone(), stats.clone());
         tokio::spawn(async move {
+            let svc_stats = stats.clone();
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(respond(&state, &req)) }
+                let answer = match in_flight.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        let (status, content_type, body) =
+                            respond(&state, &req, &limits, &svc_stats);
+                        reply(status, content_type, body, Some(permit))
+                    }
+                    Err(_) => {
+                        svc_stats.busy.fetch_add(1, Ordering::Relaxed);
+                        let mut r = reply(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "text/plain",
+                            Bytes::from_static(b"busy: too many answers in flight, retry\n"),
+                            None,
+                        );
+                        r.headers_mut().insert(
+                            hyper::header::RETRY_AFTER,
+                            hyper::header::HeaderValue::from_static("1"),
+                        );
+                        r
+                    }
+                };
+                async move { Ok::<_, Infallible>(answer) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
+            let served = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .max_buf_size(MAX_BUF_BYTES)
+                .serve_connection(TokioIo::new(Box::pin(io)), svc)
                 .await;
+            if let Err(e) = served {
+                if e.is_timeout() {
+                    stats.header_timeouts.fetch_add(1, Ordering::Relaxed);
+                } else if io_timed_out(&e) {
+                    stats.idle_timeouts.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            stats.open.fetch_sub(1, Ordering::Relaxed);
+            drop(slot);
         });
     }
 }
 
-fn reply(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(body.into()));
-    *r.status_mut() = status;
-    if let Ok(v) = content_type.parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+/// Whether hyper's error comes from the inactivity timeout.
+fn io_timed_out(e: &hyper::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            return io.kind() == std::io::ErrorKind::TimedOut;
+        }
+        source = s.source();
     }
+    false
+}
+
+/// An answer: status, content type, body.
+type Answer = (StatusCode, &'static str, Bytes);
+
+/// The response, its body in `CHUNK_BYTES` chunks that hold `permit` until
+/// the last is taken. `Content-Length` is set, so the chunks are not sent
+/// with chunked transfer-encoding.
+fn reply(
+    status: StatusCode,
+    content_type: &'static str,
+    body: Bytes,
+    permit: Option<OwnedSemaphorePermit>,
+) -> Response<Body> {
+    let len = body.len();
+    let chunks = (0..len).step_by(CHUNK_BYTES).map(move |at| {
+        Ok::<_, Infallible>(Frame::data(body.slice(at..(at + CHUNK_BYTES).min(len))))
+    });
+    let stream = futures_util::stream::iter(chunks).map(move |frame| {
+        let _held = &permit;
+        frame
+    });
+    let mut r = Response::new(BodyExt::boxed(StreamBody::new(stream)));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static(content_type),
+    );
+    r.headers_mut().insert(
+        hyper::header::CONTENT_LENGTH,
+        hyper::header::HeaderValue::from(len),
+    );
     r
 }
 
-fn json<T: serde::Serialize>(v: &T) -> Response<Full<Bytes>> {
+fn json<T: serde::Serialize>(v: &T) -> Answer {
     match serde_json::to_vec(v) {
-        Ok(b) => reply(StatusCode::OK, "application/json", b),
-        Err(e) => reply(
+        Ok(b) => (StatusCode::OK, "application/json", b.into()),
+        Err(e) => (
             StatusCode::INTERNAL_SERVER_ERROR,
             "text/plain",
-            format!("{e}\n"),
+            format!("{e}\n").into(),
         ),
     }
+}
+
+fn text(status: StatusCode, body: impl Into<Bytes>) -> Answer {
+    (status, "text/plain", body.into())
 }
 
 /// `after`, `limit`, `epoch` from a query string.
@@ -83,26 +285,34 @@ pub fn parse_events_query(query: &str) -> Result<(u64, usize, Option<u64>), Stri
     Ok((after, limit, epoch))
 }
 
-fn respond(state: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+fn respond(
+    state: &Shared,
+    req: &Request<Incoming>,
+    limits: &ServeLimits,
+    stats: &HttpStats,
+) -> Answer {
     if req.method() != Method::GET {
-        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "GET only\n");
+        return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
     }
     let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
     match req.uri().path() {
         "/kv/events" => match parse_events_query(req.uri().query().unwrap_or("")) {
             Ok((after, limit, epoch)) => json(&st.events_after(after, limit, epoch)),
-            Err(e) => reply(StatusCode::BAD_REQUEST, "text/plain", format!("{e}\n")),
+            Err(e) => text(StatusCode::BAD_REQUEST, format!("{e}\n")),
         },
         "/kv/snapshot" => json(&st.snapshot()),
-        "/healthz" => reply(StatusCode::OK, "text/plain", "ok\n"),
-        "/metrics" => reply(
-            StatusCode::OK,
-            "text/plain; version=0.0.4",
-            st.metrics(crate::unix_now_s()),
-        ),
-        _ => reply(
+        "/healthz" => match st.health(Instant::now()) {
+            Ok(status) => text(StatusCode::OK, format!("{status}\n")),
+            Err(why) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")),
+        },
+        "/metrics" => {
+            let mut m = st.metrics(crate::unix_now_s());
+            drop(st);
+            m.push_str(&stats.metrics(limits));
+            (StatusCode::OK, "text/plain; version=0.0.4", m.into())
+        }
+        _ => text(
             StatusCode::NOT_FOUND,
-            "text/plain",
             "not found (try /kv/events?after=SEQ, /kv/snapshot, /healthz, /metrics)\n",
         ),
     }

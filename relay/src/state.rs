@@ -19,6 +19,7 @@
 use kvroute_kv_events::{decode_seq, KvEvent, KvEventBatch};
 use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 /// Memory bounds.
 #[derive(Clone, Copy, Debug)]
@@ -39,6 +40,43 @@ impl Default for Limits {
             ring_hashes: 262_144,
         }
     }
+}
+
+/// What `GET /healthz` requires of the subscription.
+///
+/// vLLM's publisher sends nothing while no block changes and has no
+/// heartbeat, so silence alone cannot tell an idle server from a dead one.
+/// The primary signal is the SUB socket's connection to the publisher (the
+/// `zeromq` socket monitor's `Connected`/`Disconnected`): the publisher sits
+/// in the same pod, so its process dying closes the connection at once.
+#[derive(Clone, Copy, Debug)]
+pub struct HealthPolicy {
+    /// A disconnect shorter than this is still healthy: the SUB socket
+    /// reconnects by itself.
+    pub grace: Duration,
+    /// When set, a connected subscription is also unhealthy after this long
+    /// without a message (for publishers known to be busy, or that send
+    /// heartbeats; vLLM's does not). `None`: off.
+    pub max_silence: Option<Duration>,
+}
+
+impl Default for HealthPolicy {
+    fn default() -> Self {
+        HealthPolicy {
+            grace: Duration::from_secs(5),
+            max_silence: None,
+        }
+    }
+}
+
+/// The subscription's connection, as the socket monitor reports it.
+#[derive(Clone, Copy, Debug, Default)]
+struct Link {
+    connected: bool,
+    /// When `connected` last changed; `None`: never connected.
+    changed: Option<Instant>,
+    /// When the newest message (good or bad) arrived.
+    last_message: Option<Instant>,
 }
 
 /// One operation of a batch, in the batch's event order. Consecutive events
@@ -160,6 +198,8 @@ pub struct Relay {
     complete: bool,
     /// Unix seconds of the newest batch, as vLLM stamped it.
     last_batch_ts: Option<f64>,
+    link: Link,
+    health: HealthPolicy,
     pub counts: Counts,
 }
 
@@ -220,7 +260,62 @@ impl Relay {
             stamp: 0,
             complete: false,
             last_batch_ts: None,
+            link: Link::default(),
+            health: HealthPolicy::default(),
             counts: Counts::default(),
+        }
+    }
+
+    pub fn set_health_policy(&mut self, policy: HealthPolicy) {
+        self.health = policy;
+    }
+
+    /// The SUB socket connected to (`true`) or lost (`false`) the publisher.
+    pub fn note_link(&mut self, connected: bool, now: Instant) {
+        if self.link.connected != connected || self.link.changed.is_none() {
+            self.link.connected = connected;
+            self.link.changed = Some(now);
+        }
+    }
+
+    /// A message arrived from the publisher (whether or not it was good).
+    pub fn note_message(&mut self, now: Instant) {
+        self.link.last_message = Some(now);
+    }
+
+    pub fn publisher_connected(&self) -> bool {
+        self.link.connected
+    }
+
+    /// `GET /healthz`: `Ok` with a short status, or `Err` with the reason
+    /// the subscription is not live (the HTTP side answers 503).
+    pub fn health(&self, now: Instant) -> Result<String, String> {
+        let secs = |t: Instant| now.saturating_duration_since(t).as_secs_f64();
+        let Some(changed) = self.link.changed else {
+            return Err("not connected to the publisher yet".into());
+        };
+        if !self.link.connected {
+            let down = now.saturating_duration_since(changed);
+            return if down <= self.health.grace {
+                Ok(format!("ok: reconnecting for {:.1} s", down.as_secs_f64()))
+            } else {
+                Err(format!(
+                    "publisher disconnected for {:.1} s",
+                    down.as_secs_f64()
+                ))
+            };
+        }
+        let heard = self.link.last_message.map_or(changed, |m| m.max(changed));
+        match self.health.max_silence {
+            Some(limit) if now.saturating_duration_since(heard) > limit => Err(format!(
+                "connected, but no message for {:.1} s (limit {} ms)",
+                secs(heard),
+                limit.as_millis()
+            )),
+            _ => Ok(match self.link.last_message {
+                Some(m) => format!("ok: connected, last message {:.1} s ago", secs(m)),
+                None => "ok: connected, no message yet".into(),
+            }),
         }
     }
 
@@ -641,6 +736,12 @@ impl Relay {
             "gauge",
             "Hashes in the ring.",
             &[("", self.ring_hashes as f64)],
+        );
+        line(
+            "kvroute_relay_publisher_connected",
+            "gauge",
+            "1 while the SUB socket is connected to the publisher.",
+            &[("", if self.link.connected { 1.0 } else { 0.0 })],
         );
         if let Some(ts) = self.last_batch_ts {
             line(

@@ -10,9 +10,10 @@
 use crate::state::{Relay, SeqCheck};
 use crate::Shared;
 use bytes::Bytes;
+use futures_util::StreamExt;
 use kvroute_kv_events::decode_seq;
-use std::time::Duration;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+use std::time::{Duration, Instant};
+use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 /// `END_SEQ`: the replay's last message.
 const END_SEQ: [u8; 8] = [0xFF; 8];
@@ -35,11 +36,15 @@ fn lock(state: &Shared) -> std::sync::MutexGuard<'_, Relay> {
 }
 
 /// Subscribes forever: connects (retrying), then feeds every message to the
-/// state. The `zeromq` SUB socket reconnects by itself once connected.
+/// state. The `zeromq` SUB socket reconnects by itself once connected; its
+/// monitor's `Connected`/`Disconnected` events keep the state's link flag
+/// (`/healthz`, `kvroute_relay_publisher_connected`) current.
 pub async fn run(cfg: SubConfig, state: Shared) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let mut sub = zeromq::SubSocket::new();
+        // Before connecting, so that no event is missed.
+        let mut monitor = sub.monitor();
         let connected =
             tokio::time::timeout(Duration::from_secs(5), sub.connect(&cfg.endpoint)).await;
         match connected {
@@ -71,18 +76,30 @@ pub async fn run(cfg: SubConfig, state: Shared) {
             "kvroute-relay: subscribed to {} topic {:?}",
             cfg.endpoint, cfg.topic
         );
+        lock(&state).note_link(true, Instant::now());
         loop {
-            match sub.recv().await {
-                Ok(msg) => handle(&cfg, &state, msg.into_vec()).await,
-                Err(e) => {
-                    eprintln!(
-                        "kvroute-relay: receive from {}: {e}; reconnecting",
-                        cfg.endpoint
-                    );
-                    break;
-                }
+            tokio::select! {
+                msg = sub.recv() => match msg {
+                    Ok(msg) => handle(&cfg, &state, msg.into_vec()).await,
+                    Err(e) => {
+                        eprintln!(
+                            "kvroute-relay: receive from {}: {e}; reconnecting",
+                            cfg.endpoint
+                        );
+                        break;
+                    }
+                },
+                Some(event) = monitor.next() => match event {
+                    SocketEvent::Connected(..) => lock(&state).note_link(true, Instant::now()),
+                    SocketEvent::Disconnected(..) => {
+                        eprintln!("kvroute-relay: publisher {} disconnected", cfg.endpoint);
+                        lock(&state).note_link(false, Instant::now());
+                    }
+                    _ => {}
+                },
             }
         }
+        lock(&state).note_link(false, Instant::now());
     }
 }
 
@@ -103,7 +120,9 @@ pub async fn handle(cfg: &SubConfig, state: &Shared, frames: Vec<Bytes>) {
         fill_gap(replay, cfg.replay_timeout, state, from, to).await;
     }
     let refs: Vec<&[u8]> = frames.iter().map(|b| b.as_ref()).collect();
-    if let Err(why) = lock(state).ingest(&refs) {
+    let mut st = lock(state);
+    st.note_message(Instant::now());
+    if let Err(why) = st.ingest(&refs) {
         eprintln!("kvroute-relay: skipped a message: bad {}", why.reason());
     }
 }

@@ -370,3 +370,61 @@ fn random_bytes_never_panic() {
     assert!(r.block_count() <= 64);
     let _ = r.snapshot();
 }
+
+#[test]
+fn health_follows_the_link_with_a_grace_and_an_optional_silence_limit() {
+    use kvroute_relay::state::HealthPolicy;
+    use std::time::{Duration, Instant};
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    let mut r = relay();
+    r.set_health_policy(HealthPolicy {
+        grace: ms(500),
+        max_silence: None,
+    });
+    assert_eq!(
+        r.health(t0),
+        Err("not connected to the publisher yet".into())
+    );
+    r.note_link(true, t0);
+    // An idle publisher: connected, nothing sent, still healthy.
+    assert_eq!(
+        r.health(t0 + ms(60_000)),
+        Ok("ok: connected, no message yet".into())
+    );
+    r.note_message(t0 + ms(1_000));
+    assert_eq!(
+        r.health(t0 + ms(3_000)),
+        Ok("ok: connected, last message 2.0 s ago".into())
+    );
+    // A disconnect: healthy within the grace, not after.
+    r.note_link(false, t0 + ms(10_000));
+    assert_eq!(
+        r.health(t0 + ms(10_400)),
+        Ok("ok: reconnecting for 0.4 s".into())
+    );
+    assert_eq!(
+        r.health(t0 + ms(10_600)),
+        Err("publisher disconnected for 0.6 s".into())
+    );
+    // A repeated `false` does not restart the clock.
+    r.note_link(false, t0 + ms(10_500));
+    assert!(r.health(t0 + ms(10_600)).is_err());
+    r.note_link(true, t0 + ms(11_000));
+    assert!(r.health(t0 + ms(11_000)).is_ok());
+
+    // With a silence limit, a connected but silent publisher is unhealthy;
+    // the clock starts at the (re)connection or the newest message.
+    r.set_health_policy(HealthPolicy {
+        grace: ms(500),
+        max_silence: Some(ms(2_000)),
+    });
+    assert!(r.health(t0 + ms(12_900)).is_ok());
+    assert_eq!(
+        r.health(t0 + ms(13_100)),
+        Err("connected, but no message for 2.1 s (limit 2000 ms)".into())
+    );
+    r.note_message(t0 + ms(13_200));
+    assert!(r.health(t0 + ms(15_100)).is_ok());
+    assert!(r.health(t0 + ms(15_300)).is_err());
+}

@@ -106,7 +106,11 @@ async fn relays_a_real_capture_fills_a_gap_by_replay_and_resyncs_after_a_restart
     let state: Shared = Arc::new(Mutex::new(Relay::new(Limits::default(), 42)));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let http_addr = listener.local_addr().unwrap();
-    let web = tokio::spawn(http::serve(listener, state.clone()));
+    let web = tokio::spawn(http::serve(
+        listener,
+        state.clone(),
+        http::ServeLimits::default(),
+    ));
     let zmq = tokio::spawn(subscriber::run(
         SubConfig {
             endpoint: format!("tcp://127.0.0.1:{pub_port}"),
@@ -235,7 +239,12 @@ async fn relays_a_real_capture_fills_a_gap_by_replay_and_resyncs_after_a_restart
     );
 
     // The other endpoints.
-    assert_eq!(get(http_addr, "/healthz").await, (200, "ok\n".into()));
+    let (status, health) = get(http_addr, "/healthz").await;
+    assert_eq!(status, 200, "{health}");
+    assert!(
+        health.starts_with("ok: connected, last message"),
+        "{health}"
+    );
     assert_eq!(get(http_addr, "/nope").await.0, 404);
     assert_eq!(get(http_addr, "/kv/events?after=x").await.0, 400);
     assert_eq!(get(http_addr, "/kv/events?since=1").await.0, 400);
