@@ -670,6 +670,16 @@ fn collector_polls_each_endpoint_once_at_a_time_and_counts_failures() {
     assert!(calls.iter().all(|(cl, h, _)| cl == "models"
         && h.iter()
             .any(|(k, v)| k == "x-gateway-destination-endpoint" && v.starts_with("127.0.0.1:"))));
+    // The same address for an ORIGINAL_DST metrics cluster, which reaches
+    // that host or no one (never a fallback pick).
+    for (_, h, _) in &calls {
+        let named = |name: &str| h.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        assert_eq!(
+            named("x-envoy-original-dst-host"),
+            named("x-gateway-destination-endpoint"),
+            "{h:?}"
+        );
+    }
     // Still in flight: no second call on the next poll.
     host.now_ns.set(2_000_000_000);
     c.on_tick(&host);
