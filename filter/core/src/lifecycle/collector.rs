@@ -32,6 +32,7 @@ use super::{Counter, Counts, Host, Level};
 use crate::collector::kv_events::{ask_path, next_ask, Ask};
 use crate::config::{CollectorMode, EndpointSource, ORIGINAL_DST_HOST_HEADER, RELAY_HOST_HEADER};
 use crate::engine::Engine;
+use kvroute_shared_state::collector_tick;
 use kvroute_shared_state::held::HeldTable;
 use std::collections::HashMap;
 
@@ -252,6 +253,11 @@ impl Collector {
             return;
         }
         self.work(host, now);
+        // The workers publish how long ago this was
+        // (`kvroute_collector_tick_age_ms`): a collector that stops is seen.
+        if let Err(e) = collector_tick::stamp(host.store(), now) {
+            self.host_error(host, "stamping the collector's tick", e);
+        }
         self.renew(host, now);
         let leader = self.is_leader();
         self.stats.set_leader(host, leader);
