@@ -229,9 +229,27 @@ def _debug_listener_yaml(host, port, wasm, config, buffer_limit):
     )
 
 
+# The first HTTP filter of every listener that reaches the model servers'
+# cluster: drops a client's destination header on every route, before
+# kvroute runs. The cluster's override_host policy honours the header on any
+# route that reaches it, and Envoy applies a route's or virtual host's
+# request_headers_to_remove when the router forwards, after kvroute has set
+# the header: there it would remove kvroute's own pick too (checked on 1.40).
+STRIP_DESTINATION_FILTER_YAML = f"""          # A client's {DESTINATION_HEADER} never reaches the load balancer: it
+          # is dropped here, on every route, before kvroute sets its own.
+          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              mutations:
+                request_mutations:
+                - remove: {DESTINATION_HEADER}
+"""
+
+
 def _routing_listener_yaml(name, address, port, buffer_limit, filters):
     """A listener that routes every path to the model servers' cluster
-    through `filters` (YAML of the HTTP filters before the router)."""
+    through `filters` (YAML of the HTTP filters before the router), after
+    the filter that drops a client's destination header."""
     return f"""
   - name: {name}
     address:
@@ -262,7 +280,7 @@ def _routing_listener_yaml(name, address, port, buffer_limit, filters):
                     retry_on: connect-failure,refused-stream,reset-before-request
                     num_retries: 1
           http_filters:
-{filters}          - name: envoy.filters.http.router
+{STRIP_DESTINATION_FILTER_YAML}{filters}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"""
 
@@ -271,7 +289,8 @@ def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
     override_host = f"""    # The filter picks the host: it writes "{DESTINATION_HEADER}: ip:port[,fallback...]".
     # Addresses that are not members of this cluster are skipped; with no usable
     # address left, the fallback policy (round robin) picks. A client can never
-    # reach a non-member this way (the filter also strips any client copy).
+    # reach a non-member this way, and a client's copy of the header is dropped
+    # on every route (the listeners' first filter).
     load_balancing_policy:
       policies:
       - typed_extension_config:

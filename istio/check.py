@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 
@@ -176,7 +177,9 @@ def cross_references(shape, docs, ref):
     expect(not {"kvroute-bootstrap.yaml", "deployment-patch.yaml"} & set(docs),
            f"istio/{shape}/ has no bootstrap override or pod patch (the singleton alternative's, istio/singleton/{shape}/)")
     (ec,) = patches(ef, "EXTENSION_CONFIG")
-    (hf,) = patches(ef, "HTTP_FILTER")
+    filters = patches(ef, "HTTP_FILTER")
+    hf = next(p for p in filters if "config_discovery" in p["patch"]["value"])
+    strips = [p for p in filters if p is not hf]
     (hr,) = patches(ef, "HTTP_ROUTE")
     (ls,) = patches(ef, "LISTENER")
     (cl,) = [p for p in patches(ef, "CLUSTER") if p["patch"]["operation"] == "MERGE"]
@@ -191,6 +194,14 @@ def cross_references(shape, docs, ref):
     expect(list(hr["patch"]["value"]["typed_per_filter_config"]) == [ext["name"]],
            "HTTP_ROUTE enables the filter by the same name")
     expect(hf["patch"]["value"].get("disabled") is True, "the filter is off by default on the listener")
+    # The client's destination header is dropped on every route, before the
+    # filter: render.py's first filter, inserted before kvroute's.
+    ref_strip = yaml.safe_load(textwrap.dedent(render.STRIP_DESTINATION_FILTER_YAML))[0]
+    expect(len(strips) == 1 and strips[0]["patch"]["value"] == ref_strip
+           and strips[0]["patch"]["operation"] == hf["patch"]["operation"] == "INSERT_BEFORE"
+           and strips[0]["match"] == hf["match"]
+           and ef["spec"]["configPatches"].index(strips[0]) < ef["spec"]["configPatches"].index(hf),
+           "a header_mutation = render.py's drops the client's destination header, inserted before the filter")
     expect({p.get("match", {}).get("context") for p in ef["spec"]["configPatches"] if p["applyTo"] != "EXTENSION_CONFIG"} == {context},
            f"every listener/route/cluster patch has context {context}")
     expect(hf["match"]["listener"]["portNumber"] == ls["match"]["listener"]["portNumber"] == port
