@@ -261,6 +261,14 @@ def _routing_listener_yaml(name, address, port, buffer_limit, filters):
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: {name}
+          # A front gateway: the peer's address is the client's (appended to
+          # x-forwarded-for), and no client is trusted with x-envoy-* request
+          # headers (x-envoy-retry-on, x-envoy-max-retries, ...): with
+          # internal_address_config unset, Envoy >= 1.33 treats no address as
+          # internal, so it strips them whatever x-forwarded-for says. Do not
+          # add an empty internal_address_config {{}}: on 1.40 that trusts a
+          # loopback peer again (checked; Envoy's old default, RFC1918 too).
+          use_remote_address: true
           route_config:
             name: {name}
             virtual_hosts:
