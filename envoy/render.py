@@ -23,8 +23,15 @@ DEFAULT_WASM = os.path.join(REPO, "target", "wasm32-wasip1", "release", "kvroute
 DEFAULT_PLUGIN_CONFIG = os.path.join(REPO, "envoy", "kvroute-config.json")
 
 # The model-server cluster. The filter names hosts of this cluster in the
-# destination header; the collector polls their /metrics through it too.
+# destination header.
 VLLM_CLUSTER = "vllm"
+# The collector polls each endpoint's /metrics through this ORIGINAL_DST
+# cluster, naming the endpoint's ip:port in ORIGINAL_DST_HOST_HEADER: the call
+# reaches that address or fails. (Through the vllm cluster, a slot that is no
+# longer a healthy member would be answered by the fallback round robin's
+# pick, another server's counters recorded under it.) No route points at it.
+METRICS_CLUSTER = "kvroute_metrics"
+ORIGINAL_DST_HOST_HEADER = "x-envoy-original-dst-host"
 # A STATIC cluster pointing at Envoy's own admin listener, so the collector can
 # read /clusters?format=json (membership + health of the vllm cluster).
 ADMIN_CLUSTER = "envoy_admin"
@@ -33,7 +40,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # this ORIGINAL_DST cluster, naming the relay's ip:port in RELAY_HOST_HEADER.
 # No route points at it, so clients cannot reach it.
 RELAY_CLUSTER = "kvroute_relays"
-RELAY_HOST_HEADER = "x-envoy-original-dst-host"
+RELAY_HOST_HEADER = ORIGINAL_DST_HOST_HEADER
 # Where --state-listener serves the shared state (routing.statePath there).
 DEFAULT_STATE_PATH = "/kvroute/state"
 
@@ -363,6 +370,22 @@ def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
     return head + membership + override_host
 
 
+def metrics_cluster_yaml(name=METRICS_CLUSTER):
+    """The cluster the collector polls each endpoint's /metrics through."""
+    return f"""  # The collector's /metrics polls: the endpoint's ip:port comes from the
+  # {ORIGINAL_DST_HOST_HEADER} header the collector sets, so an answer comes
+  # from the endpoint it is recorded for, or the poll fails. No route uses
+  # this cluster, so a client cannot reach it.
+  - name: {name}
+    connect_timeout: 1s
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: {ORIGINAL_DST_HOST_HEADER}
+"""
+
+
 def relay_cluster_yaml(name=RELAY_CLUSTER):
     """The cluster the collector reaches KV-event relays through (kvEvents)."""
     return f"""  # kvEvents: the collector's calls to each endpoint's KV-event relay. The
@@ -455,6 +478,9 @@ bootstrap_extensions:
     title = "Envoy 1.40 bootstrap for kvroute"
     kv_events = config.get("kvEvents") or {}
     relays = relay_cluster_yaml(kv_events.get("cluster", RELAY_CLUSTER)) if kv_events.get("enabled") else ""
+    metrics_cluster = config.get("collector", {}).get("metricsCluster")
+    if metrics_cluster not in (None, VLLM_CLUSTER, ADMIN_CLUSTER, kv_events.get("cluster", RELAY_CLUSTER)):
+        relays = metrics_cluster_yaml(metrics_cluster) + relays
     if baseline:
         collector = ""
         routing_filter = ""

@@ -221,8 +221,8 @@ def cross_references(shape, docs, ref):
     cluster_name = f"outbound|{cmatch['portNumber']}||{cmatch['service']}"
     dest = vs["spec"]["http"][0]["route"][0]["destination"]
     expect(f"outbound|{dest['port']['number']}||{dest['host']}" == cluster_name, f"VirtualService routes to {cluster_name}")
-    expect(plugin["endpoints"]["fromCluster"]["cluster"] == plugin["collector"]["metricsCluster"] == cluster_name,
-           "endpoints.fromCluster.cluster and collector.metricsCluster name the patched cluster")
+    expect(plugin["endpoints"]["fromCluster"]["cluster"] == cluster_name,
+           "endpoints.fromCluster.cluster names the patched cluster")
 
     # The admin cluster: a CLUSTER ADD (istiod sends it over CDS as it is).
     admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
@@ -235,7 +235,14 @@ def cross_references(shape, docs, ref):
     ref_relay = yaml.safe_load(render.relay_cluster_yaml(relay_name))[0]
     expect(len(relay) == 1 and relay[0] == ref_relay,
            f"kvEvents.cluster {relay_name} is a CLUSTER ADD equal to render.py's (ORIGINAL_DST by {render.RELAY_HOST_HEADER})")
-    expect(len(added) == 2, f"the CLUSTER ADDs are {admin_name} and {relay_name}, nothing else")
+    # The collector's /metrics polls: the third CLUSTER ADD, as render.py's.
+    metrics_name = plugin["collector"]["metricsCluster"]
+    metrics = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == metrics_name]
+    ref_metrics = yaml.safe_load(render.metrics_cluster_yaml(metrics_name))[0]
+    expect(metrics_name == render.METRICS_CLUSTER and len(metrics) == 1 and metrics[0] == ref_metrics,
+           f"collector.metricsCluster {metrics_name} is a CLUSTER ADD equal to render.py's "
+           f"(ORIGINAL_DST by {render.ORIGINAL_DST_HOST_HEADER})")
+    expect(len(added) == 3, f"the CLUSTER ADDs are {admin_name}, {relay_name} and {metrics_name}, nothing else")
     expect(all("cluster" not in p.get("match", {}) for p in added),
            "the CLUSTER ADDs match on context only (istiod ignores match.cluster for ADD)")
     if admin:
@@ -283,7 +290,8 @@ def cross_references(shape, docs, ref):
         with open(out["cds"]) as f:
             cds = [c["name"] for c in json.load(f)["resources"]]
     expect(not boot.get("bootstrap_extensions"), "the equivalent bootstrap has no bootstrap extension (no singleton)")
-    expect(cds == [admin_name, relay_name], f"the equivalent gets {admin_name} and {relay_name} over CDS")
+    expect(cds == [admin_name, relay_name, metrics_name],
+           f"the equivalent gets {admin_name}, {relay_name} and {metrics_name} over CDS")
     lease_render = render.render(endpoints=["127.0.0.1:1"], wasm="/x.wasm", plugin_config=plugin)
     expect("envoy.bootstrap.wasm" not in lease_render, "render.py renders no singleton for the same plugin JSON")
 
