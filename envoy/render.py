@@ -458,6 +458,12 @@ bootstrap_extensions:
     config:
       name: kvroute-collector
       root_id: kvroute-collector
+      # The filter's policy. Envoy 1.40 accepts it here, but reloads a failed
+      # VM only when a stream asks the plugin for a context, which a bootstrap
+      # service never does: a dead collector stays dead until Envoy restarts.
+      # The filter's workers publish kvroute_collector_tick_age_ms, which then
+      # grows (docs/operations.md, runbook).
+      failure_policy: FAIL_RELOAD
 {_vm_config_yaml(wasm, 6)}{_plugin_configuration_yaml(config, 6)}"""
     if config.get("collector", {}).get("mode") == "lease":
         # collector.mode lease: a filter-only install. The HTTP filter's

@@ -334,6 +334,8 @@ def singleton_references(shape, docs, primary_docs, ref):
     expect(svc["config"]["vm_config"]["vm_id"] == cfg["vm_config"]["vm_id"] == ref_service["config"]["vm_config"]["vm_id"] == "kvroute",
            "vm_id kvroute in filter, collector and render.py")
     expect(svc["config"]["vm_config"]["runtime"] == cfg["vm_config"]["runtime"], "same runtime in filter and collector")
+    expect(svc["config"].get("failure_policy") == cfg.get("failure_policy") == ref_service["config"].get("failure_policy"),
+           f"collector failure_policy = the filter's = render.py's ({cfg.get('failure_policy')})")
     expect(json.loads(svc["config"]["configuration"]["value"]) == plugin, "the collector gets the same plugin JSON as the filter")
     admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
     static = [c["name"] for c in boot.get("static_resources", {}).get("clusters", [])]
