@@ -383,6 +383,15 @@ def metrics_cluster_yaml(name=METRICS_CLUSTER):
     original_dst_lb_config:
       use_http_header: true
       http_header_name: {ORIGINAL_DST_HOST_HEADER}
+    # As on {VLLM_CLUSTER}: vLLM closes an idle keep-alive connection after
+    # 5 s; Envoy closes its side first, so a poll never lands on a closing one.
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options:
+          idle_timeout: 4s
+        explicit_http_config:
+          http_protocol_options: {{}}
 """
 
 
