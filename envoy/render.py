@@ -23,8 +23,15 @@ DEFAULT_WASM = os.path.join(REPO, "target", "wasm32-wasip1", "release", "kvroute
 DEFAULT_PLUGIN_CONFIG = os.path.join(REPO, "envoy", "kvroute-config.json")
 
 # The model-server cluster. The filter names hosts of this cluster in the
-# destination header; the collector polls their /metrics through it too.
+# destination header.
 VLLM_CLUSTER = "vllm"
+# The collector polls each endpoint's /metrics through this ORIGINAL_DST
+# cluster, naming the endpoint's ip:port in ORIGINAL_DST_HOST_HEADER: the call
+# reaches that address or fails. (Through the vllm cluster, a slot that is no
+# longer a healthy member would be answered by the fallback round robin's
+# pick, another server's counters recorded under it.) No route points at it.
+METRICS_CLUSTER = "kvroute_metrics"
+ORIGINAL_DST_HOST_HEADER = "x-envoy-original-dst-host"
 # A STATIC cluster pointing at Envoy's own admin listener, so the collector can
 # read /clusters?format=json (membership + health of the vllm cluster).
 ADMIN_CLUSTER = "envoy_admin"
@@ -33,7 +40,7 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 # this ORIGINAL_DST cluster, naming the relay's ip:port in RELAY_HOST_HEADER.
 # No route points at it, so clients cannot reach it.
 RELAY_CLUSTER = "kvroute_relays"
-RELAY_HOST_HEADER = "x-envoy-original-dst-host"
+RELAY_HOST_HEADER = ORIGINAL_DST_HOST_HEADER
 # Where --state-listener serves the shared state (routing.statePath there).
 DEFAULT_STATE_PATH = "/kvroute/state"
 
@@ -229,9 +236,27 @@ def _debug_listener_yaml(host, port, wasm, config, buffer_limit):
     )
 
 
+# The first HTTP filter of every listener that reaches the model servers'
+# cluster: drops a client's destination header on every route, before
+# kvroute runs. The cluster's override_host policy honours the header on any
+# route that reaches it, and Envoy applies a route's or virtual host's
+# request_headers_to_remove when the router forwards, after kvroute has set
+# the header: there it would remove kvroute's own pick too (checked on 1.40).
+STRIP_DESTINATION_FILTER_YAML = f"""          # A client's {DESTINATION_HEADER} never reaches the load balancer: it
+          # is dropped here, on every route, before kvroute sets its own.
+          - name: envoy.filters.http.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+              mutations:
+                request_mutations:
+                - remove: {DESTINATION_HEADER}
+"""
+
+
 def _routing_listener_yaml(name, address, port, buffer_limit, filters):
     """A listener that routes every path to the model servers' cluster
-    through `filters` (YAML of the HTTP filters before the router)."""
+    through `filters` (YAML of the HTTP filters before the router), after
+    the filter that drops a client's destination header."""
     return f"""
   - name: {name}
     address:
@@ -243,6 +268,14 @@ def _routing_listener_yaml(name, address, port, buffer_limit, filters):
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: {name}
+          # A front gateway: the peer's address is the client's (appended to
+          # x-forwarded-for), and no client is trusted with x-envoy-* request
+          # headers (x-envoy-retry-on, x-envoy-max-retries, ...): with
+          # internal_address_config unset, Envoy >= 1.33 treats no address as
+          # internal, so it strips them whatever x-forwarded-for says. Do not
+          # add an empty internal_address_config {{}}: on 1.40 that trusts a
+          # loopback peer again (checked; Envoy's old default, RFC1918 too).
+          use_remote_address: true
           route_config:
             name: {name}
             virtual_hosts:
@@ -262,7 +295,7 @@ def _routing_listener_yaml(name, address, port, buffer_limit, filters):
                     retry_on: connect-failure,refused-stream,reset-before-request
                     num_retries: 1
           http_filters:
-{filters}          - name: envoy.filters.http.router
+{STRIP_DESTINATION_FILTER_YAML}{filters}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"""
 
@@ -271,7 +304,8 @@ def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
     override_host = f"""    # The filter picks the host: it writes "{DESTINATION_HEADER}: ip:port[,fallback...]".
     # Addresses that are not members of this cluster are skipped; with no usable
     # address left, the fallback policy (round robin) picks. A client can never
-    # reach a non-member this way (the filter also strips any client copy).
+    # reach a non-member this way, and a client's copy of the header is dropped
+    # on every route (the listeners' first filter).
     load_balancing_policy:
       policies:
       - typed_extension_config:
@@ -334,6 +368,31 @@ def _vllm_cluster_yaml(endpoints, eds_file, buffer_limit):
       - lb_endpoints:
 {lb}"""
     return head + membership + override_host
+
+
+def metrics_cluster_yaml(name=METRICS_CLUSTER):
+    """The cluster the collector polls each endpoint's /metrics through."""
+    return f"""  # The collector's /metrics polls: the endpoint's ip:port comes from the
+  # {ORIGINAL_DST_HOST_HEADER} header the collector sets, so an answer comes
+  # from the endpoint it is recorded for, or the poll fails. No route uses
+  # this cluster, so a client cannot reach it.
+  - name: {name}
+    connect_timeout: 1s
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: {ORIGINAL_DST_HOST_HEADER}
+    # As on {VLLM_CLUSTER}: vLLM closes an idle keep-alive connection after
+    # 5 s; Envoy closes its side first, so a poll never lands on a closing one.
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options:
+          idle_timeout: 4s
+        explicit_http_config:
+          http_protocol_options: {{}}
+"""
 
 
 def relay_cluster_yaml(name=RELAY_CLUSTER):
@@ -408,6 +467,12 @@ bootstrap_extensions:
     config:
       name: kvroute-collector
       root_id: kvroute-collector
+      # The filter's policy. Envoy 1.40 accepts it here, but reloads a failed
+      # VM only when a stream asks the plugin for a context, which a bootstrap
+      # service never does: a dead collector stays dead until Envoy restarts.
+      # The filter's workers publish kvroute_collector_tick_age_ms, which then
+      # grows (docs/operations.md, runbook).
+      failure_policy: FAIL_RELOAD
 {_vm_config_yaml(wasm, 6)}{_plugin_configuration_yaml(config, 6)}"""
     if config.get("collector", {}).get("mode") == "lease":
         # collector.mode lease: a filter-only install. The HTTP filter's
@@ -428,6 +493,9 @@ bootstrap_extensions:
     title = "Envoy 1.40 bootstrap for kvroute"
     kv_events = config.get("kvEvents") or {}
     relays = relay_cluster_yaml(kv_events.get("cluster", RELAY_CLUSTER)) if kv_events.get("enabled") else ""
+    metrics_cluster = config.get("collector", {}).get("metricsCluster")
+    if metrics_cluster not in (None, VLLM_CLUSTER, ADMIN_CLUSTER, kv_events.get("cluster", RELAY_CLUSTER)):
+        relays = metrics_cluster_yaml(metrics_cluster) + relays
     if baseline:
         collector = ""
         routing_filter = ""

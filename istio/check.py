@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import urllib.request
 
@@ -176,7 +177,9 @@ def cross_references(shape, docs, ref):
     expect(not {"kvroute-bootstrap.yaml", "deployment-patch.yaml"} & set(docs),
            f"istio/{shape}/ has no bootstrap override or pod patch (the singleton alternative's, istio/singleton/{shape}/)")
     (ec,) = patches(ef, "EXTENSION_CONFIG")
-    (hf,) = patches(ef, "HTTP_FILTER")
+    filters = patches(ef, "HTTP_FILTER")
+    hf = next(p for p in filters if "config_discovery" in p["patch"]["value"])
+    strips = [p for p in filters if p is not hf]
     (hr,) = patches(ef, "HTTP_ROUTE")
     (ls,) = patches(ef, "LISTENER")
     (cl,) = [p for p in patches(ef, "CLUSTER") if p["patch"]["operation"] == "MERGE"]
@@ -191,6 +194,14 @@ def cross_references(shape, docs, ref):
     expect(list(hr["patch"]["value"]["typed_per_filter_config"]) == [ext["name"]],
            "HTTP_ROUTE enables the filter by the same name")
     expect(hf["patch"]["value"].get("disabled") is True, "the filter is off by default on the listener")
+    # The client's destination header is dropped on every route, before the
+    # filter: render.py's first filter, inserted before kvroute's.
+    ref_strip = yaml.safe_load(textwrap.dedent(render.STRIP_DESTINATION_FILTER_YAML))[0]
+    expect(len(strips) == 1 and strips[0]["patch"]["value"] == ref_strip
+           and strips[0]["patch"]["operation"] == hf["patch"]["operation"] == "INSERT_BEFORE"
+           and strips[0]["match"] == hf["match"]
+           and ef["spec"]["configPatches"].index(strips[0]) < ef["spec"]["configPatches"].index(hf),
+           "a header_mutation = render.py's drops the client's destination header, inserted before the filter")
     expect({p.get("match", {}).get("context") for p in ef["spec"]["configPatches"] if p["applyTo"] != "EXTENSION_CONFIG"} == {context},
            f"every listener/route/cluster patch has context {context}")
     expect(hf["match"]["listener"]["portNumber"] == ls["match"]["listener"]["portNumber"] == port
@@ -210,8 +221,8 @@ def cross_references(shape, docs, ref):
     cluster_name = f"outbound|{cmatch['portNumber']}||{cmatch['service']}"
     dest = vs["spec"]["http"][0]["route"][0]["destination"]
     expect(f"outbound|{dest['port']['number']}||{dest['host']}" == cluster_name, f"VirtualService routes to {cluster_name}")
-    expect(plugin["endpoints"]["fromCluster"]["cluster"] == plugin["collector"]["metricsCluster"] == cluster_name,
-           "endpoints.fromCluster.cluster and collector.metricsCluster name the patched cluster")
+    expect(plugin["endpoints"]["fromCluster"]["cluster"] == cluster_name,
+           "endpoints.fromCluster.cluster names the patched cluster")
 
     # The admin cluster: a CLUSTER ADD (istiod sends it over CDS as it is).
     admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
@@ -224,7 +235,14 @@ def cross_references(shape, docs, ref):
     ref_relay = yaml.safe_load(render.relay_cluster_yaml(relay_name))[0]
     expect(len(relay) == 1 and relay[0] == ref_relay,
            f"kvEvents.cluster {relay_name} is a CLUSTER ADD equal to render.py's (ORIGINAL_DST by {render.RELAY_HOST_HEADER})")
-    expect(len(added) == 2, f"the CLUSTER ADDs are {admin_name} and {relay_name}, nothing else")
+    # The collector's /metrics polls: the third CLUSTER ADD, as render.py's.
+    metrics_name = plugin["collector"]["metricsCluster"]
+    metrics = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == metrics_name]
+    ref_metrics = yaml.safe_load(render.metrics_cluster_yaml(metrics_name))[0]
+    expect(metrics_name == render.METRICS_CLUSTER and len(metrics) == 1 and metrics[0] == ref_metrics,
+           f"collector.metricsCluster {metrics_name} is a CLUSTER ADD equal to render.py's "
+           f"(ORIGINAL_DST by {render.ORIGINAL_DST_HOST_HEADER})")
+    expect(len(added) == 3, f"the CLUSTER ADDs are {admin_name}, {relay_name} and {metrics_name}, nothing else")
     expect(all("cluster" not in p.get("match", {}) for p in added),
            "the CLUSTER ADDs match on context only (istiod ignores match.cluster for ADD)")
     if admin:
@@ -272,7 +290,8 @@ def cross_references(shape, docs, ref):
         with open(out["cds"]) as f:
             cds = [c["name"] for c in json.load(f)["resources"]]
     expect(not boot.get("bootstrap_extensions"), "the equivalent bootstrap has no bootstrap extension (no singleton)")
-    expect(cds == [admin_name, relay_name], f"the equivalent gets {admin_name} and {relay_name} over CDS")
+    expect(cds == [admin_name, relay_name, metrics_name],
+           f"the equivalent gets {admin_name}, {relay_name} and {metrics_name} over CDS")
     lease_render = render.render(endpoints=["127.0.0.1:1"], wasm="/x.wasm", plugin_config=plugin)
     expect("envoy.bootstrap.wasm" not in lease_render, "render.py renders no singleton for the same plugin JSON")
 
@@ -315,6 +334,8 @@ def singleton_references(shape, docs, primary_docs, ref):
     expect(svc["config"]["vm_config"]["vm_id"] == cfg["vm_config"]["vm_id"] == ref_service["config"]["vm_config"]["vm_id"] == "kvroute",
            "vm_id kvroute in filter, collector and render.py")
     expect(svc["config"]["vm_config"]["runtime"] == cfg["vm_config"]["runtime"], "same runtime in filter and collector")
+    expect(svc["config"].get("failure_policy") == cfg.get("failure_policy") == ref_service["config"].get("failure_policy"),
+           f"collector failure_policy = the filter's = render.py's ({cfg.get('failure_policy')})")
     expect(json.loads(svc["config"]["configuration"]["value"]) == plugin, "the collector gets the same plugin JSON as the filter")
     admin_name = plugin["endpoints"]["fromCluster"]["adminCluster"]
     static = [c["name"] for c in boot.get("static_resources", {}).get("clusters", [])]

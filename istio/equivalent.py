@@ -271,10 +271,13 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port, variant="lea
             assert lm["filterChain"]["filter"]["name"] == HCM
             assert lm["filterChain"]["filter"]["subFilter"]["name"] == ROUTER and op == "INSERT_BEFORE"
             f = copy.deepcopy(value)
-            cs = f["config_discovery"]["config_source"]
-            assert "ads" in cs, "Istio serves ECDS over ADS"
-            del cs["ads"]
-            cs["path_config_source"] = {"path": ecds_file, "watched_directory": {"path": os.path.dirname(ecds_file)}}
+            if "config_discovery" in f:
+                cs = f["config_discovery"]["config_source"]
+                assert "ads" in cs, "Istio serves ECDS over ADS"
+                del cs["ads"]
+                cs["path_config_source"] = {"path": ecds_file, "watched_directory": {"path": os.path.dirname(ecds_file)}}
+            # Patches apply in order: each INSERT_BEFORE the router lands
+            # after the ones before it.
             filters = hcm["http_filters"]
             i = [x["name"] for x in filters].index(ROUTER)
             filters.insert(i, f)

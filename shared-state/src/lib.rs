@@ -13,6 +13,7 @@
 //! | `kvroute/metrics` | collector | [`metrics::MetricsTable`]: last polled vLLM metrics per slot, with age, and the online prefill-rate estimate |
 //! | `kvroute/ix/<n>` | workers | [`index::PrefixIndex`] shards: fixed-size tables of block entries |
 //! | `kvroute/held`, `kvroute/held/<slot>/<n>` | collector (`kvEvents`) | [`held`]: the vLLM block hashes each endpoint holds, from its KV events, with relay epoch/seq and freshness |
+//! | `kvroute/collector/tick` | collector | [`collector_tick`]: when it last ticked, ms (workers publish the age) |
 //!
 //! The crate knows nothing of proxy-wasm: the [`Store`] trait is implemented
 //! over the host in `kvroute-wasm`, in the wasmtime harness, and in memory
@@ -20,6 +21,7 @@
 
 pub mod cas;
 pub mod codec;
+pub mod collector_tick;
 pub mod endpoints;
 pub mod held;
 pub mod index;

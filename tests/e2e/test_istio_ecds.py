@@ -50,10 +50,17 @@ def _start_envoy(tmp_path, cfg, name, concurrency):
 def istio_envoy(artifacts, tmp_path):
     started = []
 
-    def start(shape, endpoints, variant="lease", plugin_patch=None, concurrency=2):
+    def start(shape, endpoints, variant="lease", plugin_patch=None, concurrency=2, edit=None):
+        """edit: a test's change to the bootstrap (a dict) before Envoy starts."""
         port, admin = free_ports(2)
         name = f"{variant}-{shape}"
         cfg = equivalent.build(shape, str(tmp_path / name), artifacts["wasm"], endpoints, port, admin, variant, plugin_patch)
+        if edit:
+            with open(cfg["config"]) as fh:
+                boot = json.load(fh)
+            edit(boot)
+            with open(cfg["config"], "w") as fh:
+                json.dump(boot, fh)
         proc = _start_envoy(tmp_path, cfg, f"envoy-{name}", concurrency)
         started.append(proc)
 
@@ -182,6 +189,43 @@ def test_filter_is_off_for_other_services(fleet, istio_envoy):
                timeout=30, interval=0.5, what="model route sticking")
     served = [completion(e["port"], prefix + f" o{i}", headers={"host": e["other_host"]}).served_by for i in range(6)]
     assert len(set(served)) > 1, served
+
+
+DIRECT_HOST = "direct.vllm.models.svc.cluster.local"
+
+
+def _add_direct_route(boot):
+    """A second route to the model servers' cluster, on the same listener:
+    another VirtualService's route to the same Service, where the filter
+    stays off (it is enabled on kvroute-models only)."""
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["route_config"]["virtual_hosts"].insert(0, {
+        "name": "direct", "domains": [DIRECT_HOST],
+        "routes": [{"name": "direct", "match": {"prefix": "/"},
+                    "route": {"cluster": equivalent.MODEL_CLUSTER, "timeout": "0s"}}]})
+
+
+@pytest.mark.parametrize("shape", ["sidecar", "gateway"])
+def test_a_client_destination_header_picks_no_server_on_another_route(fleet, istio_envoy, shape):
+    """The model servers' cluster honours x-gateway-destination-endpoint on
+    any route that reaches it; the shape drops a client's copy on every route
+    of the listener (header_mutation before the filter), so on a route where
+    kvroute is off the cluster's fallback picks, not the client."""
+    f = fleet(2)
+    a, b = f.addresses
+    e = istio_envoy(shape, f.addresses, edit=_add_direct_route)
+    served = [completion(e["port"], text(f"direct-{i}", 512), timeout=10,
+                         headers={"host": DIRECT_HOST, "x-gateway-destination-endpoint": b}).served_by
+              for i in range(6)]
+    assert set(served) == {a, b}, f"the client's header picked the server: {served}"
+    # kvroute's own pick, on its route, still reaches the load balancer: a
+    # shared prefix sticks (the client's header is ignored there too).
+    prefix = text(31337, 6000)
+    sticky = wait_until(lambda: len({completion(e["port"], prefix + f" s{i}", timeout=10).served_by
+                                     for i in range(4)}) == 1,
+                        timeout=30, interval=0.5, what="the model route sticking")
+    assert sticky
+    assert e["process"].alive()
 
 
 def test_manifest_bootstraps_validate(artifacts, tmp_path):

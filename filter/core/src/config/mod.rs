@@ -160,9 +160,13 @@ pub struct KvEventsConfig {
     pub max_hashes_per_poll: u32,
 }
 
-/// The header that names the relay's `ip:port` to the `ORIGINAL_DST`
-/// relay cluster (Envoy's default for `use_http_header`).
-pub const RELAY_HOST_HEADER: &str = "x-envoy-original-dst-host";
+/// The header that names the host's `ip:port` to an `ORIGINAL_DST`
+/// cluster (Envoy's default for `use_http_header`): the relay cluster's, and
+/// `collector.metricsCluster`'s in the shipped configs, so that a poll
+/// reaches the named host or no one.
+pub const ORIGINAL_DST_HOST_HEADER: &str = "x-envoy-original-dst-host";
+/// The relay cluster's host header ([`ORIGINAL_DST_HOST_HEADER`]).
+pub const RELAY_HOST_HEADER: &str = ORIGINAL_DST_HOST_HEADER;
 
 impl KvEventsConfig {
     /// The relay of the endpoint at `address` (`ip:port`): the override, or

@@ -2,11 +2,18 @@
 //! current, and reaps orphaned charges.
 //!
 //! Every tick: refresh membership from Envoy's admin API (`fromCluster`),
-//! poll each endpoint's `/metrics` through `collector.metricsCluster` with
-//! the destination header naming the endpoint (override_host sends it
-//! there), and reap charges older than `collector.reapAfterMs`. At most one
-//! call per target is in flight; a call that times out comes back with no
-//! headers and counts as a failed poll.
+//! poll each endpoint's `/metrics` through `collector.metricsCluster`, and
+//! reap charges older than `collector.reapAfterMs`. At most one call per
+//! target is in flight; a call that times out comes back with no headers and
+//! counts as a failed poll.
+//!
+//! A poll names its endpoint in [`ORIGINAL_DST_HOST_HEADER`] (an
+//! `ORIGINAL_DST` cluster with `use_http_header` connects to that address
+//! and nowhere else: the shipped `kvroute_metrics`) and in the destination
+//! header (an override_host cluster). Through an override_host cluster an
+//! endpoint that is no longer a healthy member is answered by the fallback
+//! policy's pick, so another server's counters would be recorded under it;
+//! `docs/configuration.md` (`metricsCluster`) says to use the former.
 //!
 //! With `kvEvents.enabled`, every `kvEvents.pollMs` it also calls each
 //! endpoint's KV-event relay (`kvEvents.relays`, else the endpoint's IP at
@@ -23,8 +30,9 @@ use super::lease::{Lease, Schedule, Standing};
 use super::telemetry::{self, CollectorStats};
 use super::{Counter, Counts, Host, Level};
 use crate::collector::kv_events::{ask_path, next_ask, Ask};
-use crate::config::{CollectorMode, EndpointSource, RELAY_HOST_HEADER};
+use crate::config::{CollectorMode, EndpointSource, ORIGINAL_DST_HOST_HEADER, RELAY_HOST_HEADER};
 use crate::engine::Engine;
+use kvroute_shared_state::collector_tick;
 use kvroute_shared_state::held::HeldTable;
 use std::collections::HashMap;
 
@@ -245,6 +253,11 @@ impl Collector {
             return;
         }
         self.work(host, now);
+        // The workers publish how long ago this was
+        // (`kvroute_collector_tick_age_ms`): a collector that stops is seen.
+        if let Err(e) = collector_tick::stamp(host.store(), now) {
+            self.host_error(host, "stamping the collector's tick", e);
+        }
         self.renew(host, now);
         let leader = self.is_leader();
         self.stats.set_leader(host, leader);
@@ -348,6 +361,7 @@ impl Collector {
                 (":method", "GET"),
                 (":path", path.as_str()),
                 (":authority", e.address.as_str()),
+                (ORIGINAL_DST_HOST_HEADER, e.address.as_str()),
                 (header.as_str(), e.address.as_str()),
             ];
             match host.http_call(&cluster, &headers, self.timers.metrics_timeout_ms) {

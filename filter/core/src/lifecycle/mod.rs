@@ -395,6 +395,8 @@ pub struct Worker {
     /// it (and is counted) rather than stamping time 0, which would make a
     /// fresh charge look ancient to the reaper.
     last_now_ms: Cell<u64>,
+    /// `kvroute_collector_tick_age_ms`, which every worker publishes.
+    tick_age: RefCell<telemetry::TickAge>,
 }
 
 impl Worker {
@@ -405,6 +407,7 @@ impl Worker {
             counts,
             samples: telemetry::Samples::new(seed),
             last_now_ms: Cell::new(0),
+            tick_age: RefCell::new(telemetry::TickAge::default()),
         }
     }
 
@@ -437,6 +440,16 @@ impl Worker {
                 None
             }
         }
+    }
+
+    /// The root's tick: publishes how long ago the collector ticked
+    /// (`kvroute_collector_tick_age_ms`), then flushes. A clock error skips
+    /// the gauge (counted) rather than compute an age from a stale time.
+    pub fn on_tick(&self, host: &dyn Host) {
+        if let Some(ns) = self.clock_ns(host) {
+            self.tick_age.borrow_mut().on_tick(host, ns / 1_000_000);
+        }
+        self.flush(host);
     }
 
     /// Hands pending counts to Envoy (the root's tick and end).
@@ -474,13 +487,14 @@ impl Role {
         }
     }
 
-    /// `proxy_on_tick`: the collector's round, then the filter's counts.
+    /// `proxy_on_tick`: the collector's round, then the filter's gauge of
+    /// the collector's last tick and its counts.
     pub fn on_tick(&mut self, host: &dyn Host) {
         if let Some(c) = self.collector() {
             c.on_tick(host);
         }
         if let Role::Filter { worker, .. } = self {
-            worker.flush(host);
+            worker.on_tick(host);
         }
     }
 

@@ -23,6 +23,7 @@
 
 use super::{Host, Level};
 use crate::engine::{Engine, Outcome};
+use kvroute_shared_state::collector_tick;
 use kvroute_shared_state::held::{HeldTable, HELD_KEY};
 use kvroute_shared_state::index::{self, ENTRY_BYTES};
 use kvroute_shared_state::load::LoadTable;
@@ -500,5 +501,51 @@ impl LeaderGauge {
         if self.leader {
             self.record(host, true);
         }
+    }
+}
+
+/// `kvroute_collector_tick_age_ms`: how long ago the collector last ran its
+/// tick, ms, as a filter worker VM sees it (now − the stamp the collector
+/// writes to shared data on each tick, [`collector_tick`]; before any stamp,
+/// now − the worker's first look). A collector that runs keeps it under its
+/// tick period plus [`GAUGE_PERIOD_MS`]; a dead singleton VM or an
+/// unrenewed lease makes it grow without bound, and the endpoint table and
+/// metrics stop changing. Set by the workers, not the collector, so that it
+/// grows when the collector is gone. Every worker sets the same gauge each
+/// [`GAUGE_PERIOD_MS`] (Envoy gauges are process-wide); their values differ
+/// by at most that period.
+pub const TICK_AGE_GAUGE: &str = "kvroute_collector_tick_age_ms";
+
+/// A worker's [`TICK_AGE_GAUGE`].
+#[derive(Default)]
+pub struct TickAge {
+    gauge: Option<Gauge>,
+    started_ms: Option<u64>,
+    next_ms: u64,
+}
+
+impl TickAge {
+    /// The worker's tick: every [`GAUGE_PERIOD_MS`], one shared-data get
+    /// and, if the age changed, one gauge set. A read error leaves the
+    /// gauge as it was (logged at debug level).
+    pub fn on_tick(&mut self, host: &dyn Host, now_ms: u64) {
+        let started = *self.started_ms.get_or_insert(now_ms);
+        if now_ms < self.next_ms {
+            return;
+        }
+        self.next_ms = now_ms + GAUGE_PERIOD_MS;
+        let last = match collector_tick::last(host.store()) {
+            Ok(last) => last,
+            Err(e) => {
+                return host.log(
+                    Level::Debug,
+                    &format!("kvroute: {TICK_AGE_GAUGE} not updated: {e}"),
+                )
+            }
+        };
+        let age = now_ms.saturating_sub(last.unwrap_or(started));
+        self.gauge
+            .get_or_insert_with(|| Gauge::define(host, TICK_AGE_GAUGE))
+            .set(host, age);
     }
 }

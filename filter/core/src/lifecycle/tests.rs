@@ -874,6 +874,16 @@ fn collector_polls_each_endpoint_once_at_a_time_and_counts_failures() {
     assert!(calls.iter().all(|(cl, h, _)| cl == "models"
         && h.iter()
             .any(|(k, v)| k == "x-gateway-destination-endpoint" && v.starts_with("127.0.0.1:"))));
+    // The same address for an ORIGINAL_DST metrics cluster, which reaches
+    // that host or no one (never a fallback pick).
+    for (_, h, _) in &calls {
+        let named = |name: &str| h.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        assert_eq!(
+            named("x-envoy-original-dst-host"),
+            named("x-gateway-destination-endpoint"),
+            "{h:?}"
+        );
+    }
     // Still in flight: no second call on the next poll.
     host.now_ns.set(2_000_000_000);
     c.on_tick(&host);
@@ -1696,4 +1706,75 @@ mod kv_events {
                 <= e.held_geometry().max_bytes_per_endpoint()
         );
     }
+}
+
+#[test]
+fn workers_publish_the_age_of_the_collectors_last_tick() {
+    use kvroute_shared_state::collector_tick;
+    let age = |host: &FakeHost| host.gauge(telemetry::TICK_AGE_GAUGE);
+    // The collector stamps each tick in shared data.
+    let (host, mut c) = collector("");
+    host.now_ns.set(4_000_000_000);
+    c.on_tick(&host);
+    assert_eq!(collector_tick::last(host.store()), Ok(Some(4_000)));
+    // A worker with no collector ever seen: the age counts from its first look.
+    let (host, w) = filter("");
+    w.on_tick(&host);
+    assert_eq!(age(&host), Some(0));
+    host.now_ns.set(8_000_000_000);
+    w.on_tick(&host);
+    assert_eq!(age(&host), Some(3_000), "5 s → 8 s, no tick stamped");
+    // A collector that ticks keeps it small.
+    collector_tick::stamp(host.store(), 8_700).unwrap();
+    host.now_ns.set(9_000_000_000);
+    w.on_tick(&host);
+    assert_eq!(age(&host), Some(300));
+    // Within the gauge period the worker does not read again.
+    host.now_ns.set(9_500_000_000);
+    w.on_tick(&host);
+    assert_eq!(age(&host), Some(300));
+    // It stops ticking: the age grows with the clock.
+    host.now_ns.set(20_000_000_000);
+    w.on_tick(&host);
+    assert_eq!(age(&host), Some(11_300));
+    // A shared-data error leaves the gauge alone; a clock error skips it and
+    // is counted.
+    host.failing
+        .borrow_mut()
+        .insert("proxy_get_current_time_nanoseconds");
+    host.now_ns.set(30_000_000_000);
+    w.on_tick(&host);
+    assert_eq!(age(&host), Some(11_300));
+    assert_eq!(host.counter(Counter::HostErrors), 1);
+}
+
+#[test]
+fn a_lease_follower_does_not_stamp_the_collectors_tick() {
+    use kvroute_shared_state::collector_tick;
+    let host = FakeHost::default();
+    host.now_ns.set(1_000_000_000);
+    *host.config.borrow_mut() = format!(
+        r#"{{{BASE},"collector":{{"mode":"lease","metricsCluster":"models","metricsPollIntervalMs":500}}}}"#
+    )
+    .into_bytes();
+    *host.root_id.borrow_mut() = b"kvroute".to_vec();
+    let Ok(mut role) = configure(&host) else {
+        panic!("not configured")
+    };
+    let other = lease::LeaseRecord {
+        holder: 1,
+        expires_at_ms: 60_000,
+        ..Default::default()
+    };
+    host.store
+        .set(lease::LEASE_KEY, &other.encode(), 0)
+        .unwrap();
+    host.now_ns.set(2_000_000_000);
+    role.on_tick(&host);
+    assert_eq!(
+        collector_tick::last(host.store()),
+        Ok(None),
+        "a follower stamped"
+    );
+    assert_eq!(host.gauge(telemetry::TICK_AGE_GAUGE), Some(0));
 }
