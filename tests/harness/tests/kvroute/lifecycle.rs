@@ -306,9 +306,10 @@ fn filter_counters_reach_envoy_on_the_tick() {
 /// Non-streaming requests whose prompt (31 blocks) shares its first 23
 /// blocks with earlier ones, answered as Envoy's HTTP/1 codec delivers a
 /// response (headers, the body, then an empty end-of-stream chunk):
-/// - 18 entries: context creation, request headers, request body, response
+/// - 19 entries: context creation, request headers, request body, response
 ///   headers, response body ×2, `proxy_on_done`, `proxy_on_log`, delete,
-///   and an allocation callback for each of the 9 reads below. The module
+///   and an allocation callback for each of the 10 reads below (the
+///   upstream address is not found here; in Envoy it is one more). The module
 ///   is built on the proxy-wasm SDK, whose dispatcher exports `on_done` and
 ///   `on_log`, so Envoy calls both; the hand-written ABI layer it replaced
 ///   did not export them.
@@ -319,7 +320,10 @@ fn filter_counters_reach_envoy_on_the_tick() {
 ///   prompt that ended in group 2; the insert reads group 3), the charge
 ///   (set), 2 index inserts (sets: groups 2 and 3, group 2 seeded by the
 ///   lookup's read), the destination header, and one release (a get and a
-///   set) at the response's first byte. The prompt spans four 8-block
+///   set) at the response's first byte, and 2 reads at the response
+///   headers (issue 40): `:status` (a request the server did not accept is
+///   taken back) and `upstream.address` (a request Envoy retried to another
+///   endpoint moves its charge): 17 in all. The prompt spans four 8-block
 ///   groups. Before `index::group_key` the match ended inside group 2 and
 ///   the lookup read groups 0 and 2 (16 entries, 13 host calls); with
 ///   32-block groups it was 14 entries and 10 host calls (one group);
@@ -327,7 +331,7 @@ fn filter_counters_reach_envoy_on_the_tick() {
 ///   `last_held`, says why.
 /// - plus 1 clock read on 1 request in 16 (`telemetry::DECISION_SAMPLE_EVERY`):
 ///   the end of its decision, for `kvroute_decision_time_us`. So 16
-///   requests are measured: at most 16 × 15 + 1 host calls. The histogram
+///   requests are measured: at most 16 × 17 + 1 host calls. The histogram
 ///   samples and counters go to Envoy on the tick, not per request.
 #[test]
 fn a_routed_request_makes_few_vm_crossings() {
@@ -359,12 +363,12 @@ fn a_routed_request_makes_few_vm_crossings() {
     eprintln!("{N} routed requests: {entries} VM entries, {host_calls} host calls");
     assert_eq!(total_inflight(&c), (0, 0));
     assert!(
-        entries <= 18 * N,
-        "{entries} VM entries per {N} requests (was 18 each)"
+        entries <= 19 * N,
+        "{entries} VM entries per {N} requests (was 19 each)"
     );
     assert!(
-        host_calls <= 15 * N + 1,
-        "{host_calls} host calls per {N} requests (was 15 each, + 1 decision-time clock read)"
+        host_calls <= 17 * N + 1,
+        "{host_calls} host calls per {N} requests (was 17 each, + 1 decision-time clock read)"
     );
 }
 
@@ -388,6 +392,7 @@ fn module_exports_the_callbacks_it_relies_on() {
         "proxy_on_http_call_response",
         "proxy_on_request_headers",
         "proxy_on_request_body",
+        "proxy_on_request_trailers",
         "proxy_on_response_headers",
         "proxy_on_response_body",
         "proxy_on_done",
