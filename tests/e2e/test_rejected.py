@@ -16,7 +16,9 @@ What must hold:
   server) stay within 0.02 of the run without the flood;
 - a burst of rejected requests, alone, leaves kvroute's state as it was:
   every endpoint's insert counter (the index's eviction clock) and routed
-  prompt bytes (the bytes-per-token learner's input), and no charge held.
+  prompt bytes (the bytes-per-token learner's input), and no charge held;
+  so do requests the server answers 500, 503 or 429, or resets before its
+  first response byte (`x-emulator-fail`).
 
 Before the fix every rejected prompt advanced its endpoint's insert counter
 by its blocks and counted its bytes, so the flood aged every user's entries
@@ -212,6 +214,30 @@ def run_phase(f, envoy, flood):
                    timeout=10, what="no request in flight after the burst")
         out["burst_state"] = (before, state_view(e))
         assert counters(f) == accepted, "the servers accepted a request of the burst"
+        # Other refusals: an error status, a reset before any response byte.
+        before = state_view(e)
+        faults = []
+
+        def fault(i, how):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text(f"fault-{i}", 3000)}],
+                    "max_tokens": 8, "stream": i % 2 == 0}
+            try:
+                r = post(e.port, "/v1/chat/completions", body, {"x-emulator-fail": how}, timeout=30)
+                faults.append((how, r.status))
+            except OSError as ex:
+                faults.append((how, repr(ex)))
+
+        threads = [threading.Thread(target=fault, args=(i, how))
+                   for i, how in enumerate(["500", "503", "429", "reset-before-first-byte"] * 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        wait_until(lambda: all(x["inflightRequests"] == 0 for x in state_view(e).values()),
+                   timeout=10, what="no request in flight after the faults")
+        out["fault_state"] = (before, state_view(e), sorted(faults, key=str))
+        assert all(st != 200 for _, st in faults), faults
+        assert counters(f) == accepted, "the servers accepted a failed request"
         fl.run_background()
 
     time.sleep(0.5)  # the burst's counts reach Envoy's page (flushed every 200 ms)
@@ -273,6 +299,9 @@ def test_rejected_flood_leaves_affinity_and_state_unchanged(fleet, envoy):
           f"hit ratio {stormy['hit_ratio']:.3f}, stickiness {stormy['stickiness']:.3f}, "
           f"agent turns' branches {stormy['agent_branches']}, all requests' {stormy['branches']}")
     print(f"state around a burst of 20 rejected requests: before {before}\n  after {after}")
+    fb, fa, faults = stormy["fault_state"]
+    print(f"state around 8 requests answered 500/503/429 or reset before the first byte ({faults}): "
+          f"before {fb}\n  after {fa}")
 
     # The measurement means something: alone, the workload sticks and hits.
     assert len(set(calm["placement"])) == 2 and len(set(stormy["placement"])) == 2, (calm, stormy)
@@ -285,6 +314,12 @@ def test_rejected_flood_leaves_affinity_and_state_unchanged(fleet, envoy):
             f"{a}: rejected requests advanced the eviction clock: {before[a]} -> {after[a]}"
         assert after[a]["routedPromptBytes"] == before[a]["routedPromptBytes"], \
             f"{a}: rejected requests' bytes reached the bytes-per-token learner: {before[a]} -> {after[a]}"
+    before, after, faults = stormy["fault_state"]
+    for a in f.addresses:
+        assert after[a]["inflightRequests"] == 0 and after[a]["inflightTokens"] == 0, after
+        assert (after[a]["insertCounter"], after[a]["routedPromptBytes"]) == \
+            (before[a]["insertCounter"], before[a]["routedPromptBytes"]), \
+            f"{a}: failed requests changed the eviction clock or the learner's bytes: {before[a]} -> {after[a]}"
     # And the flood cost the agent workload nothing.
     assert stormy["stickiness"] >= calm["stickiness"] - TOLERANCE, (calm["stickiness"], stormy["stickiness"])
     assert abs(stormy["hit_ratio"] - calm["hit_ratio"]) <= TOLERANCE, (calm["hit_ratio"], stormy["hit_ratio"])
