@@ -538,8 +538,8 @@ class Bench:
         return out
 
     # -- arms ----------------------------------------------------------------
-    def run_arm(self, wname, w, arm, endpoints, peak, seed):
-        tag = f"{wname}.{arm}" + (f".seed{seed}" if len(self.args.seeds) > 1 else "")
+    def run_arm(self, wname, w, arm, endpoints, peak, seed, extra=(), tag_suffix=""):
+        tag = f"{wname}.{arm}" + (f".seed{seed}" if len(self.args.seeds) > 1 else "") + tag_suffix
         out = os.path.join(self.work, f"{tag}.json")
         admin = None
         if arm == "smg-cache-aware":
@@ -554,7 +554,7 @@ class Bench:
                     "--time-scale", str(w["time_scale"]), "--seed", str(seed), "--json", out,
                     "--ceiling-block-size", str(FLEET["block_size"]),
                     "--request-timeout-s", str(self.args.request_timeout_s),
-                    "--stop-after-ttft-p90", str(self.args.slo_s * self.args.stop_factor), *w["loadgen"]]
+                    "--stop-after-ttft-p90", str(self.args.slo_s * self.args.stop_factor), *w["loadgen"], *extra]
             if admin:
                 # the filter's counters (branches, fail-open) per stage
                 argv += ["--router-stats", f"http://127.0.0.1:{admin}/stats?filter=kvroute_&type=Counters"]
@@ -632,6 +632,67 @@ class Bench:
         self.save(results)
         return results, failures
 
+    def run_reject_ab(self):
+        """--reject-ab RATE: per seed, each arm runs the workload twice on the same fleet (caches and
+        counters reset before each run, a new Envoy each time): alone, then with kvroute-loadgen's
+        --reject-stream (a second client's over-length requests, answered 400 by the servers)."""
+        a = self.args
+        results = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": git_commit(), "fleet": FLEET,
+                   "slo_s": a.slo_s, "penalty_ms": a.penalty_ms, "metrics_poll_ms": a.metrics_poll_ms,
+                   "envoy_concurrency": a.envoy_concurrency, "seeds": a.seeds,
+                   "reject_stream": {"rate": a.reject_ab, "tokens": a.reject_tokens}, "workloads": {},
+                   "command": "python3 sim/bench/quality.py " + " ".join(sys.argv[1:])}
+        failures = []
+        stream = ["--reject-stream", f"{a.reject_ab:g}", "--reject-tokens", str(a.reject_tokens)]
+        try:
+            for wname in a.workloads:
+                w = dict(WORKLOADS[wname])
+                if a.smoke:
+                    w.update(SMOKE[wname])
+                arms = a.arms or ["kvroute-default"]
+                fleet, endpoints = self.start_fleet(wname, w["time_scale"])
+                wres = {"what": w["what"], "time_scale": w["time_scale"], "stage_s": w["stage_s"],
+                        "rates": w["rates"], "loadgen_extra": w["loadgen"], "runs": []}
+                results["workloads"][wname] = wres
+                try:
+                    cal = self.calibrate(wname, endpoints, w["time_scale"])
+                    wres["calibration"] = cal
+                    for seed in a.seeds:
+                        for arm in arms:
+                            row = {"seed": seed, "arm": arm}
+                            for key, extra in (("without", ()), ("with", stream)):
+                                name = f"{wname}/{arm} seed {seed} {key} the reject stream"
+                                log(f"{name}: start")
+                                try:
+                                    res = self.run_arm(wname, w, arm, endpoints, cal["peak"], seed, extra=extra,
+                                                       tag_suffix=f".seed{seed}.{key}-rejects")
+                                except Exception as e:  # noqa: BLE001 -- reported, the rest run
+                                    failures.append(f"{name}: {e}")
+                                    res = {"error": str(e), "stages": []}
+                                row[key] = res
+                                problems = check_arm(res) if "error" not in res else res["error"]
+                                if key == "with":
+                                    for st in res["stages"]:
+                                        r = st.get("reject_stream") or {}
+                                        if not r.get("sent") or r.get("rejected") != r.get("sent"):
+                                            problems = (problems + "; " if problems else "") + (
+                                                f"stage {st['label']}: reject stream {r or 'missing'} "
+                                                "(every request must be rejected)")
+                                if problems:
+                                    failures.append(f"{name}: {problems}")
+                                log(f"{name}: hit ratio by stage "
+                                    + ", ".join(fmt(st["hit_ratio"], ".3f") for st in res["stages"])
+                                    + (f"; problems: {problems}" if problems else ""))
+                            wres["runs"].append(row)
+                            self.save(results)
+                finally:
+                    self.procs.stop(fleet)
+        finally:
+            self.procs.stop_all()
+        results["failures"] = failures
+        self.save(results)
+        return results, failures
+
     def save(self, results):
         with open(os.path.join(self.work, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
@@ -681,6 +742,8 @@ def summarize_arm(report, w, stats, wall):
             # (kvroute-loadgen --router-stats; None for smg, {} for Envoy without kvroute)
             "router": ({k.split("kvroute_", 1)[-1]: v for k, v in st["router_counters"].items()}
                        if st.get("router_counters") is not None else None),
+            # kvroute-loadgen --reject-stream: what the second client's over-length requests got
+            "reject_stream": st.get("reject_stream"),
         })
     return {"stages": stages, "envoy_stats": stats, "wall_s": wall}
 
@@ -833,8 +896,10 @@ def router_count_problems(s):
     decided = c.get("routed", 0) + c.get("fail_open", 0) + c.get("rejected", 0)
     branches = sum(v for k, v in c.items() if k.startswith("branch_"))
     out = []
-    if decided != s["requests"]:
-        out.append(f"stage {s['label']}: the filter decided {decided} of {s['requests']} requests")
+    # the --reject-stream client's requests go through the filter too
+    requests = s["requests"] + ((s.get("reject_stream") or {}).get("sent") or 0)
+    if decided != requests:
+        out.append(f"stage {s['label']}: the filter decided {decided} of {requests} requests")
     if branches != c.get("routed", 0):
         out.append(f"stage {s['label']}: {branches} branch counts for {c.get('routed', 0)} routed")
     return out
@@ -1213,6 +1278,35 @@ def print_headlines(results):
                       f"{fmt(c, '.3f')} = {fmt(hc, '.3f')}")
 
 
+def reject_ab_rows(results):
+    """(workload, seed, arm, stage label, hit without, hit with, with - without, hit/ceiling without,
+    hit/ceiling with, rejected/sent) per stage of each --reject-ab pair."""
+    rows = []
+    for wname, w in results["workloads"].items():
+        for run in w["runs"]:
+            a, b = run["without"].get("stages") or [], run["with"].get("stages") or []
+            for sa, sb in zip(a, b):
+                ha, hb = sa["hit_ratio"], sb["hit_ratio"]
+                r = sb.get("reject_stream") or {}
+                rows.append((wname, run["seed"], run["arm"], sa["label"], ha, hb,
+                             hb - ha if ha is not None and hb is not None else None,
+                             sa.get("hit_over_ceiling"), sb.get("hit_over_ceiling"),
+                             f"{r.get('rejected', 0)}/{r.get('sent', 0)}"))
+    return rows
+
+
+def print_reject_ab(results):
+    rs = results["reject_stream"]
+    print(f"\nHit ratio with and without a stream of rejected (over-length, HTTP 400) requests: "
+          f"{rs['rate']:g} req/s (model time) of {rs['tokens']} tokens; target: the stream costs <= 0.02")
+    print("| workload | seed | arm | stage | hit without | hit with | with − without | ÷ ceiling without "
+          "| ÷ ceiling with | rejected / sent |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for wname, seed, arm, label, ha, hb, d, ca, cb, rej in reject_ab_rows(results):
+        print(f"| {wname} | {seed} | {arm} | {label} | {fmt(ha, '.3f')} | {fmt(hb, '.3f')} | {fmt(d, '+.3f')} "
+              f"| {fmt(ca, '.3f')} | {fmt(cb, '.3f')} | {rej} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CI smoke: tiny workloads, one short stage per arm")
@@ -1249,11 +1343,24 @@ def main(argv=None):
     p.add_argument("--loadgen-extra", default=None, help="extra kvroute-loadgen flags for every selected workload, "
                    "e.g. '--output-tokens 250' (what-if runs)")
     p.add_argument("--stages", action="store_true", help="also write every stage's row into the Markdown section (long)")
+    p.add_argument("--reject-ab", type=float, default=None, metavar="RATE",
+                   help="A/B of issue 40 point 1: per seed and arm, run the workload alone and then with a second "
+                   "client sending RATE over-length requests per model second (kvroute-loadgen --reject-stream), "
+                   "and print both hit ratios side by side (default workload agent-session, arm kvroute-default, "
+                   "--rates 6,6: a warm-up stage and a measured one); writes no docs")
+    p.add_argument("--reject-tokens", type=int, default=49152,
+                   help="--reject-ab: the rejected prompts' length in tokens, above the emulator's --max-model-len "
+                   "(40960) [49152]")
     p.add_argument("--from-results", default=None, metavar="JSON[,JSON...]",
                    help="run nothing: rewrite the Markdown section and plots from the results.json of earlier runs "
                    "(a comma list: one fleet and SLO, a workload in several files comes from the last; --results "
                    "then gets the merged file)")
     args = p.parse_args(argv)
+    if args.reject_ab is not None:
+        if not args.reject_ab > 0:
+            p.error("--reject-ab: a positive rate")
+        args.workloads = args.workloads or "agent-session"
+        args.rates = args.rates or "6,6"
     args.workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
     for w in args.workloads:
         if w not in WORKLOADS:
@@ -1281,7 +1388,7 @@ def main(argv=None):
             w["time_scale"] = args.time_scale
     # The committed results file goes with the docs: a run or re-render sent elsewhere (--out) leaves it alone
     # unless --results names it.
-    if args.out is None and not args.smoke:
+    if args.out is None and not args.smoke and args.reject_ab is None:
         args.out = os.path.join(REPO, "docs", "benchmarks.md")
         if args.results is None:
             args.results = os.path.join(HERE, "results", "quality.json")
@@ -1322,6 +1429,19 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
+    if args.reject_ab is not None:
+        results, failures = bench.run_reject_ab()
+        results["wall_min"] = (time.time() - t0) / 60
+        bench.save(results)
+        if args.results:
+            os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+            shutil.copy(os.path.join(bench.work, "results.json"), args.results)
+        print_reject_ab(results)
+        print(f"\n(total {results['wall_min']:.1f} min; logs and raw JSON in {bench.work})")
+        if failures:
+            print("\nFAILED runs:\n  " + "\n  ".join(failures), file=sys.stderr)
+            return 1
+        return 0
     results, failures = bench.run()
     results["wall_min"] = (time.time() - t0) / 60
     results["stop_factor"] = args.stop_factor

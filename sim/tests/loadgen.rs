@@ -4,6 +4,7 @@ use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
 use kvroute_sim::loadgen::client::HttpClient;
+use kvroute_sim::loadgen::reject::RejectStream;
 use kvroute_sim::loadgen::run::{run, RunConfig};
 use kvroute_sim::loadgen::stages::parse_stages;
 use kvroute_sim::loadgen::workload::{Api, GenRequest, Workload, WorkloadKind, WorkloadSpec};
@@ -155,6 +156,7 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
         reset: true,
         ceiling_block_size: Some(64),
         router_stats: None,
+        reject_stream: None,
     };
     let report = run(cfg, &|_| {}).await.unwrap();
     assert_eq!(report.stages.len(), 2);
@@ -199,9 +201,62 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
         reset: false,
         ceiling_block_size: None,
         router_stats: None,
+        reject_stream: None,
     };
     let report = run(cfg, &|_| {}).await.unwrap();
     assert_eq!(report.stages[0].hit_ratio, None);
     assert_eq!(report.stages[0].hit_ratio_ceiling, None);
     assert!(report.stages[0].endpoints[0].hit_ratio.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reject_stream_is_answered_400_and_leaves_the_servers_counters_alone() {
+    let mut emu = EmulatorConfig {
+        time_scale: 50.0,
+        ..EmulatorConfig::default()
+    };
+    emu.engine.max_model_len = 4096;
+    let fleet = Fleet::start(&emu, &[0]).await.unwrap();
+    let eps: Vec<String> = fleet.addrs().iter().map(|a| a.to_string()).collect();
+    let cfg = RunConfig {
+        target: format!("http://{}", eps[0]),
+        endpoints: eps.clone(),
+        workload: WorkloadSpec {
+            groups: 2,
+            prompts_per_group: 2,
+            system_tokens: 1000,
+            question_tokens: 100,
+            output_tokens: 8,
+            ..WorkloadSpec::standard(WorkloadKind::SharedPrefix)
+        },
+        seed: 5,
+        stages: parse_stages("rate:10@3s").unwrap(),
+        time_scale: 50.0,
+        request_timeout: Duration::from_secs(10),
+        reset: true,
+        ceiling_block_size: None,
+        router_stats: None,
+        reject_stream: Some(RejectStream {
+            rate: 10.0,
+            tokens: 6000,
+        }),
+    };
+    let report = run(cfg, &|_| {}).await.unwrap();
+    let s = &report.stages[0];
+    let r = s.reject_stream.clone().unwrap();
+    assert!(r.sent >= 5, "{r:?}");
+    assert_eq!(r.rejected, r.sent, "{r:?}");
+    // The workload alone is in the stage's figures, and the servers counted
+    // only its prompts.
+    assert_eq!(s.errors, 0, "{:?}", s.error_kinds);
+    assert_eq!(s.endpoints[0].requests, s.requests);
+    let (hr, cr) = (s.hit_ratio.unwrap(), s.client_cached_ratio.unwrap());
+    assert!((hr - cr).abs() < 1e-9, "{hr} vs {cr}");
+    let stats = HttpClient::new()
+        .get(&format!("http://{}/emulator/stats", eps[0]))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(stats["requests"].as_u64(), Some(s.requests), "{stats}");
 }

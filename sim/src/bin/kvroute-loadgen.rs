@@ -3,6 +3,7 @@
 //! read from the endpoints' own counters.
 
 use kvroute_sim::cli::Flags;
+use kvroute_sim::loadgen::reject::RejectStream;
 use kvroute_sim::loadgen::report::render_table;
 use kvroute_sim::loadgen::run::{run_until, RunConfig};
 use kvroute_sim::loadgen::stages::parse_stages;
@@ -41,6 +42,13 @@ kvroute-loadgen --target http://127.0.0.1:PORT --workload NAME --stages SPEC [op
                             http://127.0.0.1:ADMIN/stats?filter=kvroute_&type=Counters):
                             each stage also reports how much each rose
                             (router_counters) [off]
+  --reject-stream RATE      a second client: over-length chat requests at RATE per model
+                            second (Poisson) during every stage, each a new prefix, every
+                            other one streaming; the servers should answer 400. Each stage
+                            reports what they got (reject_stream); they are not in its
+                            requests, latencies or tokens [off]
+  --reject-tokens N         their prompt length in tokens (of --chars-per-token bytes):
+                            above the servers' --max-model-len [49152]
   --no-reset                do not POST /emulator/reset to the endpoints first
   --stop-after-ttft-p90 X   end the ramp after the first stage whose TTFT p90 (model
                             seconds) is above X, or that had no successful request [off]
@@ -66,6 +74,8 @@ const FLAGS: &[(&str, bool)] = &[
     ("request-timeout-s", true),
     ("ceiling-block-size", true),
     ("router-stats", true),
+    ("reject-stream", true),
+    ("reject-tokens", true),
     ("no-reset", false),
     ("stop-after-ttft-p90", true),
 ];
@@ -143,6 +153,23 @@ fn config(f: &Flags) -> Result<Parsed, String> {
             Some(v)
         }
     };
+    let reject_stream = match f.str("reject-stream") {
+        None => None,
+        Some(_) => {
+            let rate: f64 = f.get("reject-stream", 0.0)?;
+            if !(rate > 0.0 && rate.is_finite()) {
+                return Err("kvroute-loadgen: --reject-stream must be a positive rate".into());
+            }
+            let tokens: u32 = f.get("reject-tokens", 49_152u32)?;
+            if tokens == 0 {
+                return Err("kvroute-loadgen: --reject-tokens must be at least 1".into());
+            }
+            Some(RejectStream { rate, tokens })
+        }
+    };
+    if reject_stream.is_none() && f.str("reject-tokens").is_some() {
+        return Err("kvroute-loadgen: --reject-tokens needs --reject-stream".into());
+    }
     Ok((
         RunConfig {
             target,
@@ -165,6 +192,7 @@ fn config(f: &Flags) -> Result<Parsed, String> {
                 },
             },
             router_stats: f.str("router-stats").map(str::to_owned),
+            reject_stream,
         },
         f.str("json").map(str::to_owned),
         stop,

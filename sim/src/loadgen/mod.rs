@@ -4,6 +4,7 @@
 
 pub mod ceiling;
 pub mod client;
+pub mod reject;
 pub mod report;
 pub mod run;
 pub mod stages;

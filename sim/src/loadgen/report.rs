@@ -121,6 +121,10 @@ pub struct StageReport {
     /// the same decisions. Absent when not read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub router_counters: Option<BTreeMap<String, u64>>,
+    /// The over-length requests of `--reject-stream` sent during the stage
+    /// (not in `requests`, latencies or tokens). Absent without the stream.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reject_stream: Option<super::reject::RejectStats>,
 }
 
 /// Builds a stage report. `before`/`after` are per-endpoint counters (same
@@ -215,6 +219,7 @@ pub fn stage_report(
         emulator_host_lag_s: complete.then_some(lag),
         endpoints: shares,
         router_counters: None,
+        reject_stream: None,
     }
 }
 

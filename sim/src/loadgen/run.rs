@@ -3,6 +3,7 @@
 
 use super::ceiling::Ceiling;
 use super::client::{HttpClient, Timed};
+use super::reject::{RejectBodies, RejectStats, RejectStream};
 use super::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
 use super::stages::{Stage, StageKind};
 use super::workload::{Workload, WorkloadSpec};
@@ -38,6 +39,9 @@ pub struct RunConfig {
     /// before and after each stage, which then reports their increase
     /// (`router_counters`). `None`: not read.
     pub router_stats: Option<String>,
+    /// A second client sending over-length requests during every stage
+    /// (`--reject-stream`); `None`: off.
+    pub reject_stream: Option<RejectStream>,
 }
 
 /// The workload and the ceiling of what it has sent so far.
@@ -278,15 +282,64 @@ async fn send_one(
     r
 }
 
+/// The `--reject-stream` client over one stage: Poisson arrivals at the
+/// stream's rate (model time) until the stage's wall time is up, each
+/// request on its own task. Returns the tasks and the shared tally.
+fn spawn_reject_stream(
+    client: &HttpClient,
+    cfg: &Arc<RunConfig>,
+    bodies: &Arc<Mutex<RejectBodies>>,
+    stream: &RejectStream,
+    stage_no: u64,
+    wall: Duration,
+) -> (tokio::task::JoinHandle<()>, Arc<Mutex<RejectStats>>) {
+    let stats = Arc::new(Mutex::new(RejectStats::default()));
+    let (client, cfg, bodies, out) = (client.clone(), cfg.clone(), bodies.clone(), stats.clone());
+    let rate = stream.rate;
+    let task = tokio::spawn(async move {
+        let start = Instant::now();
+        let mut rng = SeededRng::derive(cfg.seed, 0x0BAD_5EED ^ stage_no);
+        let mean_gap_s = 1.0 / (rate * cfg.time_scale);
+        let mut at = Duration::from_secs_f64(rng.exponential(mean_gap_s));
+        let mut sent = Vec::new();
+        while at < wall {
+            tokio::time::sleep_until((start + at).into()).await;
+            let (path, body) = bodies.lock().unwrap_or_else(|p| p.into_inner()).next_body();
+            let url = format!("{}{}", cfg.target.trim_end_matches('/'), path);
+            let (client, out, timeout) = (client.clone(), out.clone(), cfg.request_timeout);
+            sent.push(tokio::spawn(async move {
+                let status = tokio::time::timeout(timeout, client.post(&url, body, &[]))
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .map(|r| r.status.as_u16());
+                out.lock().unwrap_or_else(|p| p.into_inner()).add(status);
+            }));
+            at += Duration::from_secs_f64(rng.exponential(mean_gap_s));
+        }
+        for t in sent {
+            let _ = t.await;
+        }
+    });
+    (task, stats)
+}
+
 /// Runs one stage to completion (all its requests ended).
 async fn run_stage(
     client: &HttpClient,
     cfg: &Arc<RunConfig>,
     workload: &Arc<Mutex<Source>>,
+    rejects: Option<&Arc<Mutex<RejectBodies>>>,
     stage: &Stage,
     stage_no: u64,
-) -> Vec<RequestRecord> {
+) -> (Vec<RequestRecord>, Option<RejectStats>) {
     let wall = Duration::from_secs_f64(stage.duration_s / cfg.time_scale);
+    let reject = match (rejects, &cfg.reject_stream) {
+        (Some(bodies), Some(stream)) => Some(spawn_reject_stream(
+            client, cfg, bodies, stream, stage_no, wall,
+        )),
+        _ => None,
+    };
     let start = Instant::now();
     let records = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
@@ -328,9 +381,17 @@ async fn run_stage(
     for t in tasks {
         let _ = t.await;
     }
+    let rejected = match reject {
+        Some((task, stats)) => {
+            let _ = task.await;
+            let s = stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            Some(s)
+        }
+        None => None,
+    };
     let mut v = std::mem::take(&mut *records.lock().unwrap_or_else(|p| p.into_inner()));
     v.sort_by(|a, b| a.sent_at_s.total_cmp(&b.sent_at_s));
-    v
+    (v, rejected)
 }
 
 /// Runs every stage in order; `log` receives progress lines.
@@ -371,6 +432,14 @@ pub async fn run_until(
         workload: Workload::new(cfg.workload.clone(), cfg.seed),
         ceiling: cfg.ceiling_block_size.map(Ceiling::new),
     }));
+    let rejects = cfg.reject_stream.as_ref().map(|r| {
+        Arc::new(Mutex::new(RejectBodies::new(
+            &cfg.workload.model,
+            r.tokens,
+            cfg.workload.chars_per_token,
+            cfg.seed,
+        )))
+    });
     let mut stages = Vec::new();
     for (i, stage) in cfg.stages.iter().enumerate() {
         log(&format!(
@@ -384,7 +453,8 @@ pub async fn run_until(
             Some(url) => read_router_stats(&client, url, log).await,
             None => None,
         };
-        let records = run_stage(&client, &cfg, &workload, stage, i as u64).await;
+        let (records, rejected) =
+            run_stage(&client, &cfg, &workload, rejects.as_ref(), stage, i as u64).await;
         let after = read_all(&client, &cfg.endpoints, log).await;
         let router_after = match &cfg.router_stats {
             Some(url) => {
@@ -404,6 +474,13 @@ pub async fn run_until(
         if let (Some(b), Some(a)) = (&router_before, &router_after) {
             report.router_counters = Some(counter_increase(b, a));
         }
+        if let Some(r) = &rejected {
+            log(&format!(
+                "reject stream: {} sent, {} rejected (4xx), {} accepted, {} other",
+                r.sent, r.rejected, r.accepted, r.other
+            ));
+        }
+        report.reject_stream = rejected;
         let over = stop_ttft_p90_s.filter(|limit| match report.ttft_s.p90 {
             Some(p90) => p90 > *limit,
             None => true,
