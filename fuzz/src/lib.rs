@@ -19,9 +19,25 @@
 //!   polls, membership changes and CAS conflicts against one engine; the
 //!   in-flight counters equal the outstanding charges after every step, and
 //!   return to zero once every routed request is released.
+//!
+//! What the collector parses from servers and relays (a broken or
+//! compromised one must not crash a VM or corrupt shared data), each driven
+//! through the engine's real path into a `MemoryStore`:
+//!
+//! - [`vllm_metrics::run`]: `/metrics` text → `record_metrics`;
+//! - [`kv_events::run`]: relay `/kv/snapshot` and `/kv/events` answers →
+//!   `apply_relay_answer` (the held-block sets);
+//! - [`envoy_clusters::run`]: admin `/clusters?format=json` →
+//!   `apply_admin_clusters` (the endpoint table);
+//! - [`relay_frames::run`]: vLLM's ZMQ frames → the relay's state machine,
+//!   and its answers back into the collector.
 
 pub mod alloc_count;
 pub mod engine;
+pub mod envoy_clusters;
+pub mod kv_events;
+pub mod relay_frames;
+pub mod vllm_metrics;
 
 use kvroute_core::blocks::{estimate_tokens, prompt_blocks, text_blocks, BlockConfig};
 use kvroute_core::config::{Config, EndpointSource};
@@ -79,7 +95,7 @@ pub fn alloc_bound(input_len: usize) -> usize {
     factor.saturating_mul(input_len).saturating_add(64 << 10)
 }
 
-fn check_alloc(what: &str, input_len: usize, peak: usize) {
+pub(crate) fn check_alloc(what: &str, input_len: usize, peak: usize) {
     assert!(
         peak <= alloc_bound(input_len),
         "{what}: {peak} heap bytes at peak for a {input_len}-byte input ({:.1}× the input), over the bound {}",
