@@ -27,6 +27,7 @@ use kvroute_shared_state::held::{
     all_hashes, shard_key, HeldTable, HELD_KEY, SHARD_BYTES, SHARD_CAP, SHARD_ENTRIES,
 };
 use kvroute_shared_state::{Store, LOAD_KEY};
+use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeSet;
 
@@ -54,20 +55,50 @@ fn hashes(v: &Value) -> Vec<u64> {
         .unwrap_or_default()
 }
 
+// The relay's answers as `relay/README.md` documents them: only what the
+// reference set needs; other fields are ignored, as the engine ignores them
+// unchecked. Not read into a `Value`: serde_json skips an ignored field's
+// strings without checking them, so an answer with invalid UTF-8 in an
+// unknown field is accepted, and a `Value` would refuse it
+// (`seeds/kv_events/regression-ignored-invalid-utf8.json`).
+
+#[derive(Deserialize)]
+struct EventsDoc {
+    #[serde(default)]
+    batches: Vec<BatchDoc>,
+}
+
+#[derive(Deserialize)]
+struct BatchDoc {
+    ops: Vec<OpDoc>,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+enum OpDoc {
+    Stored { hashes: Vec<u64> },
+    Removed { hashes: Vec<u64> },
+    Cleared,
+}
+
+#[derive(Deserialize)]
+struct SnapshotDoc {
+    blocks: Vec<u64>,
+}
+
 /// Replays an accepted `/kv/events` answer's ops on the reference set.
 fn apply_events_to(reference: &mut BTreeSet<u64>, body: &[u8]) {
-    let v: Value = serde_json::from_slice(body).expect("the engine accepted it as JSON");
-    for batch in v["batches"].as_array().into_iter().flatten() {
-        for op in batch["ops"].as_array().into_iter().flatten() {
-            match op["op"].as_str() {
-                Some("stored") => reference.extend(hashes(&op["hashes"]).into_iter().map(key)),
-                Some("removed") => {
-                    for h in hashes(&op["hashes"]) {
+    let doc: EventsDoc = serde_json::from_slice(body).expect("the engine accepted it");
+    for batch in doc.batches {
+        for op in batch.ops {
+            match op {
+                OpDoc::Stored { hashes } => reference.extend(hashes.into_iter().map(key)),
+                OpDoc::Removed { hashes } => {
+                    for h in hashes {
                         reference.remove(&key(h));
                     }
                 }
-                Some("cleared") => reference.clear(),
-                other => panic!("the engine accepted an op {other:?}"),
+                OpDoc::Cleared => reference.clear(),
             }
         }
     }
@@ -111,8 +142,9 @@ pub fn run(data: &[u8]) {
                 check_applied(&a, ask);
                 match ask {
                     Ask::Snapshot => {
-                        let v: Value = serde_json::from_slice(body).expect("accepted as JSON");
-                        reference = hashes(&v["blocks"]).into_iter().map(key).collect();
+                        let doc: SnapshotDoc =
+                            serde_json::from_slice(body).expect("the engine accepted it");
+                        reference = doc.blocks.into_iter().map(key).collect();
                     }
                     Ask::Events if a.resync => {}
                     Ask::Events => apply_events_to(&mut reference, body),
