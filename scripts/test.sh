@@ -12,7 +12,9 @@
 #   3. cargo test --workspace                      (native unit/property tests, harness tests)
 #   4. kvroute-core's tests compiled to wasm32-wasip1, run by tests/harness's kvroute-wasi-run
 #   5. fuzz smoke: bash fuzz/smoke.sh (libFuzzer, 10 s per target over its seeds: the request
-#      parser, the plugin config, the engine; fails on a crash)
+#      parser, the plugin config, the engine, and what the collector and relay parse from the
+#      network: vLLM /metrics, relay /kv/* answers, Envoy /clusters JSON, vLLM's ZMQ KV frames;
+#      fails on a crash)
 #   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm, and the smaller one
 #      without the tokenizer feature: target/no-tokenizer/wasm32-wasip1/release/kvroute_wasm.wasm
 #   7. the Istio manifests: bash scripts/istio-check.sh (CRD schemas from testdata/istio,
@@ -98,7 +100,7 @@ fi
 CARGO_TARGET_WASM32_WASIP1_RUNNER="$runner" cargo test --target wasm32-wasip1 -p kvroute-core
 done_step
 
-step "fuzz smoke (bash fuzz/smoke.sh: parse_request, config, engine; 10 s each)"
+step "fuzz smoke (bash fuzz/smoke.sh: parse_request, config, engine, vllm_metrics, kv_events, envoy_clusters, relay_frames; 10 s each)"
 bash fuzz/smoke.sh
 done_step
 

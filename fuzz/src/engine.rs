@@ -121,19 +121,20 @@ struct Outstanding {
     prompt_released: bool,
 }
 
-/// One engine, its store, the clock and what is outstanding.
-struct World {
-    engine: Engine,
-    store: MemoryStore,
+/// One engine, its store, the clock and what is outstanding (also used by
+/// the collector targets, which route through it after writing state).
+pub(crate) struct World {
+    pub(crate) engine: Engine,
+    pub(crate) store: MemoryStore,
     rng: Rng,
-    now_ms: u64,
+    pub(crate) now_ms: u64,
     outstanding: Vec<Outstanding>,
     /// False after a reap: counters may then hold less than the outstanding charges.
     exact: bool,
 }
 
 impl World {
-    fn new(config: Config) -> World {
+    pub(crate) fn new(config: Config) -> World {
         let engine = Engine::new(config);
         let store = MemoryStore::new();
         engine
@@ -154,7 +155,7 @@ impl World {
         LoadTable::decode(value.as_ref().map(|(b, _)| b.as_slice()))
     }
 
-    fn route(&mut self, kind: ApiKind, body: &[u8]) {
+    pub(crate) fn route(&mut self, kind: ApiKind, body: &[u8]) {
         let outcome = self
             .engine
             .route(&self.store, kind, body, self.now_ms, &mut self.rng);
@@ -225,12 +226,16 @@ impl World {
                 );
             }
         }
-        assert!(r.explanation().starts_with("branch="), "{}", r.explanation());
+        assert!(
+            r.explanation().starts_with("branch="),
+            "{}",
+            r.explanation()
+        );
     }
 
     /// Counters equal the outstanding charges (while no reap happened), and
     /// never exceed them.
-    fn check_accounting(&self) {
+    pub(crate) fn check_accounting(&self) {
         let load = self.load();
         for (slot, rec) in load.records.iter().enumerate() {
             let mine = self.outstanding.iter().filter(|o| {
@@ -261,7 +266,7 @@ impl World {
     }
 
     /// Releases everything still outstanding; every counter must be zero.
-    fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         for o in std::mem::take(&mut self.outstanding) {
             self.engine
                 .release_rest(&self.store, &o.ticket, o.prompt_released)
@@ -450,6 +455,17 @@ pub fn run(data: &[u8]) {
     w.finish();
 }
 
+/// Routes chat request `i` (a long shared system prompt and a short
+/// question) through `w`, checking the decision (see `World::route`).
+pub(crate) fn route_chat(w: &mut World, i: usize) {
+    let system = SYSTEMS[0].repeat(24);
+    let body = json!({"model": "m", "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": format!("question {i}")}]});
+    let body = serde_json::to_vec(&body).expect("a Value serialises");
+    w.route(ApiKind::ChatCompletions, &body);
+}
+
 /// Routes a few requests with an accepted configuration (fuzz target
 /// `config`): nothing panics, and the counters return to zero.
 pub fn route_with(mut config: Config) {
@@ -470,13 +486,8 @@ pub fn route_with(mut config: Config) {
             .apply_membership(&w.store, members)
             .expect("apply_membership");
     }
-    let system = SYSTEMS[0].repeat(24);
     for i in 0..4 {
-        let body = json!({"model": "m", "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": format!("question {i}")}]});
-        let body = serde_json::to_vec(&body).expect("a Value serialises");
-        w.route(ApiKind::ChatCompletions, &body);
+        route_chat(&mut w, i);
         w.now_ms += 5;
         w.check_accounting();
     }

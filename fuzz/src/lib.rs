@@ -19,9 +19,25 @@
 //!   polls, membership changes and CAS conflicts against one engine; the
 //!   in-flight counters equal the outstanding charges after every step, and
 //!   return to zero once every routed request is released.
+//!
+//! What the collector parses from servers and relays (a broken or
+//! compromised one must not crash a VM or corrupt shared data), each driven
+//! through the engine's real path into a `MemoryStore`:
+//!
+//! - [`vllm_metrics::run`]: `/metrics` text → `record_metrics`;
+//! - [`kv_events::run`]: relay `/kv/snapshot` and `/kv/events` answers →
+//!   `apply_relay_answer` (the held-block sets);
+//! - [`envoy_clusters::run`]: admin `/clusters?format=json` →
+//!   `apply_admin_clusters` (the endpoint table);
+//! - [`relay_frames::run`]: vLLM's ZMQ frames → the relay's state machine,
+//!   and its answers back into the collector.
 
 pub mod alloc_count;
 pub mod engine;
+pub mod envoy_clusters;
+pub mod kv_events;
+pub mod relay_frames;
+pub mod vllm_metrics;
 
 use kvroute_core::blocks::{estimate_tokens, prompt_blocks, text_blocks, BlockConfig};
 use kvroute_core::config::{Config, EndpointSource};
@@ -79,7 +95,7 @@ pub fn alloc_bound(input_len: usize) -> usize {
     factor.saturating_mul(input_len).saturating_add(64 << 10)
 }
 
-fn check_alloc(what: &str, input_len: usize, peak: usize) {
+pub(crate) fn check_alloc(what: &str, input_len: usize, peak: usize) {
     assert!(
         peak <= alloc_bound(input_len),
         "{what}: {peak} heap bytes at peak for a {input_len}-byte input ({:.1}× the input), over the bound {}",
@@ -228,15 +244,123 @@ fn check_message_extension(body: &[u8]) {
     }
 }
 
+/// Heap bytes building one inline tokenizer may hold at once:
+/// `TOKENIZER_ALLOWANCE + TOKENIZER_FACTOR × tokenizer.json bytes +
+/// ADDED_TOKEN_COST × bytes of its added tokens' contents`.
+///
+/// What the `tokenizers` crate's build costs, measured with this harness
+/// (2026-12-06): the tiny BPE of `testdata/tokenizer/tiny-bpe-4096`
+/// (103 KB compact) 2.6 MB, 25× its size; the word-level tokenizer of
+/// `seeds/config/precise-inline-tokenizer.json` (one 3-byte added token)
+/// 30 KB. Added tokens cost out of proportion: they are matched with
+/// Aho-Corasick automata, about 550 heap bytes per byte of token content
+/// with up to 100 tokens (100 × 160 bytes: 8.9 MB; 2 × 8,000: 17.6 MB;
+/// ASCII or not), 72 with 101 (1.2 MB; past 100 patterns aho-corasick
+/// builds an NFA instead of a DFA). The config fuzz target stopped on
+/// this: `fuzz/seeds/config/regression-inline-tokenizer-alloc.json`, a
+/// 1.5 KB config whose one added token is 300 bytes, held 191 KB (125×).
+pub const TOKENIZER_ALLOWANCE: usize = 1 << 20;
+/// See [`TOKENIZER_ALLOWANCE`].
+pub const TOKENIZER_FACTOR: usize = 64;
+/// Heap bytes per byte of added-token content (measured: 550 on the DFA
+/// path; twice that for margin). See [`TOKENIZER_ALLOWANCE`].
+pub const ADDED_TOKEN_COST: usize = 1 << 10;
+
+/// An inline tokenizer of a config document, as the loader hands it to
+/// `ModelTokenizer::load`.
+struct InlineTokenizer {
+    json: Vec<u8>,
+    config: Option<Value>,
+    chat_template: Option<String>,
+    /// Bytes of its `added_tokens[].content`.
+    added_bytes: usize,
+}
+
+fn inline_tokenizers(doc: &[u8]) -> Vec<InlineTokenizer> {
+    let Ok(v) = serde_json::from_slice::<Value>(doc) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for p in v["plugins"].as_array().into_iter().flatten() {
+        let q = &p["parameters"];
+        let json = match &q["tokenizerJson"] {
+            Value::String(s) => s.as_bytes().to_vec(),
+            o @ Value::Object(_) => serde_json::to_vec(o).unwrap_or_default(),
+            _ => continue,
+        };
+        let added_bytes = serde_json::from_slice::<Value>(&json)
+            .ok()
+            .and_then(|t| {
+                t["added_tokens"].as_array().map(|a| {
+                    a.iter()
+                        .filter_map(|t| t["content"].as_str())
+                        .map(str::len)
+                        .sum()
+                })
+            })
+            .unwrap_or(0);
+        out.push(InlineTokenizer {
+            json,
+            config: q.get("tokenizerConfig").filter(|c| c.is_object()).cloned(),
+            chat_template: q["chatTemplate"].as_str().map(str::to_owned),
+            added_bytes,
+        });
+    }
+    out
+}
+
+/// Builds each inline tokenizer of `doc` on its own, checks its heap peak
+/// against its bound ([`TOKENIZER_ALLOWANCE`]), and returns the sum of the
+/// peaks: the config loader may hold that much more than the document's
+/// own bound ([`alloc_bound`]).
+///
+/// Why the fuzz check allows for the tokenizer rather than the loader
+/// bounding it: a config is written by the operator, not sent by clients
+/// or servers (the failure rules of DESIGN.md §4 are about those); a real
+/// `tokenizer.json` must load (Qwen3's is 11.4 MB; the loader refuses one
+/// over 16 MiB), and if it costs like the tiny BPE (25×) it takes each VM
+/// some 300 MB anyway; and the loader cannot see heap use in the VM, so a cap
+/// it could apply (bytes of added tokens) would be a guess that no real
+/// tokenizer was at hand to check. What stays checked: the tokenizer's own
+/// cost is bounded by its size and its added tokens' size, and everything
+/// else the loader holds by the document's size.
+fn tokenizer_cost(doc: &[u8]) -> usize {
+    let mut total = 0usize;
+    for t in inline_tokenizers(doc) {
+        let base = alloc_count::start();
+        let loaded = kvroute_core::precise::tokenizer::ModelTokenizer::load(
+            &t.json,
+            t.config.as_ref(),
+            t.chat_template.as_deref(),
+        );
+        let peak = alloc_count::peak_since(base);
+        drop(loaded);
+        let bound = TOKENIZER_ALLOWANCE
+            .saturating_add(TOKENIZER_FACTOR.saturating_mul(t.json.len()))
+            .saturating_add(ADDED_TOKEN_COST.saturating_mul(t.added_bytes));
+        assert!(
+            peak <= bound,
+            "ModelTokenizer::load: {peak} heap bytes at peak for a {}-byte tokenizer.json with {} bytes of added tokens, over the bound {bound}",
+            t.json.len(),
+            t.added_bytes
+        );
+        total = total.saturating_add(peak);
+    }
+    total
+}
+
 /// Fuzz target `config`: load a plugin configuration; when accepted, route
-/// a few requests with it.
+/// a few requests with it. Heap: the document's bound ([`alloc_bound`])
+/// plus what its inline tokenizers cost on their own ([`tokenizer_cost`]).
 pub fn check_config(doc: &[u8]) {
+    let tokenizers = tokenizer_cost(doc);
     let base = alloc_count::start();
     let loaded = Config::from_json(doc);
+    let peak = alloc_count::peak_since(base);
     check_alloc(
         "Config::from_json",
         doc.len(),
-        alloc_count::peak_since(base),
+        peak.saturating_sub(tokenizers),
     );
     let config = match loaded {
         Err(e) => {

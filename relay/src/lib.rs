@@ -6,9 +6,14 @@
 //!   answers. Synchronous and unit-tested.
 //! - `subscriber`: the SUB socket and the replay DEALER around it.
 //! - `http`: the hyper server around it.
+//!
+//! The sockets need the `server` feature (on by default); `state` alone
+//! builds without it (the fuzz targets use it so).
 
+#[cfg(feature = "server")]
 pub mod http;
 pub mod state;
+#[cfg(feature = "server")]
 pub mod subscriber;
 
 use std::sync::{Arc, Mutex};

@@ -365,7 +365,10 @@ impl Relay {
     /// `ingest_payload` in order, so it was not seen as a gap there).
     pub fn note_gap_filled(&mut self, from: u64, to: u64) {
         self.counts.gaps += 1;
-        self.counts.gap_batches += to.saturating_sub(from);
+        self.counts.gap_batches = self
+            .counts
+            .gap_batches
+            .saturating_add(to.saturating_sub(from));
         self.counts.gaps_filled += 1;
     }
 
@@ -409,7 +412,9 @@ impl Relay {
             SeqCheck::InOrder => {}
             SeqCheck::Gap { from, to } => {
                 self.counts.gaps += 1;
-                self.counts.gap_batches += to - from;
+                // The publisher says how far it jumped: a broken one can
+                // claim up to 2^64 batches each time (saturate, not wrap).
+                self.counts.gap_batches = self.counts.gap_batches.saturating_add(to - from);
                 self.complete = false;
                 self.mark_resync();
             }

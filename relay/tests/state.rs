@@ -177,6 +177,31 @@ fn a_gap_is_counted_and_cursors_before_it_resync() {
     assert_eq!(r.counts.resyncs_served, 3);
 }
 
+/// The publisher's seq says how many batches a gap spans, so a broken one
+/// can claim 2^64 each time. Fuzz find (target `relay_frames`): jumping to
+/// seq u64::MAX − 1 after each restart overflowed `gap_batches` (a panic
+/// with debug assertions, a wrapped counter in release); it saturates now.
+#[test]
+fn huge_gaps_saturate_the_gap_counter() {
+    let mut r = relay();
+    for _ in 0..2 {
+        r.ingest_payload(0, &payload(vec![stored(&[1])])).unwrap();
+        assert_eq!(
+            r.ingest_payload(u64::MAX - 1, &payload(vec![stored(&[2])])),
+            Ok(SeqCheck::Gap {
+                from: 1,
+                to: u64::MAX - 1
+            })
+        );
+    }
+    assert_eq!(
+        (r.counts.gaps, r.counts.gap_batches, r.counts.restarts),
+        (2, u64::MAX, 1)
+    );
+    r.note_gap_filled(0, u64::MAX);
+    assert_eq!((r.counts.gaps, r.counts.gap_batches), (3, u64::MAX));
+}
+
 #[test]
 fn joining_late_is_incomplete_until_all_blocks_cleared() {
     let mut r = relay();

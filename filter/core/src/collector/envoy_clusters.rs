@@ -4,9 +4,17 @@
 //! `HEALTHY` or `UNKNOWN`, and none of the `failed_*` / `pending_*` flags
 //! Envoy sets (active health checks, outlier detection, dynamic removal) is
 //! true. Unhealthy members stay in the endpoint table but are not routed to.
+//!
+//! A member's address must be an IP and its port 1–65535; it is written as
+//! `SocketAddr` prints it (`10.0.0.7:8000`, `[fd00::7]:8000`), the form the
+//! destination header carries and `endpoints.static` accepts. Envoy lists
+//! resolved hosts, so anything else (a hostname, a port out of range, a
+//! comma, a 64 KiB string the endpoint table could not hold) comes from a
+//! broken or hostile admin answer: that host is skipped.
 
 use serde::Deserialize;
 use std::fmt;
+use std::net::{IpAddr, SocketAddr};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ClustersError {
@@ -74,11 +82,8 @@ pub fn cluster_members(json: &[u8], cluster: &str) -> Result<Vec<(String, bool)>
         let Some(sa) = h.address.and_then(|a| a.socket_address) else {
             continue;
         };
-        let ip = sa.address;
-        let addr = if ip.contains(':') {
-            format!("[{ip}]:{}", sa.port_value)
-        } else {
-            format!("{ip}:{}", sa.port_value)
+        let Some(addr) = member_address(&sa) else {
+            continue;
         };
         let healthy = h.health_status.as_ref().is_none_or(|hs| {
             let eds_ok = match hs.get("eds_health_status").and_then(|v| v.as_str()) {
@@ -93,6 +98,14 @@ pub fn cluster_members(json: &[u8], cluster: &str) -> Result<Vec<(String, bool)>
         out.push((addr, healthy));
     }
     Ok(out)
+}
+
+/// `ip:port` of a resolved host; `None` unless the address is an IP and
+/// the port is 1–65535.
+fn member_address(sa: &SocketAddress) -> Option<String> {
+    let ip: IpAddr = sa.address.parse().ok()?;
+    let port = u16::try_from(sa.port_value).ok().filter(|&p| p != 0)?;
+    Some(SocketAddr::new(ip, port).to_string())
 }
 
 #[cfg(test)]
@@ -124,5 +137,43 @@ mod tests {
             cluster_members(b"{", "vllm"),
             Err(ClustersError::Json(_))
         ));
+    }
+
+    /// Only resolved `ip:port` hosts become members. Found writing the
+    /// `envoy_clusters` fuzz target (its invariant: every member is an
+    /// `ip:port`): a hostname or a comma went into the endpoint table and
+    /// the destination header as is, and an address over 64 KiB would be
+    /// cut by the table's u16 length (here inside a UTF-8 character), so
+    /// `kvroute/endpoints` would no longer decode.
+    #[test]
+    fn hosts_that_are_not_ip_port_are_skipped() {
+        let host = |addr: &str, port: u64| {
+            format!(
+                r#"{{"address":{{"socket_address":{{"address":{addr:?},"port_value":{port}}}}}}}"#
+            )
+        };
+        let long = "é".repeat(40_000);
+        let hosts = [
+            host("10.0.0.1", 8000),
+            host("10.0.0.2,10.0.0.3", 8000),
+            host("vllm.default.svc", 8000),
+            host("10.0.0.4", 0),
+            host("10.0.0.5", 65_536),
+            host(&long, 8000),
+            host("fd00:0::7", 8000),
+            host("10.0.0.6", 65_535),
+        ];
+        let j = format!(
+            r#"{{"cluster_statuses":[{{"name":"vllm","host_statuses":[{}]}}]}}"#,
+            hosts.join(",")
+        );
+        assert_eq!(
+            cluster_members(j.as_bytes(), "vllm").unwrap(),
+            vec![
+                ("10.0.0.1:8000".into(), true),
+                ("[fd00::7]:8000".into(), true),
+                ("10.0.0.6:65535".into(), true),
+            ]
+        );
     }
 }

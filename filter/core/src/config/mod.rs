@@ -641,10 +641,13 @@ struct PickerParams {
 /// Deserialises with unknown-field rejection and a path in the error.
 fn strict<T: DeserializeOwned>(bytes: &[u8], base: &str) -> Result<T, ConfigError> {
     let de = &mut serde_json::Deserializer::from_slice(bytes);
-    let out = serde_path_to_error::deserialize(de).map_err(|e| {
+    let out = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let inner = e.path().to_string();
         err(join_path(base, &inner), e.into_inner().to_string())
     })?;
+    // Nothing but whitespace after the document (`from_slice` checks this;
+    // a bare `Deserializer` does not).
+    de.end().map_err(|e| err(base, e.to_string()))?;
     Ok(out)
 }
 

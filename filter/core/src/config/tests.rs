@@ -88,6 +88,19 @@ fn unknown_and_out_of_range_fields_are_named() {
     );
 }
 
+/// Fuzz find (target `config`): a valid document followed by other bytes
+/// was accepted, and its tokenizer built, with the rest ignored.
+#[test]
+fn bytes_after_the_document_are_refused() {
+    let doc = with_endpoints(BASELINE);
+    assert!(Config::from_json(format!("{doc}\n \t").as_bytes()).is_ok());
+    for tail in ["1e308", "{}", ",", "\u{0}"] {
+        let e = reject(&format!("{doc}\n{tail}"));
+        assert_eq!(e.path, "", "{tail:?}: {e}");
+        assert!(e.message.contains("trailing"), "{tail:?}: {e}");
+    }
+}
+
 #[test]
 fn legacy_blend_and_named_instances() {
     let doc = with_endpoints(
