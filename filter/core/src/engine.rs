@@ -111,11 +111,13 @@ pub struct Routed {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Provisional {
     pub undo: Undo,
-    /// The prompt's block hashes (empty: nothing was inserted).
+    /// The prompt's block hashes, handed over by [`Engine::route`] once the
+    /// decision is made (no copy on the request path).
     hashes: Vec<u64>,
     /// The first block that was new on the endpoint (the blocks before it
-    /// were held before the request came, and stay).
-    from_block: usize,
+    /// were held before the request came, and stay); `None`: nothing was
+    /// inserted.
+    from_block: Option<usize>,
     /// The counter the entries were recorded at.
     recorded: u32,
 }
@@ -388,6 +390,9 @@ impl Engine {
         ) {
             Ok(Some(mut r)) => {
                 r.stream = req.stream;
+                if let Some(p) = r.provisional.as_mut().filter(|p| p.from_block.is_some()) {
+                    p.hashes = blocks.block_hashes;
+                }
                 if let Some(why) = hash_failure {
                     r.precise = Some(PreciseUse::Fallback { why, blocks: 0 });
                 }
@@ -741,7 +746,7 @@ impl Engine {
                 prev_cold_pick,
             },
             hashes: Vec::new(),
-            from_block: 0,
+            from_block: None,
             recorded: counter_after as u32,
         });
 
@@ -782,8 +787,7 @@ impl Engine {
             if let Some(p) = provisional.as_mut() {
                 // Kept whether or not the insert went through: a partial
                 // insert's entries are cleared all the same.
-                p.hashes = hashes.to_vec();
-                p.from_block = cand.matched_blocks as usize;
+                p.from_block = Some(cand.matched_blocks as usize);
             }
         }
 
@@ -873,23 +877,16 @@ impl Engine {
     /// Clears a provisional record's index entries; returns the CAS races
     /// lost.
     fn remove_entries(&self, store: &dyn Store, p: &Provisional) -> Result<u32, StoreError> {
-        if p.hashes.is_empty() {
+        let Some(from) = p.from_block else {
             return Ok(0);
-        }
+        };
         let me = Holder {
             slot: p.undo.slot,
             generation: p.undo.generation,
             insert_counter: 0,
             capacity_blocks: 0,
         };
-        let (_, r) = index::remove(
-            store,
-            &self.geometry,
-            &p.hashes,
-            p.from_block,
-            &me,
-            p.recorded,
-        )?;
+        let (_, r) = index::remove(store, &self.geometry, &p.hashes, from, &me, p.recorded)?;
         Ok(r)
     }
 

@@ -40,9 +40,10 @@ pub struct Stream {
     /// What the decision wrote beyond the charge (taken back if the server
     /// does not accept the request).
     provisional: Option<Provisional>,
-    /// The endpoint the request was routed to (`ip:port`), until the
-    /// response headers say which one answered.
-    primary: Option<String>,
+    /// The destination header as set (`ip:port[,fallback…]`, its first
+    /// address the routed endpoint), kept until the response headers say
+    /// which endpoint answered.
+    destination: Option<String>,
     /// The response headers came with a 2xx `:status` (or one that could
     /// not be read: then kvroute keeps what it wrote, as before).
     accepted: bool,
@@ -65,7 +66,7 @@ impl Stream {
             kind: None,
             ticket: None,
             provisional: None,
-            primary: None,
+            destination: None,
             accepted: false,
             streaming: false,
             prompt_released: false,
@@ -276,13 +277,17 @@ impl Stream {
     /// the endpoint that answered, and what the decision wrote for the
     /// routed one is taken back (`Engine::move_charge`).
     fn follow_retry(&mut self, host: &dyn Host) {
-        let (Some(primary), Some(w), Some(t)) =
-            (self.primary.take(), self.worker.clone(), self.ticket)
+        let (Some(destination), Some(w), Some(t)) =
+            (self.destination.take(), self.worker.clone(), self.ticket)
         else {
             return;
         };
         let to = match host.upstream_address() {
-            Ok(Some(a)) if a != primary.as_bytes() => a,
+            Ok(Some(a))
+                if Some(a.as_slice()) != destination.split(',').next().map(str::as_bytes) =>
+            {
+                a
+            }
             Ok(_) => return,
             Err(e) => {
                 w.host_error(host, "reading the upstream address", e);
@@ -361,8 +366,8 @@ impl Stream {
                 if w.engine.config.routing.debug_header {
                     self.explanation = Some(r.explanation());
                 }
-                self.primary = Some(r.primary_address().to_string());
                 self.provisional = r.provisional;
+                self.destination = Some(r.destination);
                 Action::Continue
             }
             Outcome::FailOpen(why) => Self::unrouted(w, host, &why),
