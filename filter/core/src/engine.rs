@@ -811,14 +811,10 @@ impl Engine {
     /// Moves a request's charge to the endpoint that actually served it:
     /// Envoy retried it (connect failure, refused stream, reset before the
     /// request) to the next address of the destination header. One
-    /// load-table write releases the charge on the routed endpoint, takes
-    /// its routed bytes back (that server never saw the prompt) and charges
-    /// the same tokens to `to`; then the routed endpoint's new index
-    /// entries are cleared. Its eviction clock and cold stamp keep the
-    /// decision's advance: they are also what cold placement balances on
-    /// (`cache-balance-scorer`, `no-hit-lru-scorer`), and an endpoint that
-    /// refused a connection must not look like the least-given one, or it
-    /// would draw every cold prompt until Envoy stops listing it. Nothing is
+    /// load-table write releases the charge on the routed endpoint, undoes
+    /// what the decision wrote there ([`Provisional`]: that server never
+    /// saw the request) and charges the same tokens to `to`; then the
+    /// routed endpoint's new index entries are cleared. Nothing is
     /// recorded for `to` in the index: its blocks reach the index with
     /// that prompt's next request. Returns the new ticket (`None` when
     /// `to` is not a known healthy endpoint: the charge is only released)
@@ -846,11 +842,7 @@ impl Engine {
             |t: &mut LoadTable| {
                 t.release_rest(ticket, false);
                 if let Some(p) = provisional {
-                    t.undo(&Undo {
-                        new_blocks: 0,
-                        cold_stamp: 0,
-                        ..p.undo
-                    });
+                    t.undo(&p.undo);
                 }
                 Some(target.and_then(|(slot, generation)| {
                     t.charge(

@@ -567,14 +567,11 @@ fn a_retry_to_another_endpoint_moves_the_charge() {
     s.on_response_headers(&host, false);
     let now = inflight_by_address(&host, &w);
     assert_eq!((now[&primary], now[other]), (0, 1), "{now:?}");
-    // The routed endpoint never saw the prompt: its bytes are taken back;
-    // its clock keeps the advance (cold placement must not prefer it).
-    let after = written(&host, &w);
     assert_eq!(
-        after.iter().map(|e| e.1).collect::<Vec<_>>(),
-        before.iter().map(|e| e.1).collect::<Vec<_>>()
+        written(&host, &w),
+        before,
+        "the routed endpoint never saw it"
     );
-    assert!(after.iter().map(|e| e.0).sum::<u64>() > 0);
     assert_eq!(count(&host, &w, Counter::ChargeMoved), 1);
     s.on_response_body(&host, 5, false);
     s.on_response_body(&host, 5, true);
