@@ -1041,8 +1041,7 @@ def markdown(results, img_rel, stages=False):
         wseeds = list(w.get("seeds") or {})
         L.append(f"{w['what']}. Time scale {w['time_scale']}×, {w['stage_s']:g} s (model) per stage; "
                  f"rates {', '.join(f'{x:g}' for x in w['rates'])} req/s. "
-                 + ("Runs of " + "; ".join(f"{describe_run(x['run'])} ({describe_part(x)})" for x in w["parts"])
-                    + ". " if w.get("parts")
+                 + (describe_parts(wname, w["parts"]) if w.get("parts")
                     else f"Run of {describe_run(w['run'])}. " if len(runs) > 1 and w.get("run") else "")
                  + (f"The table and plot are seed {wseeds[0]}'s. " if len(wseeds) > 1 else "")
                  + f"![{wname}]({img_rel}/quality-{wname}.svg)")
@@ -1113,6 +1112,16 @@ def describe_part(part):
     if part.get("replaced"):
         said += f"; its {', '.join(part['replaced'])} replace{'s' if len(part['replaced']) == 1 else ''} the earlier runs'"
     return said
+
+
+def describe_parts(wname, parts):
+    """A merged workload's provenance in one sentence; which arms and seeds each run gave, and its command,
+    stay in the results JSON (`workloads.W.parts`), not in benchmarks.md."""
+    days = sorted(x["run"].get("started", "")[:10] for x in parts)
+    commits = [x["run"].get("commit") or "not recorded" for x in parts]
+    span = days[0] if days[0] == days[-1] else f"{days[0]} to {days[-1]}"
+    return (f"{len(parts)} runs, {span} (commits {commits[0]} to {commits[-1]}); each run's command, commit and "
+            f"the arms and seeds it gave: `workloads.{wname}.parts` in the results JSON. ")
 
 
 def describe_run(run):
