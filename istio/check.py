@@ -184,6 +184,7 @@ def cross_references(shape, docs, ref):
     (ls,) = patches(ef, "LISTENER")
     (cl,) = [p for p in patches(ef, "CLUSTER") if p["patch"]["operation"] == "MERGE"]
     added = [p for p in patches(ef, "CLUSTER") if p["patch"]["operation"] == "ADD"]
+    cmatch = cl["match"]["cluster"]
     ext = ec["patch"]["value"]
     wasm = ext["typed_config"]
     cfg = wasm["config"]
@@ -217,7 +218,6 @@ def cross_references(shape, docs, ref):
     expect(filter_json == plugin, "the filter gets istio/kvroute-plugin.json")
     expect(plugin.get("collector", {}).get("mode") == "lease", "collector.mode is lease in the primary install (no singleton needed)")
 
-    cmatch = cl["match"]["cluster"]
     cluster_name = f"outbound|{cmatch['portNumber']}||{cmatch['service']}"
     dest = vs["spec"]["http"][0]["route"][0]["destination"]
     expect(f"outbound|{dest['port']['number']}||{dest['host']}" == cluster_name, f"VirtualService routes to {cluster_name}")
@@ -229,19 +229,37 @@ def cross_references(shape, docs, ref):
     admin = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == admin_name]
     expect(len(admin) == 1 and admin[0].get("type") == "STATIC",
            f"adminCluster {admin_name} is one CLUSTER ADD, a STATIC cluster")
-    # kvEvents' relay cluster: the second CLUSTER ADD, as render.py writes it.
+    # kvEvents' relay cluster and the collector's /metrics polls: render.py's
+    # clusters (plain Envoy, plain HTTP) plus Istio's client mTLS, the same
+    # transport_socket on both and nothing else.
+    mtls = equivalent.collector_socket()
+
+    def plus_mtls(value, ref):
+        rest = {k: v for k, v in value.items() if k != "transport_socket"}
+        return rest == ref and value.get("transport_socket") == mtls
+
     relay_name = plugin.get("kvEvents", {}).get("cluster", render.RELAY_CLUSTER)
     relay = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == relay_name]
     ref_relay = yaml.safe_load(render.relay_cluster_yaml(relay_name))[0]
-    expect(len(relay) == 1 and relay[0] == ref_relay,
-           f"kvEvents.cluster {relay_name} is a CLUSTER ADD equal to render.py's (ORIGINAL_DST by {render.RELAY_HOST_HEADER})")
-    # The collector's /metrics polls: the third CLUSTER ADD, as render.py's.
+    expect(len(relay) == 1 and plus_mtls(relay[0], ref_relay),
+           f"kvEvents.cluster {relay_name} is a CLUSTER ADD equal to render.py's (ORIGINAL_DST by {render.RELAY_HOST_HEADER}) "
+           "plus Istio's mTLS")
     metrics_name = plugin["collector"]["metricsCluster"]
     metrics = [p["patch"]["value"] for p in added if p["patch"]["value"].get("name") == metrics_name]
     ref_metrics = yaml.safe_load(render.metrics_cluster_yaml(metrics_name))[0]
-    expect(metrics_name == render.METRICS_CLUSTER and len(metrics) == 1 and metrics[0] == ref_metrics,
+    expect(metrics_name == render.METRICS_CLUSTER and len(metrics) == 1 and plus_mtls(metrics[0], ref_metrics),
            f"collector.metricsCluster {metrics_name} is a CLUSTER ADD equal to render.py's "
-           f"(ORIGINAL_DST by {render.ORIGINAL_DST_HOST_HEADER})")
+           f"(ORIGINAL_DST by {render.ORIGINAL_DST_HOST_HEADER}) plus Istio's mTLS")
+    ctx = mtls["typed_config"]["common_tls_context"]
+    expect(ctx["alpn_protocols"][0] == "istio-http/1.1" and "istio-peer-exchange" not in ctx["alpn_protocols"],
+           "their ALPN leads with istio-http/1.1 (a STRICT inbound listener's HTTP chain), without istio-peer-exchange")
+    expect([s["name"] for s in ctx["tls_certificate_sds_secret_configs"]] == ["default"]
+           and ctx["combined_validation_context"]["validation_context_sds_secret_config"]["name"] == "ROOTCA"
+           and json.dumps(ctx).count('"cluster_name": "sds-grpc"') == 2,
+           "their certificate is SDS default and their root SDS ROOTCA, both from sds-grpc")
+    sans = ctx["combined_validation_context"]["default_validation_context"]["match_typed_subject_alt_names"]
+    expect(sans == [{"san_type": "URI", "matcher": {"prefix": f"spiffe://cluster.local/ns/{cmatch['service'].split('.')[1]}/"}}],
+           f"they accept a server of the model service's namespace ({cmatch['service'].split('.')[1]}) only")
     expect(len(added) == 3, f"the CLUSTER ADDs are {admin_name}, {relay_name} and {metrics_name}, nothing else")
     expect(all("cluster" not in p.get("match", {}) for p in added),
            "the CLUSTER ADDs match on context only (istiod ignores match.cluster for ADD)")
@@ -413,20 +431,33 @@ def envoy_checks(wasm):
         problem(f"envoy ({envoy}) or the module ({wasm}) is missing; build the module, or pass --no-envoy")
         return
     with tempfile.TemporaryDirectory() as d:
+        try:
+            certs = equivalent.make_mesh_certs(os.path.join(d, "certs"))
+        except (OSError, subprocess.CalledProcessError) as e:
+            problem(f"openssl could not make the STRICT stand-in's certificates: {e}")
+            certs = None
+        # Model servers without sidecars (the transport_socket removed) and
+        # Istio STRICT (the shipped mTLS, its secrets from files).
+        meshes = [("no sidecars", None)] + ([("STRICT", certs)] if certs else [])
         for variant in sorted(equivalent.VARIANTS):
             for shape in sorted(equivalent.SHAPES):
-                cfg = equivalent.build(shape, os.path.join(d, variant, shape), wasm, ["127.0.0.1:1", "127.0.0.1:2"], 1, 2, variant)
-                p = subprocess.run([envoy, "--mode", "validate", "-c", cfg["config"], "--use-dynamic-base-id"],
-                                   capture_output=True, text=True, timeout=120)
-                expect(p.returncode == 0, f"{variant} {shape}: envoy --mode validate on the equivalent bootstrap")
-        # A real start of each variant: ECDS accepted, envoy_admin over CDS,
-        # the plugin configs loaded (validate mode does not run the module's
-        # configure).
+                for mesh, mesh_certs in meshes:
+                    cfg = equivalent.build(shape, os.path.join(d, variant, shape, mesh.replace(" ", "-")), wasm,
+                                           ["127.0.0.1:1", "127.0.0.1:2"], 1, 2, variant, mesh_certs=mesh_certs)
+                    p = subprocess.run([envoy, "--mode", "validate", "-c", cfg["config"], "--use-dynamic-base-id"],
+                                       capture_output=True, text=True, timeout=120)
+                    expect(p.returncode == 0, f"{variant} {shape} ({mesh}): envoy --mode validate on the equivalent bootstrap")
+        # A real start of each variant: ECDS accepted, the added clusters over
+        # CDS, the plugin configs loaded (validate mode does not run the
+        # module's configure nor read CDS); and of the STRICT stand-in, where
+        # the collector's clusters carry the mTLS.
         for variant in sorted(equivalent.VARIANTS):
             real_start(envoy, wasm, os.path.join(d, f"run-{variant}"), variant)
+        if certs:
+            real_start(envoy, wasm, os.path.join(d, "run-strict"), "lease", certs)
 
 
-def real_start(envoy, wasm, workdir, variant):
+def real_start(envoy, wasm, workdir, variant, mesh_certs=None):
     import socket
 
     ports = []
@@ -437,18 +468,23 @@ def real_start(envoy, wasm, workdir, variant):
     port, admin = (s.getsockname()[1] for s in ports)
     for s in ports:
         s.close()
-    cfg = equivalent.build("sidecar", workdir, wasm, ["127.0.0.1:1"], port, admin, variant)
+    cfg = equivalent.build("sidecar", workdir, wasm, ["127.0.0.1:1"], port, admin, variant, mesh_certs=mesh_certs)
+    name = variant + (" STRICT" if mesh_certs else "")
     log = open(os.path.join(workdir, "envoy.log"), "w+")
     proc = subprocess.Popen([envoy, "-c", cfg["config"], "--use-dynamic-base-id", "--concurrency", "1"],
                             stdout=log, stderr=subprocess.STDOUT)
+    def get(path):
+        return urllib.request.urlopen(f"http://127.0.0.1:{admin}{path}", timeout=2).read().decode()
+
     try:
-        stats = clusters = ""
+        stats = clusters = cds = ""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                stats = urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=extension_config_discovery", timeout=2).read().decode()
+                stats = get("/stats?filter=extension_config_discovery")
                 if "kvroute.config_reload: 1" in stats:
-                    clusters = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters", timeout=2).read().decode()
+                    clusters = get("/clusters")
+                    cds = get("/stats?filter=cluster_manager.cds.update")
                     break
             except OSError:
                 pass
@@ -456,10 +492,12 @@ def real_start(envoy, wasm, workdir, variant):
         time.sleep(1)
         log.seek(0)
         text = log.read()
-        expect("kvroute.config_reload: 1" in stats and "config_fail: 0" in stats, f"{variant}: a real Envoy accepted the filter over ECDS")
-        expect("envoy_admin::" in clusters, f"{variant}: envoy_admin came over CDS")
+        expect("kvroute.config_reload: 1" in stats and "config_fail: 0" in stats, f"{name}: a real Envoy accepted the filter over ECDS")
+        added = cfg["added_clusters"]
+        expect(all(f"{c}::" in clusters for c in added) and "update_rejected: 0" in cds,
+               f"{name}: {', '.join(added)} came over CDS, none rejected")
         expect("invalid kvroute config" not in text and proc.poll() is None,
-               f"{variant}: the plugin JSON loads" + (" in the filter and the collector" if variant == "singleton" else ""))
+               f"{name}: the plugin JSON loads" + (" in the filter and the collector" if variant == "singleton" else ""))
     finally:
         if proc.poll() is None:
             proc.terminate()

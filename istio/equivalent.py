@@ -28,6 +28,19 @@ What Istio would do, step by step, and what stands in for it here:
   as a TypedExtensionConfig discovery response into a file, and the HTTP
   filter's config source (ADS in the mesh) points at that file
   (path_config_source). Only the config source differs.
+- The collector's ORIGINAL_DST clusters (kvroute_relays, kvroute_metrics)
+  carry Istio's client mTLS: secrets `default` and `ROOTCA` from the agent
+  over the bootstrap's `sds-grpc` cluster. Two stand-ins, chosen by
+  `mesh_certs`:
+  - None (the default): model servers without sidecars, as the emulators
+    are: the transport_socket of those clusters is deleted, the step
+    istio/README.md gives for servers outside the mesh.
+  - a directory from make_mesh_certs(): Istio STRICT. The secrets come from
+    files (path_config_source) instead of sds-grpc; only the config source
+    differs. The model servers' clusters get the ISTIO_MUTUAL socket that
+    istiod's auto-mTLS gives them for sidecar-injected pods, and
+    inbound_sidecars() writes the pods' side: an Envoy that terminates mTLS
+    with a client certificate required, as a STRICT inbound listener does.
 - singleton variant only: Envoy merges the bootstrap override
   (kvroute-bootstrap.yaml) into Istio's bootstrap. Here: the same merge; the
   module path is replaced by the local one. The lease variant has no override
@@ -41,6 +54,7 @@ PyYAML.
 import copy
 import json
 import os
+import subprocess
 import sys
 
 import yaml
@@ -65,6 +79,196 @@ MODEL_CLUSTER = f"outbound|{MODEL_PORT}||{MODEL_SERVICE}"
 OTHER_SERVICE = "other.models.svc.cluster.local"
 OTHER_CLUSTER = f"outbound|{MODEL_PORT}||{OTHER_SERVICE}"
 OTHER_HOST = "other.models.svc.cluster.local"
+# Mesh identities (SPIFFE URI SANs, as Istio's CA issues them): the model
+# servers' namespace is the Service's; the trust domain is Istio's default.
+TRUST_DOMAIN = "cluster.local"
+MODEL_NAMESPACE = MODEL_SERVICE.split(".")[1]
+MODEL_SERVER_SAN = f"spiffe://{TRUST_DOMAIN}/ns/{MODEL_NAMESPACE}/sa/vllm"
+CLIENT_SAN = f"spiffe://{TRUST_DOMAIN}/ns/llm-clients/sa/llm-client"
+# Istio's ISTIO_MUTUAL upstream TLS (pilot/pkg/networking/core/cluster_tls.go,
+# buildUpstreamClusterTLSContext; the SDS configs of pkg/model's
+# ConstructSdsSecretConfig): the agent's secrets over the bootstrap's sds-grpc.
+SDS_CLUSTER = "sds-grpc"
+SDS_CERTIFICATE = "default"
+SDS_ROOT = "ROOTCA"
+# What Istio's istio.alpn filter offers for an HTTP/1.1 upstream
+# (pilot/pkg/xds/filters/filters.go, mtlsHTTP11ALPN). A STRICT inbound
+# listener whose port protocol is sniffed sends TLS with one of
+# istio-http/1.0, istio-http/1.1, istio-h2 to its HTTP chain, and any other
+# TLS to a TCP proxy (filterchain_options.go, inboundStrictFilterChainMatchOptions).
+ALPN_HTTP11 = ["istio-http/1.1", "istio", "http/1.1"]
+INBOUND_HTTP_ALPNS = ["istio-http/1.0", "istio-http/1.1", "istio-h2"]
+TLS_SOCKET = "envoy.transport_sockets.tls"
+UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
+DOWNSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext"
+SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+
+
+def sds_grpc_config(name):
+    """An SdsSecretConfig as Istio writes it for the agent's secrets."""
+    return {"name": name, "sds_config": {
+        "api_config_source": {
+            "api_type": "GRPC",
+            "set_node_on_first_message_only": True,
+            "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": SDS_CLUSTER}}],
+        },
+        "initial_fetch_timeout": "0s",
+        "resource_api_version": "V3",
+    }}
+
+
+def istio_mutual_socket(alpn, san_matchers, sni=None):
+    """The transport_socket of an Istio ISTIO_MUTUAL cluster: TLS 1.2-1.3, the
+    workload certificate and the mesh root from SDS, the SANs to accept."""
+    ctx = {
+        "@type": UPSTREAM_TLS,
+        "common_tls_context": {
+            "tls_params": {"tls_minimum_protocol_version": "TLSv1_2", "tls_maximum_protocol_version": "TLSv1_3"},
+            "alpn_protocols": list(alpn),
+            "tls_certificate_sds_secret_configs": [sds_grpc_config(SDS_CERTIFICATE)],
+            "combined_validation_context": {
+                "default_validation_context": {"match_typed_subject_alt_names": san_matchers},
+                "validation_context_sds_secret_config": sds_grpc_config(SDS_ROOT),
+            },
+        },
+    }
+    if sni:
+        ctx["sni"] = sni
+    return {"name": TLS_SOCKET, "typed_config": ctx}
+
+
+def collector_socket():
+    """What the manifests' patches 7 and 8 add to render.py's clusters: Istio's
+    client mTLS to whichever pod the collector names, accepting any workload of
+    the model servers' namespace (the pods' service accounts are not known
+    here; Istio's own clusters match the Service's accounts exactly)."""
+    return istio_mutual_socket(ALPN_HTTP11, [{"san_type": "URI", "matcher": {
+        "prefix": f"spiffe://{TRUST_DOMAIN}/ns/{MODEL_NAMESPACE}/"}}])
+
+
+def make_mesh_certs(d):
+    """A stand-in for Istio's CA, with openssl: ca.pem, and client.pem /
+    server.pem (with their -key.pem) whose only name is a SPIFFE URI SAN, as
+    Istio's workload certificates: the client is a mesh workload (the
+    collector's proxy), the server a model server's pod."""
+    os.makedirs(d, exist_ok=True)
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-keyout", "ca-key.pem",
+        "-out", "ca.pem", "-days", "2", "-subj", f"/O={TRUST_DOMAIN}",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    for name, san in (("client", CLIENT_SAN), ("server", MODEL_SERVER_SAN)):
+        with open(os.path.join(d, f"{name}.ext"), "w") as f:
+            f.write(f"subjectAltName=critical,URI:{san}\nbasicConstraints=critical,CA:FALSE\n"
+                    "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n")
+        run("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+            "-keyout", f"{name}-key.pem", "-out", f"{name}.csr", "-subj", "/O=kvroute-test")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem", "-CAcreateserial",
+            "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext")
+    return os.path.abspath(d)
+
+
+def _write_json(path, doc):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.rename(path + ".tmp", path)
+
+
+def write_sds_files(sds_dir, certs):
+    """The agent's two secrets as SDS files: {secret name: path}."""
+    secrets = {
+        SDS_CERTIFICATE: {"tls_certificate": {
+            "certificate_chain": {"filename": os.path.join(certs, "client.pem")},
+            "private_key": {"filename": os.path.join(certs, "client-key.pem")}}},
+        SDS_ROOT: {"validation_context": {"trusted_ca": {"filename": os.path.join(certs, "ca.pem")}}},
+    }
+    paths = {}
+    for name, body in secrets.items():
+        paths[name] = os.path.join(sds_dir, f"{name}.json")
+        _write_json(paths[name], {"version_info": "1", "resources": [dict({"@type": SECRET_TYPE, "name": name}, **body)]})
+    return paths
+
+
+def sds_from_files(doc, paths):
+    """doc with every SDS secret config that is Istio's (sds-grpc) reading the
+    secret's file instead; the number replaced. Anything else is left alone."""
+    count = 0
+
+    def walk(x):
+        nonlocal count
+        if isinstance(x, dict):
+            if set(x) == {"name", "sds_config"} and x == sds_grpc_config(x["name"]):
+                count += 1
+                return {"name": x["name"], "sds_config": {
+                    "path_config_source": {"path": paths[x["name"]], "watched_directory": {"path": os.path.dirname(paths[x["name"]])}},
+                    "resource_api_version": "V3"}}
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    out = walk(doc)
+    return out, count
+
+
+def inbound_sidecars(workdir, certs, pods, admin_port):
+    """The model pods' inbound sidecars under STRICT, as one Envoy: for each
+    pod address (ip:port) the app address it forwards to. Like Istio's inbound
+    listener for a port with a sniffed protocol: TLS only, a client
+    certificate from the mesh CA required; the HTTP chain for the istio-http/*
+    ALPNs, a TCP proxy for other TLS; plain text matches no chain and is
+    closed. Stats: http.inbound_http_<i>.* and tcp.inbound_tcp_<i>.*.
+    Returns the bootstrap's path."""
+    tls = {"name": TLS_SOCKET, "typed_config": {
+        "@type": DOWNSTREAM_TLS,
+        "require_client_certificate": True,
+        "common_tls_context": {
+            "alpn_protocols": ["h2", "http/1.1"],
+            "tls_certificates": [{"certificate_chain": {"filename": os.path.join(certs, "server.pem")},
+                                  "private_key": {"filename": os.path.join(certs, "server-key.pem")}}],
+            "validation_context": {"trusted_ca": {"filename": os.path.join(certs, "ca.pem")}},
+        },
+    }}
+    listeners, clusters = [], []
+    for i, (pod, app) in enumerate(sorted(pods.items())):
+        ip, port = pod.rsplit(":", 1)
+        app_ip, app_port = app.rsplit(":", 1)
+        cluster = f"inbound|{port}||app-{i}"
+        clusters.append({"name": cluster, "type": "STATIC", "connect_timeout": "1s", "load_assignment": {
+            "cluster_name": cluster, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
+                "socket_address": {"address": app_ip, "port_value": int(app_port)}}}}]}]}})
+        hcm = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": f"inbound_http_{i}",
+            "route_config": {"virtual_hosts": [{"name": "inbound", "domains": ["*"], "routes": [
+                {"match": {"prefix": "/"}, "route": {"cluster": cluster, "timeout": "0s"}}]}]},
+            "http_filters": [{"name": ROUTER, "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        }
+        tcp = {"@type": "type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy",
+               "stat_prefix": f"inbound_tcp_{i}", "cluster": cluster}
+        listeners.append({
+            "name": f"inbound_{ip}_{port}",
+            "address": {"socket_address": {"address": ip, "port_value": int(port)}},
+            "listener_filters": [{"name": "envoy.filters.listener.tls_inspector", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector"}}],
+            "filter_chains": [
+                {"name": "mtls-http", "filter_chain_match": {"transport_protocol": "tls", "application_protocols": INBOUND_HTTP_ALPNS},
+                 "transport_socket": tls, "filters": [{"name": HCM, "typed_config": hcm}]},
+                {"name": "mtls-tcp", "filter_chain_match": {"transport_protocol": "tls"},
+                 "transport_socket": tls, "filters": [{"name": "envoy.filters.network.tcp_proxy", "typed_config": tcp}]},
+            ],
+        })
+    boot = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+            "static_resources": {"listeners": listeners, "clusters": clusters}}
+    path = os.path.join(workdir, "inbound-sidecars.json")
+    _write_json(path, boot)
+    return path
+
+
 # variant: the directory of its manifests (the VirtualService / Gateway file
 # is the primary's in both).
 VARIANTS = {
@@ -207,10 +411,12 @@ def write_eds(path, cluster, endpoints, version):
     os.rename(tmp, path)
 
 
-def build(shape, workdir, wasm, endpoints, listen_port, admin_port, variant="lease", plugin_patch=None):
+def build(shape, workdir, wasm, endpoints, listen_port, admin_port, variant="lease", plugin_patch=None, mesh_certs=None):
     """Write <workdir>/envoy.json (bootstrap), the ECDS, CDS and EDS files.
     plugin_patch: a test-only change merged into the plugin JSON of the
-    filter (and the collector). Returns a dict of the paths and names used."""
+    filter (and the collector). mesh_certs: None for model servers without
+    sidecars, or make_mesh_certs()'s directory for Istio STRICT (module
+    docstring). Returns a dict of the paths and names used."""
     context, logical_port, vs_file = SHAPES[shape]
     docs = shape_docs(shape, variant)
     ef = one(docs["envoyfilter.yaml"], "EnvoyFilter")
@@ -311,6 +517,26 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port, variant="lea
             raise ValueError(f"{shape}: unexpected patch {to}")
         applied.append(to)
 
+    sds_files = None
+    if mesh_certs is None:
+        # Model servers without sidecars: the documented step, the added
+        # clusters' transport_socket deleted (plain HTTP to the pods).
+        for c in added_clusters:
+            c.pop("transport_socket", None)
+    else:
+        # STRICT: the agent's secrets from files, and the model servers'
+        # clusters as auto-mTLS makes them for sidecar-injected pods
+        # (ISTIO_MUTUAL, SNI the cluster's, the Service's account as SAN; the
+        # ALPN is what istio.alpn puts on their HTTP/1.1 requests).
+        sds_files = write_sds_files(os.path.join(workdir, "sds"), mesh_certs)
+        added_clusters, _ = sds_from_files(added_clusters, sds_files)
+        for name, c in clusters.items():
+            direction, port, subset, host = name.split("|")
+            sni = f"{direction}_.{port}_.{subset}_.{host}"  # Istio's SNI for outbound|8000||host
+            socket = istio_mutual_socket(ALPN_HTTP11, [{"san_type": "URI", "matcher": {"exact": MODEL_SERVER_SAN}}], sni)
+            c["transport_socket"], n = sds_from_files(socket, sds_files)
+            assert n == 2, n
+
     os.makedirs(os.path.dirname(cds_file), exist_ok=True)
     with open(cds_file + ".tmp", "w") as f:
         json.dump({"version_info": "1", "resources": [
@@ -350,7 +576,8 @@ def build(shape, workdir, wasm, endpoints, listen_port, admin_port, variant="lea
     with open(config_path, "w") as f:
         json.dump(bootstrap, f, indent=1)
     return {"config": config_path, "ecds": ecds_file, "cds": cds_file, "eds": eds, "applied": applied,
-            "model_cluster": MODEL_CLUSTER, "other_host": OTHER_HOST, "variant": variant}
+            "model_cluster": MODEL_CLUSTER, "other_host": OTHER_HOST, "variant": variant, "sds": sds_files,
+            "added_clusters": [c["name"] for c in added_clusters]}
 
 
 if __name__ == "__main__":
@@ -364,6 +591,9 @@ if __name__ == "__main__":
     ap.add_argument("--endpoints", default="127.0.0.1:18001,127.0.0.1:18002")
     ap.add_argument("--listen-port", type=int, default=10000)
     ap.add_argument("--admin-port", type=int, default=9901)
+    ap.add_argument("--strict", action="store_true",
+                    help="the Istio STRICT stand-in: test certificates in WORKDIR/certs, the mesh secrets from files")
     a = ap.parse_args()
-    out = build(a.shape, a.workdir, a.wasm, a.endpoints.split(","), a.listen_port, a.admin_port, a.variant)
+    certs = make_mesh_certs(os.path.join(a.workdir, "certs")) if a.strict else None
+    out = build(a.shape, a.workdir, a.wasm, a.endpoints.split(","), a.listen_port, a.admin_port, a.variant, mesh_certs=certs)
     print(json.dumps(out, indent=1))

@@ -18,7 +18,13 @@ each request. The collector tests add only routing.statePath, to read the
 metrics table, and count the /metrics requests each emulated server answered
 (`metrics_scrapes` in /emulator/stats): one collector polls, not one per worker.
 
-Needs PyYAML (scripts/istio-check.sh installs it).
+The emulators speak plain HTTP, as model servers without sidecars, so the
+equivalent deletes the mTLS of the collector's two clusters there (the
+documented step). The STRICT test keeps it: the servers sit behind a second
+Envoy standing in for their inbound sidecars, which requires a client
+certificate of the test CA (equivalent.inbound_sidecars).
+
+Needs PyYAML (scripts/istio-check.sh installs it) and openssl.
 """
 
 import json
@@ -29,7 +35,8 @@ import time
 
 import pytest
 
-from conftest import REPO, STATE_PATH, Process, completion, free_ports, request, text, wait_until
+from conftest import REPO, STATE_PATH, Process, completion, free_ports, in_background, request, text, wait_until
+from test_kv_events import relay_binary  # noqa: F401
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read istio/ (pip install pyyaml)")
 sys.path.insert(0, os.path.join(REPO, "istio"))
@@ -50,11 +57,13 @@ def _start_envoy(tmp_path, cfg, name, concurrency):
 def istio_envoy(artifacts, tmp_path):
     started = []
 
-    def start(shape, endpoints, variant="lease", plugin_patch=None, concurrency=2, edit=None):
-        """edit: a test's change to the bootstrap (a dict) before Envoy starts."""
+    def start(shape, endpoints, variant="lease", plugin_patch=None, concurrency=2, edit=None, mesh_certs=None):
+        """edit: a test's change to the bootstrap (a dict) before Envoy starts.
+        mesh_certs: equivalent.make_mesh_certs()'s directory, for Istio STRICT."""
         port, admin = free_ports(2)
         name = f"{variant}-{shape}"
-        cfg = equivalent.build(shape, str(tmp_path / name), artifacts["wasm"], endpoints, port, admin, variant, plugin_patch)
+        cfg = equivalent.build(shape, str(tmp_path / name), artifacts["wasm"], endpoints, port, admin, variant, plugin_patch,
+                               mesh_certs)
         if edit:
             with open(cfg["config"]) as fh:
                 boot = json.load(fh)
@@ -250,3 +259,114 @@ def test_manifest_bootstraps_validate(artifacts, tmp_path):
             assert p.returncode == 0 and " OK" in p.stdout + p.stderr, (path, p.stdout[-3000:], p.stderr[-3000:])
 
 
+
+
+# --------------------------------------------------------------------------
+# Istio STRICT: the collector's own clusters carry the mesh's mTLS
+
+
+def _pods_behind_strict_sidecars(tmp_path, f, relay_bin, certs):
+    """Each emulated server as a pod with its own IP (127.0.0.11, .12, ...):
+    the pod's serving port and its relay's port (kvEvents.relayPort) are
+    reached only through one Envoy standing in for the pods' inbound sidecars
+    under STRICT (equivalent.inbound_sidecars). Returns (pod addresses, pod ->
+    emulator address, relay port, the sidecars' admin port, processes)."""
+    zmq = f.process.log_text().split("KV_EVENTS ", 1)[1].split()[0].split(",")
+    serve_port, relay_port, admin = free_ports(3)
+    pods, forward, procs = [], {}, []
+    for i, (emulator, sub) in enumerate(zip(f.addresses, zmq)):
+        ip = f"127.0.0.{11 + i}"
+        (listen,) = free_ports(1)
+        relay = Process(f"relay-{i}", [relay_bin, "--sub", sub, "--topic", f"kv@{emulator}@",
+                                       "--listen", f"127.0.0.1:{listen}", "--max-blocks", "777"],
+                        str(tmp_path / f"relay-{i}.log"))
+        procs.append(relay)
+        relay.wait_for_log("serving http://", timeout=30)
+        pod = f"{ip}:{serve_port}"
+        pods.append(pod)
+        forward[pod] = emulator
+        forward[f"{ip}:{relay_port}"] = f"127.0.0.1:{listen}"
+    boot = equivalent.inbound_sidecars(str(tmp_path), certs, forward, admin)
+    sidecars = Process("inbound-sidecars", ["envoy", "-c", boot, "--concurrency", "1", "--use-dynamic-base-id",
+                                            "--log-level", "warning"], str(tmp_path / "inbound-sidecars.log"))
+    procs.append(sidecars)
+
+    def live():
+        try:
+            return request(admin, "GET", "/ready", timeout=2).body.strip() == b"LIVE"
+        except OSError:
+            assert sidecars.alive(), sidecars.log_text()
+            return False
+
+    wait_until(live, timeout=30, what="the inbound sidecars' Envoy LIVE")
+    return pods, {p: forward[p] for p in pods}, relay_port, admin, procs
+
+
+def _sum(stats, prefix, suffix):
+    return sum(int(v) for k, v in stats.items() if k.startswith(prefix) and k.endswith(suffix) and v.isdigit())
+
+
+@pytest.mark.parametrize("shape", ["sidecar", "gateway"])
+def test_collector_polls_and_relays_under_strict_mtls(fleet, istio_envoy, relay_binary, tmp_path, shape):  # noqa: F811
+    """Issue 40: the model pods' sidecars require mTLS (STRICT). The
+    collector's /metrics polls (kvroute_metrics) and relay calls
+    (kvroute_relays) reach them with the mesh identity the manifests give
+    those clusters, and land on the inbound HTTP chain (the ALPN); routing
+    goes through the model servers' cluster with auto-mTLS. With the clusters
+    as before (plain HTTP) every poll is refused: no metrics, the
+    poll-failure counter grows."""
+    certs = equivalent.make_mesh_certs(str(tmp_path / "certs"))
+    f = fleet(2, "--num-gpu-blocks", 777, "--kv-events-port-base", 0)
+    pods, emulator_of, relay_port, sidecar_admin, procs = _pods_behind_strict_sidecars(tmp_path, f, relay_binary, certs)
+    try:
+        patch = {"routing": {"statePath": STATE_PATH},
+                 "kvEvents": {"enabled": True, "relayPort": relay_port, "pollMs": 200, "staleMs": 2000}}
+        e = istio_envoy(shape, pods, plugin_patch=patch, mesh_certs=certs)
+
+        def state():
+            r = request(e["port"], "GET", STATE_PATH, timeout=5)
+            return {x["address"]: x for x in r.json()["endpoints"]} if r.status == 200 else {}
+
+        def polled():
+            s = state()
+            return set(s) == set(pods) and all(
+                (s[p].get("metrics") or {}).get("fresh") and s[p]["metrics"].get("numGpuBlocks") == 777
+                and (s[p].get("kvEvents") or {}).get("fresh") for p in pods)
+
+        try:
+            wait_until(polled, timeout=20, interval=0.3,
+                       what="every pod's /metrics (num_gpu_blocks 777) and relay polled through mTLS")
+        except AssertionError:
+            seen = {p: {"metrics": x.get("metrics"), "relayFailures": (x.get("kvEvents") or {}).get("failures")}
+                    for p, x in state().items()}
+            failures = _sum(_stats(e["admin"], "kvroute_metrics_poll_failures"), "", "")
+            refused = _sum(_stats(sidecar_admin, "no_filter_chain_match"), "listener.", "no_filter_chain_match")
+            raise AssertionError(f"no fresh metrics and relay view for every pod: {seen}; kvroute_metrics_poll_failures "
+                                 f"{failures}; connections the sidecars refused (no filter chain match) {refused}") from None
+
+        # Routing through the model servers' cluster (mTLS to the sidecars),
+        # and the load the servers report reaches the collector's view.
+        r = completion(e["port"], text(4343, 2048), timeout=10)
+        assert r.status == 200 and r.served_by in f.addresses, r
+        held = [in_background(completion, e["port"], text(f"held-{i}", 1024), max_tokens=160, timeout=60) for i in range(3)]
+        wait_until(lambda: any(x["metrics"]["running"] + x["metrics"]["waiting"] > 0 for x in state().values()),
+                   timeout=10, interval=0.2, what="the collector seeing the servers' running requests")
+        for t, _ in held:
+            t.join()
+        done = [box[0] for _, box in held]
+        assert all(getattr(r, "status", None) == 200 and r.served_by in f.addresses for r in done), done
+
+        assert not {k: v for k, v in _stats(e["admin"], "kvroute_metrics_poll_failures").items() if v not in ("0", "")}
+        kv = _stats(e["admin"], "kvroute_kv_events")
+        assert _sum(kv, "wasmcustom.kvroute_kv_events_polls", "") > 0 and _sum(kv, "wasmcustom.kvroute_kv_events_bad_answers", "") == 0, kv
+        assert all(f.stats(a)["metrics_scrapes"] > 0 for a in emulator_of.values())
+        # Every call came over mTLS to the HTTP chain: none fell to the TCP
+        # chain (another ALPN) or matched no chain (plain text).
+        side = _stats(sidecar_admin, "inbound")
+        assert _sum(side, "http.inbound_http_", ".downstream_rq_total") > 0, side
+        assert _sum(side, "tcp.inbound_tcp_", ".downstream_cx_total") == 0, side
+        assert _sum(_stats(sidecar_admin, "no_filter_chain_match"), "listener.", "no_filter_chain_match") == 0
+        assert e["process"].alive()
+    finally:
+        for p in reversed(procs):
+            p.stop()
