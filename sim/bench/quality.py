@@ -1356,7 +1356,7 @@ def main(argv=None):
                    help="A/B of issue 40 point 1: per seed and arm, run the workload alone and then with a second "
                    "client sending RATE over-length requests per model second (kvroute-loadgen --reject-stream), "
                    "and print both hit ratios side by side (default workload agent-session, arm kvroute-default, "
-                   "--rates 6,6: a warm-up stage and a measured one); writes no docs")
+                   "--rates 6,6: a warm-up stage and a measured one, --time-scale 2); writes no docs")
     p.add_argument("--reject-tokens", type=int, default=49152,
                    help="--reject-ab: the rejected prompts' length in tokens, above the emulator's --max-model-len "
                    "(40960) [49152]")
@@ -1370,6 +1370,10 @@ def main(argv=None):
             p.error("--reject-ab: a positive rate")
         args.workloads = args.workloads or "agent-session"
         args.rates = args.rates or "6,6"
+        # A refused request is in flight for wall time (Envoy buffering its body, the server tokenizing it
+        # before the 400); a time scale multiplies that into model time. At agent-session's 10 the stream's
+        # cost is 4-6x what it is at 2 (docs/lab/2026-12-06-rejected-stream-residual.md).
+        args.time_scale = args.time_scale or 2
     args.workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
     for w in args.workloads:
         if w not in WORKLOADS:
