@@ -58,6 +58,7 @@ fn cfg(arm: &str, stages: &str, seed: u64, exact: bool) -> SimConfig {
         time_scale: 1.0,
         stop_after_ttft_p90_s: None,
         envoy_workers: 1,
+        decision_log: None,
     }
 }
 
