@@ -106,6 +106,25 @@ pub fn group_key(hashes: &[u64], g: usize) -> u64 {
     }
 }
 
+/// Blocks just past a match of `matched` blocks (of a `total`-block prompt)
+/// that the index cannot look up, so may be held although the match stops
+/// short of them: where the match ends at the start of a whole group, that
+/// group is keyed by its last block ([`group_key`]), which a prompt that
+/// parts from the held prefix inside the group (a new question after a
+/// shared system prompt) does not share. Up to `GROUP_BLOCKS − 1` (the
+/// group's last block differs, or the match would have covered it); 0 when
+/// the match ends inside a group (its blocks were read one by one), at the
+/// prompt's end, or before a final partial group (keyed by its first block,
+/// so read), and for an empty match (nothing held).
+pub fn unresolved_after(matched: u32, total: usize) -> u32 {
+    let m = matched as usize;
+    let whole_next = (m / GROUP_BLOCKS + 1) * GROUP_BLOCKS <= total;
+    if m == 0 || !m.is_multiple_of(GROUP_BLOCKS) || m >= total || !whole_next {
+        return 0;
+    }
+    (GROUP_BLOCKS - 1) as u32
+}
+
 /// The key a partial group is written under: its first block's hash.
 pub fn partial_group_key(hashes: &[u64], g: usize) -> u64 {
     hashes.get(g * GROUP_BLOCKS).copied().unwrap_or(0)
@@ -898,6 +917,26 @@ mod tests {
         let m = longest_prefixes(&s, &geo, &c, &[holder(0, 32, 0)]).unwrap();
         assert_eq!(m.matched_blocks, vec![24]);
         assert!(m.shard_reads <= 3, "{}", m.shard_reads);
+        // b's match (16, the start of a whole group) may be 7 blocks short:
+        // the true 21 is within it. c's (24) is exact: the group after it is
+        // c's final, partial one, read by its first block.
+        assert_eq!(unresolved_after(16, b.len()), 7);
+        assert!(16 + unresolved_after(16, b.len()) >= 21);
+        assert_eq!(unresolved_after(24, c.len()), 0);
+    }
+
+    #[test]
+    fn unresolved_blocks_only_where_a_match_ends_before_a_whole_group() {
+        assert_eq!(unresolved_after(0, 100), 0, "nothing held");
+        assert_eq!(unresolved_after(88, 112), 7, "the shared-prefix case");
+        assert_eq!(unresolved_after(90, 112), 0, "ended inside a group");
+        assert_eq!(unresolved_after(112, 112), 0, "the whole prompt");
+        assert_eq!(
+            unresolved_after(104, 110),
+            0,
+            "a final partial group is read"
+        );
+        assert_eq!(unresolved_after(104, 112), 7, "a final whole group is not");
     }
 
     /// A prefix every endpoint of a large fleet holds (a shared system

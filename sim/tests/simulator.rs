@@ -58,6 +58,7 @@ fn cfg(arm: &str, stages: &str, seed: u64, exact: bool) -> SimConfig {
         time_scale: 1.0,
         stop_after_ttft_p90_s: None,
         envoy_workers: 1,
+        decision_log: None,
     }
 }
 
@@ -343,4 +344,42 @@ fn sessions(
     let r = simulate(c).unwrap();
     let s = &r.stages[0];
     (s.hit_ratio.unwrap(), s.hit_ratio_ceiling.unwrap())
+}
+
+/// `--decision-log`: one line per routed request, each endpoint's index
+/// view beside its server's real cache, and the hits at decision time
+/// close to the run's.
+#[test]
+fn the_decision_log_has_a_line_per_routed_request_with_the_servers_cache() {
+    let path = std::env::temp_dir().join(format!("kvroute-decisions-{}.jsonl", std::process::id()));
+    let r = simulate(SimConfig {
+        decision_log: Some(path.to_string_lossy().into_owned()),
+        ..cfg("kvroute", "concurrency:4@20s", 1, false)
+    })
+    .unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len() as u64, r.totals.arrived);
+    let (mut cached, mut prompt) = (0u64, 0u64);
+    for l in &lines {
+        let cands = l["candidates"].as_array().unwrap();
+        assert_eq!(cands.len(), 3);
+        // One score per scorer of the arm's profile (token-load-scorer).
+        assert_eq!(cands[0]["scorers"].as_array().unwrap().len(), 1);
+        let e = l["endpoint"].as_u64().unwrap() as usize;
+        assert_eq!(
+            l["primary"].as_u64().unwrap() as usize,
+            e,
+            "candidates are in fleet order"
+        );
+        cached += cands[e]["server_cached_tokens"].as_u64().unwrap();
+        prompt += l["prompt_tokens"].as_u64().unwrap();
+    }
+    let hit = r.stages[0].hit_ratio.unwrap();
+    let at_decision = cached as f64 / prompt as f64;
+    assert!((hit - at_decision).abs() < 0.05, "{hit} vs {at_decision}");
 }

@@ -498,6 +498,7 @@ impl Engine {
                     .filter(|m| m.is_fresh(now_ms, stale_after));
                 Candidate {
                     matched_blocks: matched,
+                    unresolved_blocks: index::unresolved_after(matched, hashes.len()),
                     inflight_tokens: rec.map_or(0, |r| r.inflight_tokens()),
                     inflight_requests: rec.map_or(0, |r| r.inflight_requests()),
                     inflight_prefill_tokens: rec.map_or(0, |r| r.inflight_prompt_tokens()),
@@ -600,6 +601,8 @@ impl Engine {
             .zip(&m)
             .map(|(c, x)| Candidate {
                 matched_blocks: x.matched_blocks,
+                // vLLM's hashes are looked up block by block.
+                unresolved_blocks: 0,
                 ..*c
             })
             .collect();

@@ -30,6 +30,12 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                 let prefill = prefill.min(tokens);
                 Candidate {
                     matched_blocks: matched,
+                    // As the engine sets it: 7 past a match at a group start.
+                    unresolved_blocks: if matched > 0 && matched % 8 == 0 {
+                        7
+                    } else {
+                        0
+                    },
                     inflight_tokens: tokens,
                     inflight_requests: requests,
                     inflight_prefill_tokens: prefill,
@@ -72,6 +78,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                         peak_prefill_throughput: tput,
                         exploration_probability: expl,
                         max_tokens_in_flight_penalty: 0,
+                        count_unresolved_blocks: fallbacks % 2 == 1,
                         // Half the cases read each candidate's estimate.
                         prefill_auto: (tput > 50_000.0).then(PrefillRateParams::default),
                         load_signal: if scorer >= 6 {

@@ -56,6 +56,9 @@ Output:
                             kv-blocks; prints a Markdown table of each run's last stage
   --plot PATH.svg           with --sweep: TTFT p90 and hit ratio against the parameter
   --title TEXT              the plot's title
+  --decision-log PATH       one JSON line per routing decision: branch, each endpoint's
+                            index affinity, filter verdict, total and per-scorer scores,
+                            insert counter, and the prefix its modelled server really holds
   --stop-after-ttft-p90 X   end the stages after the first whose TTFT p90 > X s [off]
 
 ";
@@ -88,6 +91,7 @@ fn flags() -> Vec<(&'static str, bool)> {
         ("plot", true),
         ("title", true),
         ("stop-after-ttft-p90", true),
+        ("decision-log", true),
     ];
     v.extend_from_slice(FLEET_FLAGS);
     v
@@ -172,6 +176,7 @@ fn scenario(f: &Flags) -> Result<Scenario, String> {
         time_scale: f.get("time-scale", 1.0)?,
         stop_after_ttft_p90_s: stop,
         envoy_workers: f.get("envoy-workers", 1usize)?.max(1),
+        decision_log: f.str("decision-log").map(str::to_owned),
     };
     // Refuse a bad document now, with the filter's own error.
     s.sim_config().map_err(|e| format!("{P}: {e}"))?;

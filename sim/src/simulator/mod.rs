@@ -121,6 +121,11 @@ pub struct SimConfig {
     /// Envoy worker threads (`--concurrency`), each routing with its own
     /// engine and generator over the one shared store.
     pub envoy_workers: usize,
+    /// Write one JSON line per routing decision here (`--decision-log`):
+    /// the branch, each endpoint's index match, filter verdict, total and
+    /// per-scorer scores, its insert counter, and the prefix the modelled
+    /// server really holds, for finding why a profile misses.
+    pub decision_log: Option<String>,
 }
 
 /// Totals of a run.
@@ -317,6 +322,11 @@ pub struct Sim {
     /// would have raised in Envoy (`kvroute_routed`, `kvroute_branch_*`,
     /// `kvroute_fail_open`, `kvroute_rejected`).
     router_counts: BTreeMap<&'static str, u64>,
+    /// `--decision-log`: the open file, the workload tag of the request
+    /// being built (group, last segment), and the decision just taken.
+    decision_log: Option<std::io::BufWriter<std::fs::File>>,
+    pending_tag: Option<(u32, String)>,
+    last_decision: Option<(kvroute_core::scheduling::Decision, u64)>,
 }
 
 impl Sim {
@@ -450,6 +460,15 @@ impl Sim {
             use_: Utilization::default(),
             ceiling: Ceiling::new(cfg.fleet.engine.block_size),
             router_counts: BTreeMap::new(),
+            decision_log: match &cfg.decision_log {
+                None => None,
+                Some(path) => Some(std::io::BufWriter::new(
+                    std::fs::File::create(path)
+                        .map_err(|e| format!("cannot create {path}: {e}"))?,
+                )),
+            },
+            pending_tag: None,
+            last_decision: None,
             cfg,
         })
     }
@@ -576,6 +595,15 @@ impl Sim {
         } else {
             let parts = w.next_parts();
             let model = w.spec().model.clone();
+            if self.decision_log.is_some() {
+                let last = parts
+                    .messages
+                    .last()
+                    .and_then(|(_, segs)| segs.last())
+                    .map(|g| format!("{}.{}.{}", g.kind, g.a, g.b))
+                    .unwrap_or_default();
+                self.pending_tag = Some((parts.group, last));
+            }
             self.parts_request(&model, &parts)
         }
     }
@@ -676,6 +704,9 @@ impl Sim {
                     Outcome::Routed(r) => {
                         count(Counter::Routed);
                         count(Counter::for_branch(r.decision.branch));
+                        if self.decision_log.is_some() {
+                            self.last_decision = Some((r.decision.clone(), r.uncached_tokens));
+                        }
                     }
                     Outcome::FailOpen(_) => count(Counter::FailOpen),
                     Outcome::Reject { .. } => count(Counter::Rejected),
@@ -752,6 +783,11 @@ impl Sim {
             ceiling: Some(ceiling.unwrap_or((0, 0))),
             ..Default::default()
         };
+        let router_blocks = match &req.router {
+            RouterInput::Hashed { hashes, .. } => hashes.len(),
+            RouterInput::Body { .. } => 0,
+        };
+        self.last_decision = None;
         let Some(routed) = self.route(&req.router)? else {
             // A closed-loop client whose request is refused at once stops
             // (in virtual time it would otherwise resend forever at one instant).
@@ -763,6 +799,9 @@ impl Sim {
         }
         let e = routed.endpoint;
         let now = self.now;
+        if self.decision_log.is_some() {
+            self.log_decision(&req, e, router_blocks)?;
+        }
         match self.servers[e].model.add_request(req.server, now) {
             Ok(id) => {
                 let idx = self.requests.len();
@@ -793,6 +832,82 @@ impl Sim {
                 // As above: the refused client stops.
                 self.drop_request(rec, "http 400");
             }
+        }
+        Ok(())
+    }
+
+    /// One line of `--decision-log` for the request just routed to `e`
+    /// (nothing for round robin or a fail-open pick).
+    fn log_decision(
+        &mut self,
+        req: &SimRequest,
+        e: usize,
+        router_blocks: usize,
+    ) -> Result<(), String> {
+        use std::io::Write;
+        let Some((d, uncached)) = self.last_decision.take() else {
+            return Ok(());
+        };
+        let tag = self.pending_tag.take();
+        let load = match &self.router {
+            KvRouter::Kvroute { store, .. } => {
+                let bytes = store
+                    .get(kvroute_shared_state::LOAD_KEY)
+                    .map_err(|e| format!("reading the load table: {e}"))?;
+                Some(LoadTable::decode(bytes.as_ref().map(|(b, _)| b.as_slice())))
+            }
+            KvRouter::RoundRobin { .. } => None,
+        };
+        let slots = match &self.router {
+            KvRouter::Kvroute { slots, .. } => slots.clone(),
+            KvRouter::RoundRobin { .. } => Vec::new(),
+        };
+        let bs = self.cfg.fleet.engine.block_size;
+        let n_scorers = d.scorer_scores.len() / d.report.len().max(1);
+        let cands: Vec<serde_json::Value> = d
+            .report
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let server_cached_blocks = self
+                    .servers
+                    .get(i)
+                    .map(|s| {
+                        s.model
+                            .cache()
+                            .longest_cached_prefix(&req.server.block_hashes)
+                            .len()
+                    })
+                    .unwrap_or(0);
+                let insert_counter = slots
+                    .get(i)
+                    .and_then(|&(slot, g)| load.as_ref().and_then(|l| l.get(slot, g)))
+                    .map(|r| r.insert_counter);
+                serde_json::json!({
+                    "affinity": c.affinity,
+                    "ttft_ms": c.ttft_ms,
+                    "passed": c.passed_filter,
+                    "score": c.score,
+                    "scorers": &d.scorer_scores[i * n_scorers..(i + 1) * n_scorers],
+                    "server_cached_tokens": server_cached_blocks as u64 * u64::from(bs),
+                    "insert_counter": insert_counter,
+                })
+            })
+            .collect();
+        let line = serde_json::json!({
+            "t": self.now,
+            "group": tag.as_ref().map(|t| t.0),
+            "last_segment": tag.as_ref().map(|t| t.1.clone()),
+            "prompt_tokens": req.server.prompt_tokens,
+            "router_blocks": router_blocks,
+            "branch": d.branch.as_str(),
+            "primary": d.primary,
+            "endpoint": e,
+            "uncached_tokens": uncached,
+            "candidates": cands,
+        });
+        if let Some(w) = self.decision_log.as_mut() {
+            writeln!(w, "{line}").map_err(|e| format!("decision log: {e}"))?;
         }
         Ok(())
     }

@@ -19,6 +19,8 @@ pub struct Scenario {
     pub time_scale: f64,
     pub stop_after_ttft_p90_s: Option<f64>,
     pub envoy_workers: usize,
+    /// `--decision-log` (see [`SimConfig::decision_log`]).
+    pub decision_log: Option<String>,
 }
 
 impl Scenario {
@@ -35,6 +37,7 @@ impl Scenario {
             time_scale: self.time_scale,
             stop_after_ttft_p90_s: self.stop_after_ttft_p90_s,
             envoy_workers: self.envoy_workers,
+            decision_log: self.decision_log.clone(),
         })
     }
 

@@ -193,6 +193,7 @@ fn scenario(trace: &[TraceRequest], f: &Facts, doc: Option<serde_json::Value>) -
         time_scale: 1.0,
         stop_after_ttft_p90_s: None,
         envoy_workers: 1,
+        decision_log: None,
     }
 }
 

@@ -472,6 +472,8 @@ struct AffinityParams {
     latency_prediction_info_producer_name: Option<String>,
     /// kvroute: `"inflight"` (llm-d's) or `"saturation"`.
     load_signal: Option<String>,
+    /// kvroute: the threshold test counts the blocks the index cannot look up.
+    count_unresolved_blocks: Option<bool>,
 }
 
 /// `peakPrefillThroughput: {"auto": true, …}`.
@@ -1062,6 +1064,7 @@ fn compile_plugin(
                         ))
                     }
                 },
+                count_unresolved_blocks: q.count_unresolved_blocks.unwrap_or(false),
             };
             if f.max_ttft_penalty_ms > 0.0 && f.peak_prefill_throughput <= 0.0 {
                 return Err(err(

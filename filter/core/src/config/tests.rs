@@ -1009,6 +1009,7 @@ fn shipped_files_run_the_kvroute_default_profile() {
     let c = Config::from_json(with_endpoints(BASELINE).as_bytes()).unwrap();
     let s = &c.scheduler;
     assert_eq!(s.filters[0].load_signal, LoadSignal::Inflight);
+    assert!(!s.filters[0].count_unresolved_blocks);
     assert!(!s.inflight.hold_kv_until_end);
     assert!(!c.prefix.learn_bytes_per_token);
     assert_eq!(s.scorers[0].0.type_name(), "token-load-scorer");
@@ -1027,6 +1028,10 @@ fn kvroute_plugin_parameters_are_checked() {
     bad(
         r#"{"type":"prefix-cache-affinity-filter","name":"x","parameters":{"loadSignal":"kv"}}"#,
         "loadSignal",
+    );
+    bad(
+        r#"{"type":"prefix-cache-affinity-filter","name":"x","parameters":{"countUnresolvedBlocks":1}}"#,
+        "countUnresolvedBlocks",
     );
     bad(
         r#"{"type":"kvroute-load-scorer","name":"x","parameters":{"queueThresholdTokens":0}}"#,

@@ -6,6 +6,10 @@
 //!   `peakPrefillThroughput: "auto"`, each endpoint's own online estimate
 //!   (`collector::prefill_rate`) replaces it while that endpoint's metrics are
 //!   fresh; otherwise the configured (`initial`) value is used.
+//! - With `countUnresolvedBlocks` (kvroute's parameter) the sticky test
+//!   reads (matched + unresolved) / request blocks instead: the blocks just
+//!   past a match that ends at the start of a whole index group, which the
+//!   approximate index cannot look up ([`Candidate::unresolved_blocks`]).
 //! - If sticky is empty: every candidate passes (`no-affinity`).
 //! - If `maxTTFTPenaltyMs` > 0, some candidate is not sticky, and
 //!   min_sticky ttft − min_nonsticky ttft > maxTTFTPenaltyMs (strictly):
@@ -49,6 +53,10 @@ pub struct AffinityFilter {
     pub prefill_auto: Option<PrefillRateParams>,
     /// What the gates compare (`loadSignal`).
     pub load_signal: LoadSignal,
+    /// `countUnresolvedBlocks`: the threshold test reads
+    /// [`Candidate::possible_affinity`] (the match plus the blocks the index
+    /// cannot look up) instead of the affinity.
+    pub count_unresolved_blocks: bool,
 }
 
 /// The load the saturation gate compares.
@@ -71,6 +79,7 @@ impl Default for AffinityFilter {
             max_tokens_in_flight_penalty: 0,
             prefill_auto: None,
             load_signal: LoadSignal::Inflight,
+            count_unresolved_blocks: false,
         }
     }
 }
@@ -92,6 +101,16 @@ impl AffinityFilter {
         match (self.prefill_auto, c.prefill_tokens_per_s) {
             (Some(_), Some(r)) if r > 0.0 => r,
             _ => self.peak_prefill_throughput,
+        }
+    }
+
+    /// The affinity the threshold test reads: the affinity, or with
+    /// `countUnresolvedBlocks` the largest the index cannot rule out.
+    pub fn sticky_affinity(&self, req: &RequestView, c: &Candidate) -> f64 {
+        if self.count_unresolved_blocks {
+            c.possible_affinity(req)
+        } else {
+            c.affinity(req)
         }
     }
 
@@ -139,7 +158,7 @@ impl AffinityFilter {
         if self.exploration_probability > 0.0 && rng.next_f64() < self.exploration_probability {
             return FilterBranch::Exploration;
         }
-        let is_sticky = |i: usize| cands[i].affinity(req) >= self.affinity_threshold;
+        let is_sticky = |i: usize| self.sticky_affinity(req, &cands[i]) >= self.affinity_threshold;
         let mut best_sticky = f64::INFINITY;
         let mut best_other = f64::INFINITY;
         // tokens
@@ -208,6 +227,40 @@ mod tests {
         let mut p: Vec<usize> = (0..c.len()).collect();
         let b = f.apply(r, c, &mut p, &mut Rng::new(1));
         (b, p)
+    }
+
+    /// The shared-prefix workload at 64-token blocks: a new question after a
+    /// group's 6,000-token system prompt holds 93 of its 112 blocks (0.83),
+    /// but the index finds the 88 of whole groups before the one where the
+    /// question starts (0.79), 7 more unresolved.
+    #[test]
+    fn count_unresolved_blocks_keeps_a_match_cut_at_a_group_start_sticky() {
+        let warm = Candidate {
+            unresolved_blocks: 7,
+            ..cand(88, 0)
+        };
+        let off = AffinityFilter::default();
+        assert_eq!(
+            run(&off, &req(112), &[warm, cand(0, 0)]).0,
+            FilterBranch::NoAffinity
+        );
+        let on = AffinityFilter {
+            count_unresolved_blocks: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            run(&on, &req(112), &[warm, cand(0, 0)]),
+            (FilterBranch::Sticky, vec![0])
+        );
+        // The bound never lifts a short match: 40 + 7 of 112 stays below.
+        let short = Candidate {
+            unresolved_blocks: 7,
+            ..cand(40, 0)
+        };
+        assert_eq!(
+            run(&on, &req(112), &[short, cand(0, 0)]).0,
+            FilterBranch::NoAffinity
+        );
     }
 
     #[test]

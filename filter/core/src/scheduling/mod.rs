@@ -80,6 +80,12 @@ pub struct Candidate {
     /// Longest run of the request's blocks, from block 0, that this endpoint
     /// is believed to hold.
     pub matched_blocks: u32,
+    /// Blocks just past `matched_blocks` the approximate index cannot look
+    /// up, so may be held too (up to 7, where the match ends at the start
+    /// of a whole index group: `kvroute_shared_state::index::unresolved_after`);
+    /// 0 in precise mode. The affinity filter's `countUnresolvedBlocks`
+    /// counts them in its threshold test.
+    pub unresolved_blocks: u32,
     /// In-flight tokens charged to this endpoint (uncached prompt tokens not
     /// yet prefilled, plus any output estimate).
     pub inflight_tokens: u64,
@@ -118,6 +124,17 @@ impl Candidate {
             0.0
         } else {
             f64::from(self.matched_blocks.min(req.total_blocks)) / f64::from(req.total_blocks)
+        }
+    }
+
+    /// The largest affinity the index cannot rule out: matched plus
+    /// unresolved blocks over request blocks, in [0, 1].
+    pub fn possible_affinity(&self, req: &RequestView) -> f64 {
+        if req.total_blocks == 0 {
+            0.0
+        } else {
+            let m = self.matched_blocks.saturating_add(self.unresolved_blocks);
+            f64::from(m.min(req.total_blocks)) / f64::from(req.total_blocks)
         }
     }
 

@@ -105,6 +105,11 @@ pub struct Decision {
     pub cold: bool,
     /// One entry per candidate, in candidate order.
     pub report: Vec<CandidateReport>,
+    /// Each scorer's unweighted score, for explanations and the
+    /// simulator's decision log: `scorer_scores[i * scorers + k]` is scorer
+    /// `k` (profile order) on candidate `i` (candidate order); 0 for a
+    /// candidate the filter dropped.
+    pub scorer_scores: Box<[f64]>,
 }
 
 /// A compiled scheduling profile.
@@ -161,6 +166,8 @@ impl Scheduler {
         // Weighted scores over the passing set.
         let mut totals = vec![0.0; passing.len()];
         let mut buf = vec![0.0; passing.len()];
+        let n_scorers = self.scorers.len();
+        let mut scorer_scores = vec![0.0; cands.len() * n_scorers];
         let lookahead: Vec<u64> = if self
             .scorers
             .iter()
@@ -191,7 +198,7 @@ impl Scheduler {
         } else {
             Vec::new()
         };
-        for (scorer, weight) in &self.scorers {
+        for (k, (scorer, weight)) in self.scorers.iter().enumerate() {
             match scorer {
                 Scorer::TokenLoad(s) => s.score(cands, &lookahead, &passing, &mut buf),
                 Scorer::ActiveRequest(s) => s.score(cands, &passing, &mut buf),
@@ -214,6 +221,9 @@ impl Scheduler {
             }
             for (t, s) in totals.iter_mut().zip(&buf) {
                 *t += weight * s;
+            }
+            for (&i, s) in passing.iter().zip(&buf) {
+                scorer_scores[i * n_scorers + k] = *s;
             }
         }
 
@@ -263,6 +273,7 @@ impl Scheduler {
             branch,
             cold: no_hit_lru::is_cold(req, cands, &passing),
             report,
+            scorer_scores: scorer_scores.into_boxed_slice(),
         })
     }
 }
