@@ -20,6 +20,8 @@
 #   DEMO_GROUPS        shared-prefix groups (default 16; 6000-token system prompts)
 #   DEMO_GPU_BLOCKS    KV cache per server in 16-token blocks (default 2400, 38,400
 #                      tokens, about 6 groups: the working set does not fit on every server)
+#   DEMO_PLUGIN_CONFIG kvroute's plugin JSON (default envoy/kvroute-config.json, the
+#                      shipped profile)
 #   DEMO_PROFILE       cargo profile of the emulator and load generator (default
 #                      release; scripts/demo-check.sh uses debug, already built by CI)
 #   DEMO_PID_FILE      where to write the PIDs of the processes it starts, one a
@@ -88,7 +90,8 @@ started "$!"
 echo "==> starting Envoy + kvroute on :$listen_port (shared state on the internal listener 127.0.0.1:$state_port)"
 echo "    and plain Envoy (round robin) on :$((listen_port + 1))"
 envoy/run.sh --endpoints "$endpoints" --listen-port "$listen_port" --admin-port "$admin_port" \
-  --state-listener "127.0.0.1:$state_port" --wasm "$wasm" --log-level warning --config-out "$workdir/kvroute.yaml" >"$workdir/envoy-kvroute.log" 2>&1 &
+  --state-listener "127.0.0.1:$state_port" --wasm "$wasm" --log-level warning --config-out "$workdir/kvroute.yaml" \
+  ${DEMO_PLUGIN_CONFIG:+--plugin-config "$DEMO_PLUGIN_CONFIG"} >"$workdir/envoy-kvroute.log" 2>&1 &
 started "$!"
 envoy/run.sh --baseline --endpoints "$endpoints" --listen-port "$((listen_port + 1))" \
   --admin-port "$((admin_port + 1))" --log-level warning --config-out "$workdir/round-robin.yaml" \
