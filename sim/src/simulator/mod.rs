@@ -39,7 +39,6 @@ use crate::loadgen::ceiling::Ceiling;
 use crate::loadgen::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
 use crate::loadgen::stages::{Stage, StageKind};
 use crate::loadgen::workload::{GenParts, Workload, WorkloadSpec};
-use crate::rng::SeededRng;
 use crate::vllm_hash::VllmBlockHasher;
 use crate::vllm_model::{Engine as Server, EngineConfig, RequestId, StepResult};
 use kvroute_core::config::{Config, EndpointSource};
@@ -258,10 +257,7 @@ struct Inflight {
 
 enum KvRouter {
     /// One rotation per Envoy worker; a request lands on a random worker.
-    RoundRobin {
-        next: Vec<usize>,
-        pick_worker: SeededRng,
-    },
+    RoundRobin { next: Vec<usize>, pick_worker: Rng },
     Kvroute {
         /// The collector's engine (and the releases').
         router: Box<Router>,
@@ -271,7 +267,7 @@ enum KvRouter {
         /// worker the same `routing.seed`, when set).
         workers: Vec<(Box<Router>, Rng)>,
         /// Which worker a request lands on (the kernel's connection spread).
-        pick_worker: SeededRng,
+        pick_worker: Rng,
         /// Endpoint address → fleet index.
         by_address: HashMap<String, usize>,
         /// Fleet index → (slot, generation).
@@ -335,12 +331,12 @@ impl Sim {
                 KvRouter::RoundRobin {
                     // Envoy starts each worker's rotation at a random host.
                     next: {
-                        let mut r = SeededRng::derive(cfg.seed, 0xE0E1);
+                        let mut r = Rng::derive(cfg.seed, 0xE0E1);
                         (0..cfg.envoy_workers.max(1))
                             .map(|_| r.below(cfg.fleet.endpoints as u64) as usize)
                             .collect()
                     },
-                    pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
+                    pick_worker: Rng::derive(cfg.seed, 0xE0E0),
                 },
                 None,
                 1.0,
@@ -397,7 +393,7 @@ impl Sim {
                         router,
                         store,
                         workers,
-                        pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
+                        pick_worker: Rng::derive(cfg.seed, 0xE0E0),
                         by_address,
                         slots,
                         fallback_next: 0,
@@ -973,7 +969,7 @@ impl Sim {
         match stage.kind {
             StageKind::Rate(rate) => {
                 // The load generator's arrival stream for this stage.
-                let mut rng = SeededRng::derive(self.cfg.seed, 0x5EED ^ stage_no);
+                let mut rng = Rng::derive(self.cfg.seed, 0x5EED ^ stage_no);
                 let mean_gap_s = 1.0 / rate;
                 let mut at = t0 + rng.exponential(mean_gap_s);
                 while at < end {
