@@ -12,6 +12,9 @@
 //!   prompt hashes to a prefix of the blocks); dropping the last chat
 //!   message renders a byte-prefix; allocation per parse is bounded by a
 //!   multiple of the body's size.
+//! - [`parse_differential::run`]: the parser against the frozen reference
+//!   parser it replaced, under every `ApiKind`: equal requests when both
+//!   accept, the same error label when both refuse.
 //! - [`check_config`]: errors name a problem; an accepted config is
 //!   deterministic, in range, and routes, charges and releases requests to
 //!   zero over a `MemoryStore`.
@@ -36,6 +39,7 @@ pub mod alloc_count;
 pub mod engine;
 pub mod envoy_clusters;
 pub mod kv_events;
+pub mod parse_differential;
 pub mod relay_frames;
 pub mod vllm_metrics;
 
