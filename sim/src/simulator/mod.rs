@@ -23,6 +23,9 @@
 //! - **Load.** The load generator's stages (Poisson rate or closed-loop
 //!   concurrency, each drained before the next) or a trace; the reports are
 //!   the load generator's [`StageReport`]s, built by the same function.
+//! - **Files.** `mod.rs` the event loop, `prompt.rs` segment prompts,
+//!   `trace.rs` the JSONL trace, `arms.rs` `quality.py`'s router arms,
+//!   `sweep.rs`, `plot.rs` (SVG), `whatif.rs` (the what-if analysis).
 
 pub mod arms;
 pub mod plot;
