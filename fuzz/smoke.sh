@@ -23,8 +23,9 @@
 # uses (coverage instrumentation, --cfg fuzzing, debug assertions), so a
 # fresh machine needs no cargo-fuzz and no nightly toolchain: only a C++
 # compiler for libFuzzer (installed with apt-get if missing). Only the
-# chosen targets are built. The seven targets before parse_differential, at 10 s each, took 81 s with a warm
-# build on 2026-12-06 (2 cores, loaded); a cold build adds minutes.
+# chosen targets are built. The seven targets before parse_differential,
+# at 10 s each, took 81 s with a warm build on 2026-12-06 (2 cores,
+# loaded); a cold build adds minutes.
 #
 # New inputs go to a scratch folder; a crashing input is saved under
 # fuzz/artifacts/TARGET/. testdata/requests/crash-* bodies reproduce open
