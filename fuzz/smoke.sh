@@ -9,6 +9,7 @@
 #
 # Targets (what each checks: fuzz/src/lib.rs):
 #   parse_request   request bodies        seeds: testdata/requests/ (without crash-*)
+#   parse_differential  the same, against the frozen reference parser  seeds: as parse_request
 #   config          plugin configs        seeds: fuzz/seeds/config/
 #   engine          engine programs       seeds: fuzz/seeds/engine/
 #   vllm_metrics    vLLM /metrics text    seeds: fuzz/seeds/vllm_metrics/ (real vLLM 0.32 captures)
@@ -22,8 +23,9 @@
 # uses (coverage instrumentation, --cfg fuzzing, debug assertions), so a
 # fresh machine needs no cargo-fuzz and no nightly toolchain: only a C++
 # compiler for libFuzzer (installed with apt-get if missing). Only the
-# chosen targets are built. All seven at 10 s each took 81 s with a warm
-# build on 2026-12-06 (2 cores, loaded); a cold build adds minutes.
+# chosen targets are built. The seven targets before parse_differential,
+# at 10 s each, took 81 s with a warm build on 2026-12-06 (2 cores,
+# loaded); a cold build adds minutes.
 #
 # New inputs go to a scratch folder; a crashing input is saved under
 # fuzz/artifacts/TARGET/. testdata/requests/crash-* bodies reproduce open
@@ -52,7 +54,7 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions \
 -Cllvm-args=-simplifycfg-branch-fold-threshold=0 -Cllvm-args=-sanitizer-coverage-stack-depth"
-all=(parse_request config engine vllm_metrics kv_events envoy_clusters relay_frames)
+all=(parse_request parse_differential config engine vllm_metrics kv_events envoy_clusters relay_frames)
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${all[@]}")
 bins=()
@@ -92,6 +94,7 @@ run() { # TARGET SEEDS DICT MAX_LEN
   fi
 }
 run parse_request "$scratch/seeds-parse_request" "$fuzz_dir/dicts/request.dict" 65536
+run parse_differential "$scratch/seeds-parse_request" "$fuzz_dir/dicts/request.dict" 65536
 run config "$fuzz_dir/seeds/config" "$fuzz_dir/dicts/config.dict" 16384
 run engine "$fuzz_dir/seeds/engine" "" 4096
 # Real /metrics and the ZMQ capture are 40-52 KB; relay answers and admin

@@ -12,8 +12,9 @@
 #   3. cargo test --workspace                      (native unit/property tests, harness tests)
 #   4. kvroute-core's tests compiled to wasm32-wasip1, run by tests/harness's kvroute-wasi-run
 #   5. fuzz smoke: bash fuzz/smoke.sh (libFuzzer, 10 s per target over its seeds: the request
-#      parser, the plugin config, the engine, and what the collector and relay parse from the
-#      network: vLLM /metrics, relay /kv/* answers, Envoy /clusters JSON, vLLM's ZMQ KV frames;
+#      parser, alone and against its frozen reference, the plugin config, the engine, and what
+#      the collector and relay parse from the network: vLLM /metrics, relay /kv/* answers,
+#      Envoy /clusters JSON, vLLM's ZMQ KV frames;
 #      fails on a crash)
 #   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm, and the smaller one
 #      without the tokenizer feature: target/no-tokenizer/wasm32-wasip1/release/kvroute_wasm.wasm

@@ -12,6 +12,9 @@
 //!   prompt hashes to a prefix of the blocks); dropping the last chat
 //!   message renders a byte-prefix; allocation per parse is bounded by a
 //!   multiple of the body's size.
+//! - [`parse_differential::run`]: the parser against the frozen reference
+//!   parser it replaced, under every `ApiKind`: equal requests when both
+//!   accept, the same error label when both refuse.
 //! - [`check_config`]: errors name a problem; an accepted config is
 //!   deterministic, in range, and routes, charges and releases requests to
 //!   zero over a `MemoryStore`.
@@ -36,6 +39,7 @@ pub mod alloc_count;
 pub mod engine;
 pub mod envoy_clusters;
 pub mod kv_events;
+pub mod parse_differential;
 pub mod relay_frames;
 pub mod vllm_metrics;
 
@@ -248,22 +252,20 @@ fn check_message_extension(body: &[u8]) {
 /// `TOKENIZER_ALLOWANCE + TOKENIZER_FACTOR × tokenizer.json bytes +
 /// ADDED_TOKEN_COST × bytes of its added tokens' contents`.
 ///
-/// What the `tokenizers` crate's build costs, measured with this harness
-/// (2026-12-06): the tiny BPE of `testdata/tokenizer/tiny-bpe-4096`
-/// (103 KB compact) 2.6 MB, 25× its size; the word-level tokenizer of
-/// `seeds/config/precise-inline-tokenizer.json` (one 3-byte added token)
-/// 30 KB. Added tokens cost out of proportion: they are matched with
-/// Aho-Corasick automata, about 550 heap bytes per byte of token content
-/// with up to 100 tokens (100 × 160 bytes: 8.9 MB; 2 × 8,000: 17.6 MB;
-/// ASCII or not), 72 with 101 (1.2 MB; past 100 patterns aho-corasick
-/// builds an NFA instead of a DFA). The config fuzz target stopped on
-/// this: `fuzz/seeds/config/regression-inline-tokenizer-alloc.json`, a
-/// 1.5 KB config whose one added token is 300 bytes, held 191 KB (125×).
+/// The `tokenizers` crate's build costs a multiple of the tokenizer's size,
+/// and added tokens cost out of proportion: they are matched with
+/// Aho-Corasick automata, hundreds of heap bytes per byte of token content
+/// while there are at most 100 of them (a DFA; past 100 patterns
+/// aho-corasick builds an NFA, much cheaper). The config fuzz target
+/// stopped on this: `fuzz/seeds/config/regression-inline-tokenizer-alloc.json`,
+/// a 1.5 KB config whose one added token is 300 bytes. The constants sit
+/// above what this harness measured (the figures:
+/// `docs/lab/2026-12-06-measurements-from-code-comments.md`).
 pub const TOKENIZER_ALLOWANCE: usize = 1 << 20;
 /// See [`TOKENIZER_ALLOWANCE`].
 pub const TOKENIZER_FACTOR: usize = 64;
-/// Heap bytes per byte of added-token content (measured: 550 on the DFA
-/// path; twice that for margin). See [`TOKENIZER_ALLOWANCE`].
+/// Heap bytes per byte of added-token content (twice the cost measured on
+/// the DFA path, for margin). See [`TOKENIZER_ALLOWANCE`].
 pub const ADDED_TOKEN_COST: usize = 1 << 10;
 
 /// An inline tokenizer of a config document, as the loader hands it to

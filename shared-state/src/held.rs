@@ -21,11 +21,9 @@
 //!   (an endpoint holding the whole chain stops there), else a binary search
 //!   over the chain (chained hashes make "holds block i" nearly monotone in
 //!   i): at most `log2(blocks) + 2` shard reads of [`SHARD_BYTES`] each,
-//!   fewer when probes share a shard. Measured natively over the in-memory
-//!   store (2026-12-01), 4 fresh endpoints holding none, 1/3, 2/3 and all
-//!   of the chain plus 20,000 other blocks each, reads including the
-//!   table's: 125 blocks (an 8 KB prompt) 22 reads, 42 KiB copied, 4 µs;
-//!   6,250 blocks (400 KB) 33 reads, 64 KiB copied, 10 µs. In Envoy each read is a host call that copies the value.
+//!   fewer when probes share a shard (reads, bytes copied and time measured
+//!   natively: `docs/lab/2026-12-06-measurements-from-code-comments.md`).
+//!   In Envoy each read is a host call that copies the value.
 //!
 //! # Layout (bounded)
 //!

@@ -50,8 +50,8 @@ pub const SETS: usize = SHARD_BYTES / ENTRY_BYTES / WAYS;
 /// [`group_key`]). With 32-block groups a session brought up to 31 private
 /// blocks there: 32 agent sessions overflowed its sets, random ways were
 /// overwritten, the binary search below met holes, and sessions lost their
-/// affinity (the simulator's agent-session, seed 2: 0.73 of the ceiling's
-/// hit ratio at 1 req/s; 8-block groups: 0.99;
+/// affinity (the simulator's agent-session fell well short of its hit-ratio
+/// ceiling, and 8-block groups brought it close;
 /// `docs/lab/2026-12-02-index-fixes.md`). With 8 a session brings at most 7.
 /// The price is more shard round trips for long new prompts (one
 /// read-modify-write per 8 blocks, 512 bytes of text at 16-token blocks);
@@ -173,8 +173,9 @@ pub fn shard_key_of(n: u32) -> String {
 }
 
 /// `kvroute/ix/<n>`, written digit by digit: under V8, `format!` of the
-/// one or two keys a request reads was ≈ 2–3% of the module's time per
-/// request (a `node --cpu-prof` of the steps program).
+/// one or two keys a request reads showed in the module's time per request
+/// (a `node --cpu-prof` of the steps program; the figure:
+/// `docs/lab/2026-12-06-measurements-from-code-comments.md`).
 fn shard_key_string(mut n: u64) -> String {
     const PREFIX: &str = "kvroute/ix/";
     let mut digits = [0u8; 20];
@@ -262,8 +263,8 @@ fn mix(h: u64) -> u64 {
 /// one set of [`WAYS`]: a block more than four endpoints held (a system
 /// prompt on an 8-server fleet) overwrote its entries in turn, an endpoint
 /// whose block-0 entry was gone read as cold, and sticky sessions moved
-/// (the simulator's agent-session on 8 servers, 1 req/s: 0.80 of the
-/// hit-ratio ceiling; `docs/lab/2026-12-02-index-fixes.md`). Mixing in the
+/// (the simulator's agent-session on 8 servers fell short of its hit-ratio
+/// ceiling; `docs/lab/2026-12-02-index-fixes.md`). Mixing in the
 /// slot spreads one block's entries over the shard; two choices keep the
 /// fullest set near the mean. A shard holds at most
 /// `SHARD_BYTES / ENTRY_BYTES` = 256 entries, so a group's entries are

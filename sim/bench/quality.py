@@ -32,13 +32,11 @@ every process started here is stopped here (by PID), also on failure or Ctrl-C.
 """
 
 import argparse
-import http.client
 import json
 import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import plots  # noqa: E402  (sim/bench/plots.py)
+from fleet import Procs, free_port, http_req, start_emulators, wait_until  # noqa: E402,F401  (sim/bench/fleet.py)
 
 ENVOY_VERSION = "1.40.0"
 SMG_VERSION = "1.13.0"
@@ -195,77 +194,8 @@ SMOKE = {
 
 
 # ---------------------------------------------------------------------------
-# Processes
+# Log (the processes and the emulated fleet: fleet.py)
 # ---------------------------------------------------------------------------
-
-class Procs:
-    """Every process this script starts, stopped by PID (process group)."""
-
-    def __init__(self):
-        self.live = []
-
-    def start(self, name, argv, log_path, env=None):
-        log = open(log_path, "w")
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, env=env)
-        p._kv_name, p._kv_log = name, log_path
-        self.live.append(p)
-        return p
-
-    def stop(self, p, timeout=10):
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-        if p in self.live:
-            self.live.remove(p)
-
-    def stop_all(self):
-        for p in list(reversed(self.live)):
-            self.stop(p)
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def http_req(method, port, path, body=None, timeout=5):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request(method, path, body=body)
-        r = c.getresponse()
-        return r.status, r.read()
-    finally:
-        c.close()
-
-
-def wait_until(what, check, timeout, proc=None):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: process exited with {proc.returncode}; see {proc._kv_log}")
-        try:
-            if check():
-                return
-        except (OSError, ValueError, KeyError, http.client.HTTPException) as e:
-            last = e
-        time.sleep(0.2)
-    raise RuntimeError(f"{what}: not ready within {timeout} s (last error: {last})")
-
 
 def log(msg):
     print(f"[quality {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -417,25 +347,9 @@ class Bench:
 
     # -- fleet ---------------------------------------------------------------
     def start_fleet(self, name, time_scale):
-        n = FLEET["endpoints"]
-        argv = [self.emulator, "--ports", ",".join(["0"] * n),
-                "--num-gpu-blocks", str(FLEET["num_gpu_blocks"]), "--block-size", str(FLEET["block_size"]),
-                "--max-num-batched-tokens", str(FLEET["max_num_batched_tokens"]),
-                "--prefill-tps", str(FLEET["prefill_tps"]), "--time-scale", str(time_scale),
-                "--stream-interval", str(FLEET["stream_interval"])]
         logp = os.path.join(self.work, f"{name}.emulator.log")
-        p = self.procs.start("emulator", argv, logp)
-        endpoints = []
-
-        def ready():
-            nonlocal endpoints
-            for line in open(logp):
-                if line.startswith("READY "):
-                    endpoints = line.split()[1].split(",")
-                    return True
-            return False
-
-        wait_until("emulator fleet", ready, 30, p)
+        p, endpoints = start_emulators(self.procs, self.emulator, FLEET, logp, time_scale,
+                                       FLEET["stream_interval"])
         log(f"fleet for {name}: {','.join(endpoints)} (time scale {time_scale})")
         return p, endpoints
 

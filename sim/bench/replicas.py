@@ -48,7 +48,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import quality  # noqa: E402  (Procs, free_port, http_req, wait_until, find_envoy, git_commit)
+import fleet  # noqa: E402  (Procs, free_port, http_req, wait_until, start_emulators)
+import quality  # noqa: E402  (find_envoy, git_commit, add_wasm_target)
 
 SECTION = "## Gateway replicas"
 ALL_ARMS = ["round-robin", "approx", "approx-events", "precise"]
@@ -150,7 +151,7 @@ def post_stream(port, body, timeout):
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.procs = quality.Procs()
+        self.procs = fleet.Procs()
         self.work = args.work_dir or tempfile.mkdtemp(prefix="kvroute-replicas.")
         os.makedirs(self.work, exist_ok=True)
         td = args.target_dir
@@ -162,25 +163,11 @@ class Bench:
     def start_fleet(self, tag, w):
         n = FLEET["endpoints"]
         kv_base = self.free_range(n)
-        argv = [self.emulator, "--ports", ",".join(["0"] * n), "--accept-any-model",
-                "--num-gpu-blocks", str(FLEET["num_gpu_blocks"]), "--block-size", str(FLEET["block_size"]),
-                "--max-num-batched-tokens", str(FLEET["max_num_batched_tokens"]),
-                "--prefill-tps", str(FLEET["prefill_tps"]), "--time-scale", str(w["time_scale"]),
-                "--stream-interval", "8", "--kv-events-port-base", str(kv_base),
-                "--python-hash-seed", FLEET["hash_seed"]]
-        logp = os.path.join(self.work, f"{tag}.emulator.log")
-        p = self.procs.start("emulator", argv, logp)
-        endpoints = []
-
-        def ready():
-            nonlocal endpoints
-            for line in open(logp):
-                if line.startswith("READY "):
-                    endpoints = line.split()[1].split(",")
-                    return True
-            return False
-
-        quality.wait_until("emulator fleet", ready, 30, p)
+        extra = ["--accept-any-model", "--kv-events-port-base", str(kv_base),
+                 "--python-hash-seed", FLEET["hash_seed"]]
+        p, endpoints = fleet.start_emulators(self.procs, self.emulator, FLEET,
+                                             os.path.join(self.work, f"{tag}.emulator.log"),
+                                             w["time_scale"], 8, extra)
         return p, endpoints, [kv_base + i for i in range(n)]
 
     def free_range(self, n):
@@ -205,11 +192,11 @@ class Bench:
     def start_relays(self, tag, kv_ports):
         relays = []
         for i, kp in enumerate(kv_ports):
-            port = quality.free_port()
+            port = fleet.free_port()
             argv = [self.relay, "--sub", f"tcp://127.0.0.1:{kp}", "--listen", f"127.0.0.1:{port}",
                     "--max-blocks", str(FLEET["num_gpu_blocks"])]
             p = self.procs.start(f"relay {i}", argv, os.path.join(self.work, f"{tag}.relay{i}.log"))
-            quality.wait_until(f"relay {i}", lambda: quality.http_req("GET", port, "/healthz")[0] == 200, 20, p)
+            fleet.wait_until(f"relay {i}", lambda: fleet.http_req("GET", port, "/healthz")[0] == 200, 20, p)
             relays.append((p, port))
         return relays
 
@@ -242,7 +229,7 @@ class Bench:
         return cfg
 
     def start_envoy(self, tag, arm, endpoints, relay_ports):
-        listen, admin = quality.free_port(), quality.free_port()
+        listen, admin = fleet.free_port(), fleet.free_port()
         argv = ["bash", os.path.join(REPO, "envoy", "run.sh"), "--endpoints", ",".join(endpoints),
                 "--listen-port", str(listen), "--admin-port", str(admin), "--wasm", self.wasm,
                 "--log-level", "warning", "--concurrency", "1",
@@ -258,23 +245,23 @@ class Bench:
         p = self.procs.start(f"envoy {tag}", argv, os.path.join(self.work, f"{tag}.envoy.log"), env=env)
 
         def ready():
-            st, body = quality.http_req("GET", admin, "/ready")
+            st, body = fleet.http_req("GET", admin, "/ready")
             if st != 200 or body.strip() != b"LIVE":
                 return False
             if arm == "round-robin":
                 return True
-            st, body = quality.http_req("GET", listen, "/kvroute/state")
+            st, body = fleet.http_req("GET", listen, "/kvroute/state")
             eps = json.loads(body).get("endpoints", [])
             return len(eps) == len(endpoints) and all((e.get("metrics") or {}).get("fresh") for e in eps)
 
-        quality.wait_until(f"envoy {tag}", ready, 60, p)
+        fleet.wait_until(f"envoy {tag}", ready, 60, p)
         return p, listen, admin
 
     # -- measurement ---------------------------------------------------------
     def fleet_counters(self, endpoints):
         hits = queries = 0.0
         for e in endpoints:
-            st, body = quality.http_req("GET", int(e.rsplit(":", 1)[1]), "/metrics")
+            st, body = fleet.http_req("GET", int(e.rsplit(":", 1)[1]), "/metrics")
             for line in body.decode().splitlines():
                 if line.startswith("vllm:prefix_cache_hits_total"):
                     hits += float(line.rsplit(" ", 1)[1])
@@ -284,7 +271,7 @@ class Bench:
 
     def reset_fleet(self, endpoints):
         for e in endpoints:
-            st, _ = quality.http_req("POST", int(e.rsplit(":", 1)[1]), "/emulator/reset")
+            st, _ = fleet.http_req("POST", int(e.rsplit(":", 1)[1]), "/emulator/reset")
             if st != 200:
                 raise RuntimeError(f"reset {e}: {st}")
 
@@ -365,7 +352,7 @@ class Bench:
                "command": "python3 sim/bench/replicas.py " + " ".join(sys.argv[1:]), "runs": []}
         failures = []
         try:
-            fleet, endpoints, kv_ports = self.start_fleet("fleet", w)
+            _emulator, endpoints, kv_ports = self.start_fleet("fleet", w)
             relays = self.start_relays("fleet", kv_ports)
             relay_ports = [r[1] for r in relays]
             for g in a.gateways:
@@ -398,7 +385,7 @@ class Bench:
 
 def envoy_counters(admin):
     """kvroute's counters of one Envoy, summed over its VMs, by name without the prefix."""
-    st, body = quality.http_req("GET", admin, "/stats?filter=kvroute_")
+    st, body = fleet.http_req("GET", admin, "/stats?filter=kvroute_")
     out = {}
     for line in body.decode().splitlines():
         k, _, v = line.partition(": ")

@@ -20,7 +20,7 @@
 //! latency the gate's estimate stands for.
 
 use crate::loadgen::client::HttpClient;
-use crate::rng::SeededRng;
+use kvroute_core::scheduling::Rng;
 use std::time::Duration;
 
 /// What to measure.
@@ -120,7 +120,7 @@ async fn one(
     url: &str,
     model: &str,
     cfg: &CalibrateConfig,
-    rng: &mut SeededRng,
+    rng: &mut Rng,
 ) -> Result<f64, String> {
     let span = u64::from(cfg.token_id_max.saturating_sub(10).max(1));
     let ids: Vec<u64> = (0..cfg.tokens).map(|_| 10 + rng.below(span)).collect();
@@ -160,7 +160,7 @@ pub async fn run(cfg: &CalibrateConfig) -> Result<Calibration, String> {
         None => first_model(&client, &root).await?,
     };
     let url = format!("{root}/v1/completions");
-    let mut rng = SeededRng::new(cfg.seed);
+    let mut rng = Rng::new(cfg.seed);
     for _ in 0..cfg.warmup {
         one(&client, &url, &model, cfg, &mut rng).await?;
     }

@@ -20,7 +20,6 @@ pub mod vllm_model;
 pub use kvroute_kv_events as kv_events;
 pub mod loadgen;
 pub mod prometheus;
-pub mod rng;
 pub mod simulator;
 /// vLLM's sha256_cbor block hashes: the router's own implementation
 /// (`kvroute_core::precise::vllm_hash`), so emulator and filter agree.

@@ -5,7 +5,7 @@
 //! 4 bytes per token that kvroute's token estimate assumes) and so that a
 //! seed fixes every byte.
 
-use crate::rng::SeededRng;
+use kvroute_core::scheduling::Rng;
 
 /// Common English words.
 pub const WORDS: &[&str] = &[
@@ -1002,7 +1002,7 @@ pub const WORDS: &[&str] = &[
 /// Appends words from `rng` until `text` is at least `bytes` long, then cuts
 /// it to exactly `bytes` bytes (all words are ASCII, so any cut is valid
 /// UTF-8).
-pub fn fill_to_bytes(text: &mut String, bytes: usize, rng: &mut SeededRng) {
+pub fn fill_to_bytes(text: &mut String, bytes: usize, rng: &mut Rng) {
     while text.len() < bytes {
         let w = WORDS[rng.below(WORDS.len() as u64) as usize];
         text.push(' ');
@@ -1012,7 +1012,7 @@ pub fn fill_to_bytes(text: &mut String, bytes: usize, rng: &mut SeededRng) {
 }
 
 /// Deterministic text of exactly `bytes` bytes.
-pub fn text_of_bytes(bytes: usize, rng: &mut SeededRng) -> String {
+pub fn text_of_bytes(bytes: usize, rng: &mut Rng) -> String {
     let mut s = String::with_capacity(bytes + 16);
     fill_to_bytes(&mut s, bytes, rng);
     s
@@ -1020,7 +1020,7 @@ pub fn text_of_bytes(bytes: usize, rng: &mut SeededRng) -> String {
 
 /// The `i`-th output word of a stream seeded by `seed`, with a leading space.
 pub fn output_word(seed: u64, i: u64) -> &'static str {
-    let mut r = SeededRng::derive(seed, i);
+    let mut r = Rng::derive(seed, i);
     WORDS[r.below(WORDS.len() as u64) as usize]
 }
 
@@ -1030,11 +1030,11 @@ mod tests {
 
     #[test]
     fn exact_length_and_deterministic() {
-        let a = text_of_bytes(1001, &mut SeededRng::new(3));
-        let b = text_of_bytes(1001, &mut SeededRng::new(3));
+        let a = text_of_bytes(1001, &mut Rng::new(3));
+        let b = text_of_bytes(1001, &mut Rng::new(3));
         assert_eq!(a.len(), 1001);
         assert_eq!(a, b);
-        assert_ne!(a, text_of_bytes(1001, &mut SeededRng::new(4)));
+        assert_ne!(a, text_of_bytes(1001, &mut Rng::new(4)));
         assert!(a.split(' ').filter(|w| !w.is_empty()).count() > 150);
     }
 }

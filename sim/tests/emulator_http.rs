@@ -4,11 +4,11 @@
 
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
+use kvroute_core::scheduling::Rng;
 use kvroute_sim::emulator::tokenize::Tokenization;
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
 use kvroute_sim::loadgen::client::HttpClient;
 use kvroute_sim::prometheus::{find, parse};
-use kvroute_sim::rng::SeededRng;
 use kvroute_sim::vllm_model::EngineConfig;
 use kvroute_sim::words::text_of_bytes;
 use serde_json::{json, Value};
@@ -47,7 +47,7 @@ async fn text_and_chat_prompts_count_the_tokenizers_tokens_in_16_token_blocks() 
         unreachable!()
     };
     let c = HttpClient::new();
-    let prompt = text_of_bytes(3000, &mut SeededRng::new(21));
+    let prompt = text_of_bytes(3000, &mut Rng::new(21));
     // Completions: the prompt as given (the tiny BPE adds no special tokens).
     let want = tok.encode(&prompt, true).unwrap().len() as u64;
     let url = format!("{}/v1/completions", urls[0]);
@@ -229,7 +229,7 @@ async fn cached_tokens_follow_the_core_block_boundaries() {
     let (_f, urls) = fleet(&c_cfg, 1).await;
     let c = HttpClient::new();
     // 10.5 blocks of 64 tokens × 4 bytes.
-    let prompt = text_of_bytes(256 * 10 + 128, &mut SeededRng::new(9));
+    let prompt = text_of_bytes(256 * 10 + 128, &mut Rng::new(9));
     let body = completion(&prompt, 3, false);
     let parsed = parse_request(
         ApiKind::Completions,
@@ -273,7 +273,7 @@ async fn ttft_over_http_reflects_uncached_prefill() {
     // 25 ms step, leaving room for a loaded host's overheads.
     let (_f, urls) = fleet(&cfg(1.0), 1).await;
     let c = HttpClient::new();
-    let prompt = text_of_bytes(8192 * 4, &mut SeededRng::new(1));
+    let prompt = text_of_bytes(8192 * 4, &mut Rng::new(1));
     let url = format!("{}/v1/completions", urls[0]);
     let ttft = |r: &kvroute_sim::loadgen::client::Timed| r.chunks[0].0;
     let cold = c
@@ -311,7 +311,7 @@ async fn ttft_over_http_reflects_uncached_prefill() {
 async fn metrics_use_vllm_names_labels_and_agree_with_stats() {
     let (_f, urls) = fleet(&cfg(100.0), 1).await;
     let c = HttpClient::new();
-    let prompt = text_of_bytes(256 * 4, &mut SeededRng::new(2));
+    let prompt = text_of_bytes(256 * 4, &mut Rng::new(2));
     for _ in 0..3 {
         c.post(
             &format!("{}/v1/completions", urls[0]),
@@ -453,7 +453,7 @@ async fn reset_clears_cache_and_counters() {
     let (_f, urls) = fleet(&cfg(100.0), 1).await;
     let c = HttpClient::new();
     let url = format!("{}/v1/completions", urls[0]);
-    let prompt = text_of_bytes(2048, &mut SeededRng::new(3));
+    let prompt = text_of_bytes(2048, &mut Rng::new(3));
     c.post(&url, completion(&prompt, 1, false), &[])
         .await
         .unwrap();
@@ -581,7 +581,7 @@ async fn bad_requests_get_vllm_style_errors() {
         .unwrap();
     assert_eq!(r.status, 404);
     assert!(r.text().contains("--model"));
-    let long = text_of_bytes(5000, &mut SeededRng::new(4));
+    let long = text_of_bytes(5000, &mut Rng::new(4));
     let r = c
         .post(&url, completion(&long, 10, false), &[])
         .await
@@ -710,7 +710,7 @@ async fn the_collectors_parser_reads_emulated_and_real_metrics_alike() {
     };
     let (_f, urls) = fleet(&c_cfg, 1).await;
     let c = HttpClient::new();
-    let prompt = text_of_bytes(32 * 4 * 5, &mut SeededRng::new(5));
+    let prompt = text_of_bytes(32 * 4 * 5, &mut Rng::new(5));
     for _ in 0..2 {
         c.post(
             &format!("{}/v1/completions", urls[0]),

@@ -15,10 +15,9 @@
 //! V8) xxh3's 64×64→128-bit multiplies become calls to a software routine
 //! (`__multi3`), and a seeded xxh3 derives a 192-byte secret per block;
 //! xxh64 takes its seed as its initial state and multiplies 64 bits only.
-//! In Envoy that cut the module's instructions per 8 KiB request by 4 K and
-//! per 400 KiB request by 0.19 M (callgrind,
+//! In Envoy that cut the module's instructions per request (callgrind,
 //! `docs/lab/2026-11-30-reqs-target-analysis.md`), though natively, where
-//! xxh3 runs on SSE2, xxh64 is about 15% slower.
+//! xxh3 runs on SSE2, xxh64 is the slower one.
 
 //! The emulator calls these same functions, so the filter's blocks and the
 //! emulated server's blocks cover the same bytes.

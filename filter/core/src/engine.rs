@@ -4,6 +4,63 @@
 //! This is everything the wasm glue does between host calls, written
 //! against the `Store` trait so it runs natively (tests, simulator) exactly
 //! as it runs in Envoy. The glue only moves bytes and headers.
+//!
+//! # The request path in detail
+//!
+//! [`Engine::route`]: parse → (precise mode: `PreciseConfig::request_hashes`,
+//! token IDs → vLLM hashes) → `prompt_blocks` → [`Engine::snapshot`] →
+//! `Scheduler::schedule` → charge → index insert; the lifecycle then writes
+//! the destination header (`ARCHITECTURE.md`, "The request path", has the
+//! steps around this).
+//!
+//! - **Snapshot.** Reads `kvroute/load`; reads `kvroute/endpoints` and
+//!   `kvroute/metrics` only when the load table's state epoch differs from
+//!   the VM's cached copies (the collector bumps the epoch after writing
+//!   either). Then `index::longest_prefixes`: a binary search over the
+//!   8-block groups of chained blocks, each group read resolved in full
+//!   (`index::last_held`). A whole group's shard is keyed by its first and
+//!   last block, a prompt's final partial group by its first block, and
+//!   where a match ends at a group's start the rest is looked up in that
+//!   group's partial-group shard (`index::group_key`). A group's entries
+//!   for each stripe of eight endpoint slots live in a shard of their own,
+//!   so a fleet of more than eight endpoints reads one shard per group and
+//!   stripe.
+//! - **Precise mode.** `held::longest_held` on `kvroute/held` when every
+//!   endpoint's view is fresh; its matches replace the index's for
+//!   scheduling and the charge.
+//! - **Charge.** A CAS on `kvroute/load`, first tried on the table the
+//!   snapshot read; it returns a `Ticket`.
+//! - **Insert.** `index::insert_seeded` for the chosen endpoint: whole
+//!   8-block groups the endpoint already holds (all of them when it holds
+//!   the whole prompt) are skipped unless they have aged half its
+//!   capacity, which refreshes them like an LRU hit; unchanged shards are
+//!   not written.
+//! - **What the request keeps.** What the charge and the insert wrote
+//!   ([`Provisional`]). A non-2xx answer, or a stream that ends before any
+//!   response header (reset, connect failure), goes through
+//!   [`Engine::take_back`] at its end: one load-table write that releases
+//!   the charge and undoes the eviction clock, routed bytes and cold stamp
+//!   (`LoadTable::undo`), then `index::remove` of the entries still as the
+//!   request wrote them. So only work a server accepted changes the index
+//!   and the learners, while identical cold prompts arriving together still
+//!   find each other's blocks. Two things are not undone: entries the
+//!   request overwrote in a full index set are not brought back, and an
+//!   index entry recorded ahead of a clock that went back counts as just
+//!   written (`index::AHEAD_WINDOW`).
+//! - **Retries.** Before that, `Stream::follow_retry` reads Envoy's
+//!   `upstream.address`: a request Envoy retried to another endpoint has
+//!   its charge moved there ([`Engine::move_charge`], one load-table write)
+//!   and what the decision wrote for the first endpoint taken back.
+//! - **Releases.** [`Engine::release_prompt`] and [`Engine::release_rest`]
+//!   with the ticket: a CAS write that patches the ticket's bucket in the
+//!   encoded load table in place (`LoadTable::release_encoded`; a value
+//!   that is not exactly one well-formed table goes through decode and
+//!   encode instead). A response that ends on its first chunk, or any
+//!   response to a non-streaming request (vLLM sends that body only once
+//!   the request has finished), releases both parts in one write at its
+//!   first body chunk.
+//! - **Explanation.** The debug explanation is formatted only when
+//!   `routing.debugHeader` is on.
 
 use crate::blocks::prompt_blocks;
 use crate::collector::prefill_rate::{self, PrefillRateParams};

@@ -26,11 +26,7 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::fmt;
 
-#[cfg(test)]
-mod differential;
 mod json;
-#[cfg(test)]
-mod reference;
 mod render;
 
 /// Which OpenAI-compatible API a request targets, chosen by path suffix.
@@ -118,7 +114,11 @@ impl BatchRest {
     /// Counts the rest of a batch's list. Any JSON value is accepted as an
     /// element (as vLLM's own validation, not routing, judges them): a
     /// string counts its bytes, a list its elements, anything else nothing.
-    pub(crate) fn count<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<BatchRest, A::Error> {
+    ///
+    /// Public for the frozen reference parser of the differential test and
+    /// fuzz target (`filter/core/tests/differential/reference.rs`), which
+    /// counts a batch the same way; routing code calls [`parse_request`].
+    pub fn count<'de, A: SeqAccess<'de>>(seq: &mut A) -> Result<BatchRest, A::Error> {
         let mut rest = BatchRest::default();
         while let Some(item) = seq.next_element::<RestItem>()? {
             rest.prompts = rest.prompts.saturating_add(1);

@@ -279,7 +279,7 @@ mod tests {
             unreachable!()
         };
         assert!(t.by_line(), "the tiny BPE splits at newlines");
-        let mut rng = crate::rng::SeededRng::derive(7, 1);
+        let mut rng = kvroute_core::scheduling::Rng::derive(7, 1);
         let mut text = String::new();
         for i in 0..40 {
             text.push_str(&crate::words::text_of_bytes(200 + i * 37, &mut rng));

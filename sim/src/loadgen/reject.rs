@@ -14,8 +14,8 @@
 //! fixed pool: the emulator tokenizes text line by line through a cache, so
 //! the stream costs it little CPU whatever its length.
 
-use crate::rng::SeededRng;
 use crate::words::text_of_bytes;
+use kvroute_core::scheduling::Rng;
 use serde::Serialize;
 use serde_json::json;
 
@@ -48,7 +48,7 @@ impl RejectBodies {
         let bytes = (f64::from(tokens) * chars_per_token.max(1.0)).ceil() as usize;
         let pool = (0..POOL_LINES)
             .map(|i| {
-                let mut rng = SeededRng::derive(seed, 0x0BAD_0000 ^ i);
+                let mut rng = Rng::derive(seed, 0x0BAD_0000 ^ i);
                 // The words come with a leading space; a line must start
                 // with a word for the emulator to cut the text there.
                 let mut line = text_of_bytes(LINE_BYTES, &mut rng)[1..].to_owned();

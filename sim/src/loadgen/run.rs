@@ -8,9 +8,9 @@ use super::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
 use super::stages::{Stage, StageKind};
 use super::workload::{Workload, WorkloadSpec};
 use crate::prometheus;
-use crate::rng::SeededRng;
 use crate::simulator::parts_pieces;
 use crate::simulator::prompt::piece_block_hashes;
+use kvroute_core::scheduling::Rng;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -298,7 +298,7 @@ fn spawn_reject_stream(
     let rate = stream.rate;
     let task = tokio::spawn(async move {
         let start = Instant::now();
-        let mut rng = SeededRng::derive(cfg.seed, 0x0BAD_5EED ^ stage_no);
+        let mut rng = Rng::derive(cfg.seed, 0x0BAD_5EED ^ stage_no);
         let mean_gap_s = 1.0 / (rate * cfg.time_scale);
         let mut at = Duration::from_secs_f64(rng.exponential(mean_gap_s));
         let mut sent = Vec::new();
@@ -346,7 +346,7 @@ async fn run_stage(
     let next = |w: &Arc<Mutex<Source>>| w.lock().unwrap_or_else(|p| p.into_inner()).next();
     match stage.kind {
         StageKind::Rate(rate) => {
-            let mut rng = SeededRng::derive(cfg.seed, 0x5EED ^ stage_no);
+            let mut rng = Rng::derive(cfg.seed, 0x5EED ^ stage_no);
             let mean_gap_s = 1.0 / (rate * cfg.time_scale);
             let mut at = Duration::from_secs_f64(rng.exponential(mean_gap_s));
             while at < wall {

@@ -36,8 +36,8 @@
 //! prefixes so arrive close together, while the first may still be in
 //! prefill; every document of a round comes before any of the next.
 
-use crate::rng::SeededRng;
 use crate::words::text_of_bytes;
+use kvroute_core::scheduling::Rng;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 
@@ -216,7 +216,7 @@ pub struct GenRequest {
 pub struct Workload {
     spec: WorkloadSpec,
     seed: u64,
-    rng: SeededRng,
+    rng: Rng,
     /// Text cache: (kind, a, b) → text.
     texts: HashMap<(u8, u32, u32), String>,
     /// Multi-turn: next turn per conversation, and the generation (a
@@ -234,7 +234,7 @@ pub struct Workload {
     round: u32,
 }
 
-/// Sub-stream of the fresh texts (`SeededRng::derive(seed, FRESH_STREAM ^ n)`).
+/// Sub-stream of the fresh texts (`Rng::derive(seed, FRESH_STREAM ^ n)`).
 const FRESH_STREAM: u64 = 0xF2E5_0000_0000_0000;
 
 /// One piece of a message's text: the deterministic text `(kind, a, b)` of
@@ -261,7 +261,7 @@ impl Workload {
     pub fn new(spec: WorkloadSpec, seed: u64) -> Workload {
         let n = spec.groups.max(1) as usize;
         Workload {
-            rng: SeededRng::derive(seed, 0xA11),
+            rng: Rng::derive(seed, 0xA11),
             spec,
             seed,
             texts: HashMap::new(),
@@ -290,7 +290,7 @@ impl Workload {
             .entry((kind, a, b))
             .or_insert_with(|| {
                 let stream = (u64::from(kind) << 56) ^ (u64::from(a) << 28) ^ u64::from(b);
-                text_of_bytes(bytes, &mut SeededRng::derive(seed, stream))
+                text_of_bytes(bytes, &mut Rng::derive(seed, stream))
             })
             .clone()
     }
@@ -300,7 +300,7 @@ impl Workload {
         match seg.fresh {
             Some(n) => {
                 let bytes = self.bytes(seg.tokens);
-                text_of_bytes(bytes, &mut SeededRng::derive(self.seed, FRESH_STREAM ^ n))
+                text_of_bytes(bytes, &mut Rng::derive(self.seed, FRESH_STREAM ^ n))
             }
             None => self.text(seg.kind, seg.a, seg.b, seg.tokens),
         }
@@ -571,7 +571,7 @@ mod tests {
         let Tokenization::Model(tok) = Tokenization::tiny() else {
             unreachable!()
         };
-        let mut rng = SeededRng::new(3);
+        let mut rng = Rng::new(3);
         let text = text_of_bytes(500_000, &mut rng);
         let n = tok.encode(&text, false).unwrap().len();
         let bpt = text.len() as f64 / n as f64;

@@ -23,6 +23,9 @@
 //! - **Load.** The load generator's stages (Poisson rate or closed-loop
 //!   concurrency, each drained before the next) or a trace; the reports are
 //!   the load generator's [`StageReport`]s, built by the same function.
+//! - **Files.** `mod.rs` the event loop, `prompt.rs` segment prompts,
+//!   `trace.rs` the JSONL trace, `arms.rs` `quality.py`'s router arms,
+//!   `sweep.rs`, `plot.rs` (SVG), `whatif.rs` (the what-if analysis).
 
 pub mod arms;
 pub mod plot;
@@ -39,7 +42,6 @@ use crate::loadgen::ceiling::Ceiling;
 use crate::loadgen::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
 use crate::loadgen::stages::{Stage, StageKind};
 use crate::loadgen::workload::{GenParts, Workload, WorkloadSpec};
-use crate::rng::SeededRng;
 use crate::vllm_hash::VllmBlockHasher;
 use crate::vllm_model::{Engine as Server, EngineConfig, RequestId, StepResult};
 use kvroute_core::config::{Config, EndpointSource};
@@ -263,10 +265,7 @@ struct Inflight {
 
 enum KvRouter {
     /// One rotation per Envoy worker; a request lands on a random worker.
-    RoundRobin {
-        next: Vec<usize>,
-        pick_worker: SeededRng,
-    },
+    RoundRobin { next: Vec<usize>, pick_worker: Rng },
     Kvroute {
         /// The collector's engine (and the releases').
         router: Box<Router>,
@@ -276,7 +275,7 @@ enum KvRouter {
         /// worker the same `routing.seed`, when set).
         workers: Vec<(Box<Router>, Rng)>,
         /// Which worker a request lands on (the kernel's connection spread).
-        pick_worker: SeededRng,
+        pick_worker: Rng,
         /// Endpoint address → fleet index.
         by_address: HashMap<String, usize>,
         /// Fleet index → (slot, generation).
@@ -345,12 +344,12 @@ impl Sim {
                 KvRouter::RoundRobin {
                     // Envoy starts each worker's rotation at a random host.
                     next: {
-                        let mut r = SeededRng::derive(cfg.seed, 0xE0E1);
+                        let mut r = Rng::derive(cfg.seed, 0xE0E1);
                         (0..cfg.envoy_workers.max(1))
                             .map(|_| r.below(cfg.fleet.endpoints as u64) as usize)
                             .collect()
                     },
-                    pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
+                    pick_worker: Rng::derive(cfg.seed, 0xE0E0),
                 },
                 None,
                 1.0,
@@ -407,7 +406,7 @@ impl Sim {
                         router,
                         store,
                         workers,
-                        pick_worker: SeededRng::derive(cfg.seed, 0xE0E0),
+                        pick_worker: Rng::derive(cfg.seed, 0xE0E0),
                         by_address,
                         slots,
                         fallback_next: 0,
@@ -1088,7 +1087,7 @@ impl Sim {
         match stage.kind {
             StageKind::Rate(rate) => {
                 // The load generator's arrival stream for this stage.
-                let mut rng = SeededRng::derive(self.cfg.seed, 0x5EED ^ stage_no);
+                let mut rng = Rng::derive(self.cfg.seed, 0x5EED ^ stage_no);
                 let mean_gap_s = 1.0 / rate;
                 let mut at = t0 + rng.exponential(mean_gap_s);
                 while at < end {

@@ -7,9 +7,9 @@
 //! model writes thousands of tokens after a short prompt, and a RAG answer
 //! is short after a long one. A wrong estimate skews the KV each server is
 //! believed to hold, and decode-bound traffic is then spread by a wrong
-//! weight (measured in the simulator on the reasoning workload, 8000 output
-//! tokens after 1250 prompt tokens: 0.98× round robin's throughput at the
-//! knee with the ratio, 1.00× with the true length).
+//! weight (in the simulator's reasoning workload, long outputs after short
+//! prompts, the ratio lost throughput at the knee that the true length
+//! kept: `docs/lab/2026-12-06-measurements-from-code-comments.md`).
 //!
 //! vLLM observes `vllm:request_generation_tokens` (a histogram) once per
 //! finished request, with the tokens it generated, so over a window

@@ -5,7 +5,9 @@
 //! the output (no string per message, no list of messages), and every
 //! other value goes to serde_json. The result is byte-identical to
 //! rendering the deserialised body (the previous implementation, kept as
-//! `request::reference` for the tests), whatever the order of the fields:
+//! the reference of the differential test and fuzz target:
+//! `filter/core/tests/differential/reference.rs`), whatever the order of
+//! the fields:
 //!
 //! - a message's header (`<|role|>` and `<|name:…|>`) is written when its
 //!   content starts if `role` came first (the usual order), else inserted

@@ -30,10 +30,10 @@
 //! load moves a repeat. Scoring the released and cold requests too is what
 //! the plain scorer would do; those are the load and cache-balance
 //! scorers' to place (a released request's warm servers are the saturated
-//! ones). Measured in the fleet simulator (`sim/bench/default_sweep.py`,
-//! nine seeds): shared-prefix-skew's knee over round robin 1.10 [worst
-//! 1.09] → 1.14 [1.12], its hit ratio ÷ the ceiling 0.962 → 0.979; the
-//! other five workloads moved by less than 0.01 (`docs/benchmarks.md`).
+//! ones). In the fleet simulator (`sim/bench/default_sweep.py`, nine
+//! seeds) it raised shared-prefix-skew's knee and hit ratio and left the
+//! other five workloads as they were (`docs/benchmarks.md`; the figures
+//! once quoted here: `docs/lab/2026-12-06-measurements-from-code-comments.md`).
 
 use super::{Candidate, RequestView};
 

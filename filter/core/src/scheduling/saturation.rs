@@ -70,15 +70,12 @@
 //! warm one. With held KV in `L` (decoding requests count until their
 //! streams end) the queues of a fleet near its capacity differ by more
 //! than τ often, and without `x` a long-context request left its warm
-//! server whenever they did. Measured in the simulator (agent-session,
-//! 9k–17k-token contexts, the Envoy-calibrated peak of 14,860 tok/s,
-//! τ 2 s): without `x`, 27 % of the requests at 12 req/s and 43 % at 13
-//! were released and seed 1's knee was 12 req/s; with it, 9 % and 11 %,
-//! and 13 req/s; at the modelled fleet's own peak, where τ is 23 % larger,
-//! that seed sits on the same edge and goes the other way. Through Envoy the
-//! default's knees became 13, 14, 13 req/s against llm-d matched's 12, 14,
-//! 13 (`docs/lab/2026-12-06-gate-own-prefill.md`). A short prompt
-//! (small `x`) is released as before. With own counts only, the gate is
+//! server whenever they did: in the simulator's agent-session (long
+//! contexts near the knee) `x` cut the share of released requests and
+//! raised the knee, and through Envoy it brought the default's knees level
+//! with or above llm-d matched's (`docs/lab/2026-12-06-gate-own-prefill.md`;
+//! the figures once quoted here: `docs/lab/2026-12-06-measurements-from-code-comments.md`).
+//! A short prompt (small `x`) is released as before. With own counts only, the gate is
 //! llm-d's token gap over in-flight tokens plus `x` on each side (tests in
 //! `affinity_filter`).
 //!
@@ -100,11 +97,10 @@
 //! nearly flat, so only ties decide). The lookahead `x` makes Q also the
 //! price of a cold prefill: with 65,536, a 6,000-token prefix recomputed on
 //! a cold endpoint weighed little against load, and on the skewed
-//! shared-prefix workload hot prefixes were copied more than needed
-//! (simulator, 3 seeds: the worst stage's hit ratio 0.93–0.94 of the
-//! ceiling at 65,536, 0.95–0.96 at 32,768; knee ÷ round robin 1.02
-//! [worst 0.96] and 1.10 [1.09]; the other workloads moved by less than
-//! the seeds differ; `docs/lab/2026-12-02-default-tuning.md`).
+//! shared-prefix workload hot prefixes were copied more than needed (in the
+//! simulator 32,768 gave a higher hit ratio and knee there, and moved the
+//! other workloads by less than the seeds differ;
+//! `docs/lab/2026-12-02-default-tuning.md`).
 //! An idle endpoint scores 1; the score is in [0, 1].
 
 use super::{Candidate, RequestView};

@@ -5,8 +5,16 @@
 //! duplicates, wrong types, and malformed mutations of all of these.
 //! Accepted bodies must give equal requests (byte-identical prompts);
 //! refused ones the same kind of error.
+//!
+//! An integration test, so it sees only kvroute-core's public API; the
+//! fuzz target `parse_differential` checks the same two properties on
+//! libFuzzer's inputs, with the same reference (`reference.rs`).
+//!
+//!     cargo test -p kvroute-core --test differential
 
-use super::{parse_request, reference, ApiKind, ParseLimits};
+mod reference;
+
+use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 
 /// A small deterministic generator (PCG-style LCG); `errors` lets it
 /// generate invalid strings, duplicate fields and values of the wrong type.

@@ -1,11 +1,15 @@
 //! The parser as it was before single-pass rendering (commit 7672147),
 //! kept verbatim for the tests: `parse_request` here is the reference the
-//! new renderer must match byte for byte (see the differential tests in
-//! `request::tests`).
+//! new renderer must match byte for byte. Two users, each including this
+//! file as a module: the differential test (`main.rs` beside it) and the
+//! fuzz target `parse_differential` (`fuzz/src/parse_differential.rs`, by
+//! `#[path]`). It uses kvroute-core's public API only.
 
 #![allow(dead_code)]
 
-use super::{ApiKind, BatchRest, InferenceRequest, ParseError, ParseLimits, Prompt};
+use kvroute_core::request::{
+    ApiKind, BatchRest, InferenceRequest, ParseError, ParseLimits, Prompt,
+};
 use serde::de::{self, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;

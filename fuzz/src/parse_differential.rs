@@ -1,0 +1,48 @@
+//! Fuzz target `parse_differential`: the single-pass request parser
+//! (`kvroute_core::request::parse_request`) against the parser it replaced,
+//! kept frozen as the reference (`filter/core/tests/differential/reference.rs`,
+//! the same file the differential test `cargo test -p kvroute-core --test
+//! differential` uses, included here by `#[path]`).
+//!
+//! For each `ApiKind`, the same bytes go to both parsers, and:
+//!
+//! - when both accept, the requests are equal (byte-identical prompts, the
+//!   same model, limits, salt, sequences and batch rest);
+//! - when both refuse, the errors have the same label;
+//! - one accepting what the other refuses is a failure.
+//!
+//! These are the differential test's properties; that test feeds generated
+//! bodies, this target libFuzzer's (seeds: `testdata/requests/`).
+
+#[path = "../../filter/core/tests/differential/reference.rs"]
+mod reference;
+
+use crate::KINDS;
+use kvroute_core::request::{parse_request, ParseLimits};
+
+/// Parses `body` with both parsers under every API and compares.
+pub fn run(body: &[u8]) {
+    let limits = ParseLimits::default();
+    for kind in KINDS {
+        let new = parse_request(kind, body, &limits);
+        let old = reference::parse_request(kind, body, &limits);
+        match (&new, &old) {
+            (Ok(n), Ok(o)) => assert_eq!(
+                n,
+                o,
+                "{kind:?}: different result for {}",
+                String::from_utf8_lossy(body)
+            ),
+            (Err(n), Err(o)) => assert_eq!(
+                n.label(),
+                o.label(),
+                "{kind:?}: {n} / reference: {o}, for {}",
+                String::from_utf8_lossy(body)
+            ),
+            _ => panic!(
+                "{kind:?}: {new:?} / reference: {old:?}, for {}",
+                String::from_utf8_lossy(body)
+            ),
+        }
+    }
+}
