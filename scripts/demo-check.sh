@@ -80,6 +80,8 @@ done
 per_endpoint="$(grep -cE '^ +127\.0\.0\.1:[0-9]+ +requests +[0-9]+ +\( *[0-9.]+%\) +hit% ' "$out" || true)"
 [[ "$per_endpoint" -eq 8 ]] || fail "expected 8 per-endpoint lines (4 endpoints x 2 runs), found $per_endpoint"
 grep -qE '^prefix-cache hit ratio +[0-9.]+ +[0-9.]+$' "$out" || fail "no prefix-cache hit ratio line with two figures"
+grep -qE '^hit-ratio ceiling +[0-9.]+ +[0-9.]+$' "$out" || fail "no hit-ratio ceiling line with two figures"
+grep -qE '^share of the ceiling +[0-9]+% +[0-9]+%$' "$out" || fail "no share-of-the-ceiling line"
 grep -q '^kvroute / round robin input throughput: ' "$out" || fail "no throughput comparison line"
 grep -q '^demo: everything stopped' "$out" || fail "no 'everything stopped' line"
 # Both runs got answers: the "ok" column of each table's stage line (the stage

