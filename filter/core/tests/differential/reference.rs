@@ -17,6 +17,35 @@ use std::borrow::Cow;
 use std::fmt;
 use xxhash_rust::xxh3::xxh3_64;
 
+/// The differential property both users check: `body` through kvroute-core's
+/// parser and through this reference under `kind`. When both accept, the
+/// requests are equal; when both refuse, the errors have the same label;
+/// one accepting what the other refuses panics. Returns whether the new
+/// parser accepted.
+pub fn compare(kind: ApiKind, body: &[u8], limits: &ParseLimits) -> bool {
+    let new = kvroute_core::request::parse_request(kind, body, limits);
+    let old = parse_request(kind, body, limits);
+    match (&new, &old) {
+        (Ok(n), Ok(o)) => assert_eq!(
+            n,
+            o,
+            "{kind:?}: different result for {}",
+            String::from_utf8_lossy(body)
+        ),
+        (Err(n), Err(o)) => assert_eq!(
+            n.label(),
+            o.label(),
+            "{kind:?}: {n} / reference: {o}, for {}",
+            String::from_utf8_lossy(body)
+        ),
+        _ => panic!(
+            "{kind:?}: {new:?} / reference: {old:?}, for {}",
+            String::from_utf8_lossy(body)
+        ),
+    }
+    new.is_ok()
+}
+
 pub fn parse_request(
     kind: ApiKind,
     body: &[u8],
