@@ -56,7 +56,7 @@ def stage_rows(report, rates):
 def sim_peak():
     """The fleet's prefill rate as quality.py measures it (B / median TTFT of
     cold B-token prompts): with the emulator's attention term, the peak times
-    B / (B + B(B+1)/2 / C) (sim/src/vllm_model/step_cost.rs)."""
+    B / (B + B(B+1)/2 / C) (sim/model/src/vllm_model/step_cost.rs)."""
     b, c = quality.FLEET["max_num_batched_tokens"], 32768.0
     return round(float(quality.FLEET["prefill_tps"]) * b / (b + b * (b + 1) / 2 / c))
 

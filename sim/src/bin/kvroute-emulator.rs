@@ -4,10 +4,10 @@
 //! listens (and, before it, `KV_EVENTS tcp://…,…` when events are on), then
 //! serves until SIGTERM or SIGINT, on which it exits 0.
 
-use kvroute_sim::cli::Flags;
 use kvroute_sim::emulator::tokenize::Tokenization;
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
-use kvroute_sim::vllm_model::{EngineConfig, StepCost};
+use kvroute_sim_model::cli::Flags;
+use kvroute_sim_model::vllm_model::{EngineConfig, StepCost};
 use std::io::Write;
 
 const USAGE: &str = "\

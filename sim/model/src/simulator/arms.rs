@@ -8,7 +8,7 @@ use kvroute_core::config::Config;
 use serde_json::{json, Value};
 
 /// The shipped plugin configuration (`envoy/kvroute-config.json`).
-pub const SHIPPED_DEFAULT: &str = include_str!("../../../envoy/kvroute-config.json");
+pub const SHIPPED_DEFAULT: &str = include_str!("../../../../envoy/kvroute-config.json");
 
 /// Arm names `--arm` accepts.
 pub const ARMS: &[&str] = &[

@@ -23,27 +23,26 @@
 //! - **Load.** The load generator's stages (Poisson rate or closed-loop
 //!   concurrency, each drained before the next) or a trace; the reports are
 //!   the load generator's [`StageReport`]s, built by the same function.
-//! - **Files.** `mod.rs` the event loop, `prompt.rs` segment prompts,
+//! - **Files.** `mod.rs` the event loop (segment prompts: `workload::prompt`),
 //!   `trace.rs` the JSONL trace, `arms.rs` `quality.py`'s router arms,
 //!   `sweep.rs`, `plot.rs` (SVG), `whatif.rs` (the what-if analysis).
 
 pub mod arms;
 pub mod plot;
-pub mod prompt;
 pub mod sweep;
 pub mod trace;
 pub mod whatif;
 
-use crate::emulator::endpoint::Snapshot;
-use crate::emulator::metrics_text::render_parts;
-use crate::emulator::openai::engine_request;
-use crate::emulator::EmulatorConfig;
-use crate::loadgen::ceiling::Ceiling;
-use crate::loadgen::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
-use crate::loadgen::stages::{Stage, StageKind};
-use crate::loadgen::workload::{GenParts, Workload, WorkloadSpec};
 use crate::vllm_hash::VllmBlockHasher;
 use crate::vllm_model::{Engine as Server, EngineConfig, RequestId, StepResult};
+use crate::vllm_server::metrics_text::{render_parts, Snapshot};
+use crate::vllm_server::openai::engine_request;
+use crate::vllm_server::EmulatorConfig;
+use crate::workload::ceiling::Ceiling;
+use crate::workload::prompt::{from_pieces, parts_pieces, RouterInput, SimRequest};
+use crate::workload::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
+use crate::workload::stages::{Stage, StageKind};
+use crate::workload::{GenParts, Workload, WorkloadSpec};
 use kvroute_core::config::{Config, EndpointSource};
 use kvroute_core::engine::{Engine as Router, Outcome};
 use kvroute_core::lifecycle::Counter;
@@ -52,7 +51,6 @@ use kvroute_core::scheduling::Rng;
 use kvroute_shared_state::load::{LoadTable, Ticket};
 use kvroute_shared_state::memory::MemoryStore;
 use kvroute_shared_state::Store;
-use prompt::{from_pieces, Piece, RouterInput, SimRequest};
 use serde::Serialize;
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -1189,30 +1187,6 @@ impl Sim {
             self.next_event()?;
         }
         Ok(())
-    }
-}
-
-/// A request's messages as segments-form pieces, in order.
-pub(crate) fn parts_pieces(parts: &GenParts) -> Vec<Piece> {
-    parts
-        .messages
-        .iter()
-        .flat_map(|(_, segs)| segs.iter())
-        .map(|s| Piece {
-            id: segment_id(s),
-            tokens: s.tokens,
-        })
-        .collect()
-}
-
-/// The piece id of a workload segment (segments form).
-pub(crate) fn segment_id(s: &crate::loadgen::workload::Segment) -> u64 {
-    let mut h = kvroute_core::blocks::chain(0x5E6, &[s.kind]);
-    h = kvroute_core::blocks::chain(h, &s.a.to_le_bytes());
-    h = kvroute_core::blocks::chain(h, &s.b.to_le_bytes());
-    match s.fresh {
-        Some(n) => kvroute_core::blocks::chain(h ^ 0xF2E5, &n.to_le_bytes()),
-        None => h,
     }
 }
 
