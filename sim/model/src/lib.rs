@@ -14,8 +14,8 @@
 //! - `workload`: the load generator's workloads, arrival stages, segment
 //!   prompts, the hit-ratio ceiling and the per-stage reports.
 //! - `simulator`: many models in virtual time behind kvroute-core's own
-//!   routing engine; `quality.py`'s router arms, sweeps and the what-if
-//!   analysis.
+//!   routing engine; the benchmark arms (`sim/bench/arms.json`, which
+//!   `quality.py` reads too), sweeps and the what-if analysis.
 //! - `calibrate`: the arithmetic and report of offline calibration (the
 //!   measurement, over HTTP, is `kvroute_sim::calibrate`).
 //! - `prometheus` (text format), `kv_events` (re-exported from

@@ -36,9 +36,11 @@ Load:
   --question-tokens, --output-tokens   workload sizes, as kvroute-loadgen
 
 Router:
-  --arm NAME                round-robin | kvroute (llm-d's matched config) | always-sticky |
-                            legacy-blend | active-request | shipped-default [kvroute]
-                            (the arms of sim/bench/quality.py)
+  --arm NAME                an arm of sim/bench/arms.json (quality.py's): round-robin |
+                            kvroute (llm-d's matched config) | kvroute-default (the shipped
+                            profile with --peak, --tau, the fleet's block size) | always-sticky |
+                            legacy-blend | active-request | kvroute-18s | kvroute-output-est;
+                            or shipped-default (envoy/kvroute-config.json as it is) [kvroute]
   --config FILE             any plugin configuration JSON instead of --arm
   --peak X                  the arms' peakPrefillThroughput, tok/s [--prefill-tps]
   --tau MS                  the arms' maxTTFTPenaltyMs [2000]; with --config, overrides it
