@@ -101,7 +101,7 @@ pub enum Load {
     Workload {
         spec: WorkloadSpec,
         stages: Vec<Stage>,
-        /// Build the real request bodies (see [`prompt`]).
+        /// Build the real request bodies (see [`crate::workload::prompt`]).
         exact_prompts: bool,
     },
     /// A trace, as one stage; arrivals are divided by `speed`.
