@@ -27,7 +27,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import quality  # noqa: E402
+import kvbench  # noqa: E402  (sim/bench/kvbench.py)
 
 
 def router_args(results, w, arm, out):
@@ -37,7 +37,7 @@ def router_args(results, w, arm, out):
         return ["--arm", arm]
     path = out + ".config.json"
     with open(path, "w") as f:
-        json.dump(quality.plugin_config(arm, w["calibration"]["peak"], results["penalty_ms"],
+        json.dump(kvbench.plugin_config(arm, w["calibration"]["peak"], results["penalty_ms"],
                                         results["metrics_poll_ms"]), f)
     return ["--config", path]
 

@@ -31,7 +31,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import quality  # noqa: E402
+import kvbench  # noqa: E402  (sim/bench/kvbench.py)
 
 ARMS = ["round-robin", "kvroute", "kvroute-default", "always-sticky", "legacy-blend", "active-request"]
 
@@ -56,28 +56,25 @@ def stage_rows(report, rates):
 def sim_peak():
     """The fleet's prefill rate as quality.py measures it (B / median TTFT of
     cold B-token prompts): with the emulator's attention term, the peak times
-    B / (B + B(B+1)/2 / C) (sim/src/vllm_model/step_cost.rs)."""
-    b, c = quality.FLEET["max_num_batched_tokens"], 32768.0
-    return round(float(quality.FLEET["prefill_tps"]) * b / (b + b * (b + 1) / 2 / c))
+    B / (B + B(B+1)/2 / C) (sim/model/src/vllm_model/step_cost.rs)."""
+    b, c = kvbench.FLEET["max_num_batched_tokens"], 32768.0
+    return round(float(kvbench.FLEET["prefill_tps"]) * b / (b + b * (b + 1) / 2 / c))
 
 
 def fleet_args(endpoints):
     """kvroute-simulate's server flags for quality.py's fleet of `endpoints` servers."""
     return ["--endpoints", str(endpoints),
-            "--num-gpu-blocks", str(quality.FLEET["num_gpu_blocks"]),
-            "--block-size", str(quality.FLEET["block_size"]),
-            "--max-num-batched-tokens", str(quality.FLEET["max_num_batched_tokens"]),
-            "--prefill-tps", str(quality.FLEET["prefill_tps"])]
+            "--num-gpu-blocks", str(kvbench.FLEET["num_gpu_blocks"]),
+            "--block-size", str(kvbench.FLEET["block_size"]),
+            "--max-num-batched-tokens", str(kvbench.FLEET["max_num_batched_tokens"]),
+            "--prefill-tps", str(kvbench.FLEET["prefill_tps"])]
 
 
 def router_args(arm, peak, work):
-    """kvroute-simulate's router flags for a quality.py arm: the shipped
-    plugin JSON for kvroute-default, the simulator's --arm otherwise."""
-    if arm == "kvroute-default":
-        path = os.path.join(work, "kvroute-default.json")
-        with open(path, "w") as f:
-            json.dump(quality.plugin_config(arm, peak, 2000.0, 100), f)
-        return ["--config", path]
+    """kvroute-simulate's router flags for a quality.py arm: the simulator's
+    --arm, which reads the same arms.json as kvbench.plugin_config (the
+    document for kvroute-default too: the shipped profile with the fleet's
+    block size, --peak and --tau). `peak` and `work` are kept for callers."""
     return ["--arm", arm, "--tau", "2000"]
 
 
@@ -87,7 +84,7 @@ def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
     out = os.path.join(work, f"{wname}-{arm}-{seed}.json")
     cmd = [sim, "--workload", w.get("workload", wname), *w["loadgen"], "--stages", stages,
            "--seed", str(seed), "--time-scale", str(w["time_scale"]),
-           *fleet_args(quality.FLEET["endpoints"]),
+           *fleet_args(kvbench.FLEET["endpoints"]),
            "--peak", f"{peak:g}", "--stop-after-ttft-p90", f"{slo_s * stop_factor:g}", "--json", out]
     if exact:
         # Text bodies: the router parses and estimates them as in Envoy, the
@@ -99,7 +96,7 @@ def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
     with open(out) as f:
         rep = json.load(f)
     rows = stage_rows(rep, rates)
-    k = quality.knee(rows, slo_s, w["bound"])
+    k = kvbench.knee(rows, slo_s, w["bound"])
     if k:
         # the stages up to the knee: the lowest share of the ceiling the arm reached there
         within = [r["hit_over_ceiling"] for r in rows if r["rate"] <= k["rate"] and r["hit_over_ceiling"] is not None]
@@ -115,7 +112,7 @@ def main():
     p.add_argument("--sim", default=os.path.join(REPO, "target", "release", "kvroute-simulate"))
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--workloads", default=",".join(quality.WORKLOADS))
+    p.add_argument("--workloads", default=",".join(kvbench.WORKLOADS))
     p.add_argument("--slo-s", type=float, default=2.0)
     p.add_argument("--json", default=None, help="write every knee here")
     p.add_argument("--segments", action="store_true",
@@ -142,7 +139,7 @@ def main():
         peak = peaks.get(wname, sim_peak())
         print(f"{wname}: peakPrefillThroughput {peak:g} tok/s"
               f"{' (calibrated through Envoy)' if wname in peaks else ''}", file=sys.stderr)
-        w = dict(quality.WORKLOADS[wname])
+        w = dict(kvbench.WORKLOADS[wname])
         if a.rates:
             w["rates"] = [float(x) for x in a.rates.split(",")]
         results[wname] = {}

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import default_sweep  # noqa: E402
-import quality  # noqa: E402
+import kvbench  # noqa: E402  (sim/bench/kvbench.py)
 
 # workload -> (kvroute-simulate workload, groups on 4 servers or None to keep, req/s on 4 servers)
 RATES = {
@@ -47,7 +47,7 @@ def cell(sim, work, wname, arm, servers, seed):
     cmd = [sim, "--workload", sim_workload, "--stages", f"rate:{rate * m:g}@300s",
            *default_sweep.fleet_args(servers), "--seed", str(seed), "--exact-prompts",
            "--peak", str(peak), "--time-scale", "10"]
-    loadgen = list(quality.WORKLOADS[wname]["loadgen"])
+    loadgen = list(kvbench.WORKLOADS[wname]["loadgen"])
     if groups is not None:
         loadgen = [a for i, a in enumerate(loadgen) if a != "--groups" and (i == 0 or loadgen[i - 1] != "--groups")]
         loadgen += ["--groups", str(int(groups * m))]

@@ -49,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import fleet  # noqa: E402  (Procs, free_port, http_req, wait_until, start_emulators)
-import quality  # noqa: E402  (find_envoy, git_commit, add_wasm_target)
+import kvbench  # noqa: E402  (sim/bench/kvbench.py)
 
 SECTION = "## Gateway replicas"
 ALL_ARMS = ["round-robin", "approx", "approx-events", "precise"]
@@ -158,7 +158,7 @@ class Bench:
         self.emulator = os.path.join(td, args.bin_profile, "kvroute-emulator")
         self.relay = os.path.join(td, args.bin_profile, "kvroute-relay")
         self.wasm = os.path.join(td, "wasm32-wasip1", "release", "kvroute_wasm.wasm")
-        self.envoy = quality.find_envoy()
+        self.envoy = kvbench.find_envoy()
 
     def start_fleet(self, tag, w):
         n = FLEET["endpoints"]
@@ -347,7 +347,7 @@ class Bench:
         w = dict(WORKLOAD)
         if a.smoke:
             w.update(SMOKE)
-        out = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": quality.git_commit(),
+        out = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": kvbench.git_commit(),
                "fleet": FLEET, "workload": w, "ceiling": ceiling(w, FLEET["block_size"]),
                "command": "python3 sim/bench/replicas.py " + " ".join(sys.argv[1:]), "runs": []}
         failures = []
@@ -442,7 +442,7 @@ def main(argv=None):
         if arm not in ALL_ARMS:
             ap.error(f"unknown arm {arm}; arms: {','.join(ALL_ARMS)}")
     if not a.no_build:
-        quality.add_wasm_target()
+        kvbench.add_wasm_target()
         env = dict(os.environ, CARGO_TARGET_DIR=a.target_dir)
         prof = ["--release"] if a.bin_profile == "release" else []
         for argv_ in (["cargo", "build", "-p", "kvroute-sim", "-p", "kvroute-relay", "--bins"] + prof,

@@ -219,3 +219,30 @@ def test_the_knee_table_gives_the_knee_stages_branches_else_the_whole_runs():
                                   "branch_no_affinity": 1}
     assert quality.branches_cell("kvroute-default", res, k) == "17 / 2 / 1"
     assert quality.branches_cell("legacy-blend", res, k) == "–"
+
+
+def test_arms_are_one_file_with_quality_names_and_every_placeholder_filled():
+    """arms.json defines every arm quality.py runs through kvroute (kvroute-simulate --arm reads the same file);
+    plugin_config fills every placeholder, keeps the shipped profile's own plugins for kvroute-default, and
+    gives None for round robin."""
+    import kvbench
+    _, by_name = kvbench.arms()
+    assert quality.KVROUTE_ARMS <= set(by_name), quality.KVROUTE_ARMS - set(by_name)
+    assert quality.plugin_config is kvbench.plugin_config and quality.knee is kvbench.knee
+    assert kvbench.plugin_config("round-robin", 1000, 2000, 100) is None
+    for name in quality.KVROUTE_ARMS:
+        doc = kvbench.plugin_config(name, 12345, 2500, 250)
+        text = json.dumps(doc)
+        assert '"{' not in text, (name, text)
+        assert doc["collector"]["metricsPollIntervalMs"] == 250 and doc["routing"]["statePath"] == "/kvroute/state"
+    kd = kvbench.plugin_config("kvroute-default", 12345, 2500, 250)
+    with open(os.path.join(kvbench.REPO, "envoy", "kvroute-config.json")) as f:
+        shipped = json.load(f)
+    assert kd["schedulingProfiles"] == shipped["schedulingProfiles"]
+    assert [p["type"] for p in kd["plugins"]] == [p["type"] for p in shipped["plugins"]]
+    gate = next(p for p in kd["plugins"] if p["type"] == "prefix-cache-affinity-filter")["parameters"]
+    assert (gate["peakPrefillThroughput"], gate["maxTTFTPenaltyMs"]) == (12345, 2500)
+    producer = next(p for p in kd["plugins"] if p["type"] == "approx-prefix-cache-producer")["parameters"]
+    assert producer["blockSizeTokens"] == FLEET["block_size"]
+    with pytest.raises(ValueError):
+        kvbench.plugin_config("no-such-arm", 1, 2, 3)

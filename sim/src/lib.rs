@@ -1,27 +1,23 @@
-//! kvroute-sim: a model of vLLM with two drivers (the emulated fleet and the
-//! fleet simulator), the load generator and the what-if tool.
+//! kvroute-sim: the networked half of the simulation tools. The pure half
+//! (`kvroute-sim-model`: the vLLM model, the workloads, the fleet simulator)
+//! has no I/O; this crate serves it and drives it over the network, and
+//! holds the binaries.
 //!
-//! - `vllm_model`: the pure model of one vLLM server (timing, batching, prefix
-//!   cache), a state machine stepped with model time. No I/O, no clock. (Not
-//!   the router's `kvroute_core::engine`.)
-//! - `kv_events` (re-exported from `kvroute-kv-events`, shared with the
-//!   relay), `vllm_hash` (re-exported from `kvroute-core`), `prometheus`: vLLM's wire formats.
-//! - `emulator`: HTTP/ZMQ glue that serves a model on a loopback port.
-//! - `loadgen`: workloads, arrival stages and per-stage reports.
+//! - `emulator`: HTTP/ZMQ glue that serves the model on loopback ports, in
+//!   scaled real time.
+//! - `loadgen`: the load generator's HTTP client and run loop.
 //! - `calibrate`: offline measurement of `peakPrefillThroughput`
 //!   (`kvroute-calibrate`).
-//! - `simulator`: many models in virtual time behind kvroute-core's own
-//!   routing engine; sweeps and the what-if analysis.
+//! - `kv_events` (re-exported from `kvroute-kv-events`, shared with the
+//!   relay), `vllm_hash` (re-exported from `kvroute-core`): vLLM's wire
+//!   formats.
+//! - `src/bin/`: `kvroute-emulator`, `kvroute-loadgen`, `kvroute-calibrate`,
+//!   and the pure crate's drivers `kvroute-simulate` and `kvroute-what-if`.
 
 pub mod calibrate;
-pub mod cli;
 pub mod emulator;
-pub mod vllm_model;
-pub use kvroute_kv_events as kv_events;
 pub mod loadgen;
-pub mod prometheus;
-pub mod simulator;
 /// vLLM's sha256_cbor block hashes: the router's own implementation
 /// (`kvroute_core::precise::vllm_hash`), so emulator and filter agree.
 pub use kvroute_core::precise::vllm_hash;
-pub mod words;
+pub use kvroute_kv_events as kv_events;

@@ -18,8 +18,8 @@
 use kvroute_core::config::Config;
 use kvroute_sim::calibrate::{self, CalibrateConfig};
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
-use kvroute_sim::vllm_model::step_cost::attended_context;
-use kvroute_sim::vllm_model::{EngineConfig, StepCost};
+use kvroute_sim_model::vllm_model::step_cost::attended_context;
+use kvroute_sim_model::vllm_model::{EngineConfig, StepCost};
 
 const RATE: f64 = 12_000.0;
 const SCALE: f64 = 1.0;

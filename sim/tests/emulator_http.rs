@@ -8,9 +8,9 @@ use kvroute_core::scheduling::Rng;
 use kvroute_sim::emulator::tokenize::Tokenization;
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
 use kvroute_sim::loadgen::client::HttpClient;
-use kvroute_sim::prometheus::{find, parse};
-use kvroute_sim::vllm_model::EngineConfig;
-use kvroute_sim::words::text_of_bytes;
+use kvroute_sim_model::prometheus::{find, parse};
+use kvroute_sim_model::vllm_model::EngineConfig;
+use kvroute_sim_model::words::text_of_bytes;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -389,14 +389,14 @@ async fn metrics_use_vllm_names_labels_and_agree_with_stats() {
         .iter()
         .find(|x| x.name == "vllm:cache_config_info")
         .unwrap();
-    let names = |s: &kvroute_sim::prometheus::Sample| {
+    let names = |s: &kvroute_sim_model::prometheus::Sample| {
         let mut v: Vec<String> = s.labels.iter().map(|(k, _)| k.clone()).collect();
         v.sort();
         v
     };
     assert_eq!(names(info), names(real_info));
     // The prefill-time histogram has vLLM's buckets.
-    let les = |samples: &[kvroute_sim::prometheus::Sample]| -> Vec<String> {
+    let les = |samples: &[kvroute_sim_model::prometheus::Sample]| -> Vec<String> {
         samples
             .iter()
             .filter(|x| x.name == "vllm:request_prefill_time_seconds_bucket")

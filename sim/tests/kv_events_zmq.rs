@@ -4,7 +4,7 @@ use kvroute_sim::emulator::{EmulatorConfig, Fleet};
 use kvroute_sim::kv_events::{decode_seq, KvEvent, KvEventBatch};
 use kvroute_sim::loadgen::client::HttpClient;
 use kvroute_sim::vllm_hash::VllmBlockHasher;
-use kvroute_sim::vllm_model::EngineConfig;
+use kvroute_sim_model::vllm_model::EngineConfig;
 use serde_json::json;
 use std::time::Duration;
 use zeromq::{Socket, SocketRecv};

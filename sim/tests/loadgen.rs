@@ -4,10 +4,10 @@ use kvroute_core::blocks::{prompt_blocks, BlockConfig};
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
 use kvroute_sim::loadgen::client::HttpClient;
-use kvroute_sim::loadgen::reject::RejectStream;
 use kvroute_sim::loadgen::run::{run, RunConfig};
-use kvroute_sim::loadgen::stages::parse_stages;
-use kvroute_sim::loadgen::workload::{Api, GenRequest, Workload, WorkloadKind, WorkloadSpec};
+use kvroute_sim_model::workload::reject::RejectStream;
+use kvroute_sim_model::workload::stages::parse_stages;
+use kvroute_sim_model::workload::{Api, GenRequest, Workload, WorkloadKind, WorkloadSpec};
 use std::time::Duration;
 
 fn blocks(r: &GenRequest) -> Vec<u64> {

@@ -220,7 +220,7 @@ fn emulator_token_id_requests_hash_like_vllm() {
 
 #[test]
 fn prometheus_parser_reads_real_vllm_metrics_by_name_and_label() {
-    use kvroute_sim::prometheus::{find, parse};
+    use kvroute_sim_model::prometheus::{find, parse};
     for (file, blocks) in [
         ("metrics-vllm-0.32-cpu.txt", "65536"),
         ("metrics-vllm-0.32-cpu-small-kv.txt", "256"),
@@ -272,7 +272,7 @@ fn value_formatting_matches_the_python_client_on_every_captured_sample() {
             let token = line.rsplit(' ').next().unwrap();
             let v: f64 = token.parse().unwrap();
             assert_eq!(
-                kvroute_sim::prometheus::format_value(v),
+                kvroute_sim_model::prometheus::format_value(v),
                 token,
                 "{file}: {line}"
             );

@@ -6,7 +6,7 @@ with `learnOutputTokens` its mean output per finished request from
 `vllm:request_generation_tokens` (collector/output_tokens.rs).
 
 The emulated servers tokenize with a real tokenizer (the tiny BPE,
-sim/src/emulator/tokenize.rs), at about 2 bytes per token on this text, so
+sim/model/src/vllm_server/tokenize.rs), at about 2 bytes per token on this text, so
 the learnt figure must match what the servers report in `usage` and be far
 from kvroute's fixed default of 4.
 """

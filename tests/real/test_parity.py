@@ -233,7 +233,7 @@ def test_kvroute_parsers_agree_on_real_and_emulated(captures):
 
 def test_text_and_chat_prompts_count_the_same_tokens_as_vllm(real_fleet, artifacts, tmp_path):
     """The emulator tokenizes text and chat prompts as the real server does
-    (the same tokenizer.json and chat template, sim/src/emulator/tokenize.rs):
+    (the same tokenizer.json and chat template, sim/model/src/vllm_server/tokenize.rs):
     equal prompt_tokens, and equal cached_tokens on a repeat, so a router
     that guesses tokens from bytes is judged against real token counts."""
     server = real_fleet.servers[-1]

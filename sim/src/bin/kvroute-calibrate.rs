@@ -2,7 +2,7 @@
 //! OpenAI-compatible server (see `kvroute_sim::calibrate`).
 
 use kvroute_sim::calibrate::{self, CalibrateConfig};
-use kvroute_sim::cli::Flags;
+use kvroute_sim_model::cli::Flags;
 use std::time::Duration;
 
 const USAGE: &str = "\

@@ -4,10 +4,10 @@
 //! listens (and, before it, `KV_EVENTS tcp://…,…` when events are on), then
 //! serves until SIGTERM or SIGINT, on which it exits 0.
 
-use kvroute_sim::cli::Flags;
 use kvroute_sim::emulator::tokenize::Tokenization;
 use kvroute_sim::emulator::{EmulatorConfig, Fleet};
-use kvroute_sim::vllm_model::{EngineConfig, StepCost};
+use kvroute_sim_model::cli::Flags;
+use kvroute_sim_model::vllm_server::{check_engine, engine_from_flags};
 use std::io::Write;
 
 const USAGE: &str = "\
@@ -70,29 +70,8 @@ fn config(f: &Flags) -> Result<(EmulatorConfig, Vec<u16>), String> {
         .filter(|p| !p.is_empty())
         .ok_or("kvroute-emulator: --ports is required, e.g. --ports 18001,18002")?;
     let d = EmulatorConfig::default();
-    let de = EngineConfig::default();
-    let ds = StepCost::default();
     let cfg = EmulatorConfig {
-        engine: EngineConfig {
-            block_size: f.get("block-size", de.block_size)?,
-            num_gpu_blocks: f.get("num-gpu-blocks", de.num_gpu_blocks)?,
-            max_num_batched_tokens: f.get("max-num-batched-tokens", de.max_num_batched_tokens)?,
-            max_num_seqs: f.get("max-num-seqs", de.max_num_seqs)?,
-            max_model_len: f.get("max-model-len", de.max_model_len)?,
-            step_cost: StepCost {
-                prefill_tokens_per_s: f.get("prefill-tps", ds.prefill_tokens_per_s)?,
-                prefill_attention_context_tokens: f.get(
-                    "prefill-attention-tokens",
-                    ds.prefill_attention_context_tokens,
-                )?,
-                decode_step_ms: f.get("decode-step-ms", ds.decode_step_ms)?,
-                decode_ms_per_seq: f.get("decode-ms-per-seq", ds.decode_ms_per_seq)?,
-                decode_ns_per_context_token: f.get(
-                    "decode-ns-per-context-token",
-                    ds.decode_ns_per_context_token,
-                )?,
-            },
-        },
+        engine: engine_from_flags(f)?,
         model: f.get("model", d.model)?,
         tokenizer: match f.str("tokenizer") {
             None => d.tokenizer,
@@ -110,30 +89,12 @@ fn config(f: &Flags) -> Result<(EmulatorConfig, Vec<u16>), String> {
         default_max_tokens: f.get("default-max-tokens", d.default_max_tokens)?,
         accept_any_model: f.has("accept-any-model"),
     };
-    let e = &cfg.engine;
-    let positive = [
-        ("--block-size", e.block_size),
-        ("--num-gpu-blocks", e.num_gpu_blocks),
-        ("--max-num-batched-tokens", e.max_num_batched_tokens),
-        ("--max-num-seqs", e.max_num_seqs),
-        ("--chars-per-token", cfg.chars_per_token),
-    ];
-    for (name, v) in positive {
-        if v == 0 {
-            return Err(format!("kvroute-emulator: {name} must be at least 1"));
-        }
+    check_engine(&cfg.engine, "kvroute-emulator")?;
+    if cfg.chars_per_token == 0 {
+        return Err("kvroute-emulator: --chars-per-token must be at least 1".into());
     }
     if !(cfg.time_scale > 0.0 && cfg.time_scale.is_finite()) {
         return Err("kvroute-emulator: --time-scale must be a positive number".into());
-    }
-    if !(e.step_cost.prefill_tokens_per_s > 0.0 && e.step_cost.prefill_tokens_per_s.is_finite()) {
-        return Err("kvroute-emulator: --prefill-tps must be positive".into());
-    }
-    let c = e.step_cost.prefill_attention_context_tokens;
-    if !(c >= 0.0 && c.is_finite()) {
-        return Err(
-            "kvroute-emulator: --prefill-attention-tokens must be 0 (off) or positive".into(),
-        );
     }
     Ok((cfg, ports))
 }

@@ -2,12 +2,12 @@
 //! stage, latency, throughput, errors and the fleet's prefix-cache hit ratio
 //! read from the endpoints' own counters.
 
-use kvroute_sim::cli::Flags;
-use kvroute_sim::loadgen::reject::RejectStream;
-use kvroute_sim::loadgen::report::render_table;
 use kvroute_sim::loadgen::run::{run_until, RunConfig};
-use kvroute_sim::loadgen::stages::parse_stages;
-use kvroute_sim::loadgen::workload::{Api, WorkloadKind, WorkloadSpec, WORKLOAD_NAMES};
+use kvroute_sim_model::cli::Flags;
+use kvroute_sim_model::workload::reject::RejectStream;
+use kvroute_sim_model::workload::report::render_table;
+use kvroute_sim_model::workload::stages::parse_stages;
+use kvroute_sim_model::workload::{Api, WorkloadKind, WorkloadSpec, WORKLOAD_NAMES};
 use std::time::Duration;
 
 const USAGE: &str = "\

@@ -3,15 +3,15 @@
 //! load generator's per-stage table; `--sweep` runs one scenario per value
 //! of a parameter and prints a Markdown table (and draws an SVG).
 
-use kvroute_sim::cli::Flags;
-use kvroute_sim::loadgen::report::render_table;
-use kvroute_sim::loadgen::stages::parse_stages;
-use kvroute_sim::loadgen::workload::{Api, WorkloadKind, WorkloadSpec};
-use kvroute_sim::simulator::arms::{arm_document, set_affinity_param, ArmParams, ARMS};
-use kvroute_sim::simulator::plot::sweep_svg;
-use kvroute_sim::simulator::sweep::{markdown, parse_sweep, run_sweep, Scenario};
-use kvroute_sim::simulator::trace::parse_trace;
-use kvroute_sim::simulator::{fleet_from_flags, Load, FLEET_FLAGS, FLEET_USAGE};
+use kvroute_sim_model::cli::Flags;
+use kvroute_sim_model::simulator::arms::{arm_document, set_affinity_param, ArmParams, ARMS};
+use kvroute_sim_model::simulator::plot::sweep_svg;
+use kvroute_sim_model::simulator::sweep::{markdown, parse_sweep, run_sweep, Scenario};
+use kvroute_sim_model::simulator::trace::parse_trace;
+use kvroute_sim_model::simulator::{fleet_from_flags, Load, FLEET_FLAGS, FLEET_USAGE};
+use kvroute_sim_model::workload::report::render_table;
+use kvroute_sim_model::workload::stages::parse_stages;
+use kvroute_sim_model::workload::{Api, WorkloadKind, WorkloadSpec};
 
 const USAGE: &str = "\
 kvroute-simulate (--workload NAME --stages SPEC | --trace FILE) [options]
@@ -36,9 +36,11 @@ Load:
   --question-tokens, --output-tokens   workload sizes, as kvroute-loadgen
 
 Router:
-  --arm NAME                round-robin | kvroute (llm-d's matched config) | always-sticky |
-                            legacy-blend | active-request | shipped-default [kvroute]
-                            (the arms of sim/bench/quality.py)
+  --arm NAME                an arm of sim/bench/arms.json (quality.py's): round-robin |
+                            kvroute (llm-d's matched config) | kvroute-default (the shipped
+                            profile with --peak, --tau, the fleet's block size) | always-sticky |
+                            legacy-blend | active-request | kvroute-18s | kvroute-output-est;
+                            or shipped-default (envoy/kvroute-config.json as it is) [kvroute]
   --config FILE             any plugin configuration JSON instead of --arm
   --peak X                  the arms' peakPrefillThroughput, tok/s [--prefill-tps]
   --tau MS                  the arms' maxTTFTPenaltyMs [2000]; with --config, overrides it

@@ -2,10 +2,10 @@
 //! prefix-affinity routing pays, which profile to use and which
 //! `maxTTFTPenaltyMs`, with the simulated figures behind each answer.
 
-use kvroute_sim::cli::Flags;
-use kvroute_sim::simulator::trace::parse_trace;
-use kvroute_sim::simulator::whatif::{render, what_if, Facts};
-use kvroute_sim::simulator::{fleet_from_flags, FLEET_FLAGS, FLEET_USAGE};
+use kvroute_sim_model::cli::Flags;
+use kvroute_sim_model::simulator::trace::parse_trace;
+use kvroute_sim_model::simulator::whatif::{render, what_if, Facts};
+use kvroute_sim_model::simulator::{fleet_from_flags, FLEET_FLAGS, FLEET_USAGE};
 
 const USAGE: &str = "\
 kvroute-what-if --trace FILE [fleet options]

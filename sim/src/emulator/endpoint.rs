@@ -11,7 +11,9 @@
 use super::EmulatorConfig;
 use crate::kv_events::KvEvent;
 use crate::vllm_hash::VllmBlockHasher;
-use crate::vllm_model::{AdmitError, Engine, EngineCounters, EngineRequest, Histogram, RequestId};
+use kvroute_sim_model::vllm_model::{AdmitError, Engine, EngineRequest, RequestId};
+pub use kvroute_sim_model::vllm_server::metrics_text::Snapshot;
+pub use kvroute_sim_model::vllm_server::unix_now_s;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -97,44 +99,6 @@ impl ModelClock {
     }
 }
 
-/// A point-in-time view for `/metrics` and `/emulator/stats`.
-#[derive(Clone, Debug)]
-pub struct Snapshot {
-    pub running: usize,
-    pub waiting: usize,
-    pub kv_cache_usage: f64,
-    pub cached_blocks: usize,
-    pub evicted_blocks: u64,
-    pub counters: EngineCounters,
-    pub ttft: Histogram,
-    pub prefill_time: Histogram,
-    pub prefill_kv_computed: Histogram,
-    pub generation_tokens: Histogram,
-    pub fault_responses: u64,
-    /// Model seconds lost to host lag since start (never reset).
-    pub host_lag_model_s: f64,
-}
-
-impl Snapshot {
-    /// The model's state (no faults, no host lag: those belong to the glue).
-    pub fn of(engine: &Engine) -> Snapshot {
-        Snapshot {
-            running: engine.num_running(),
-            waiting: engine.num_waiting(),
-            kv_cache_usage: engine.cache().usage(),
-            cached_blocks: engine.cache().num_cached(),
-            evicted_blocks: engine.cache().evictions,
-            counters: engine.counters.clone(),
-            ttft: engine.ttft.clone(),
-            prefill_time: engine.prefill_time.clone(),
-            prefill_kv_computed: engine.prefill_kv_computed.clone(),
-            generation_tokens: engine.generation_tokens.clone(),
-            fault_responses: 0,
-            host_lag_model_s: 0.0,
-        }
-    }
-}
-
 /// One emulated vLLM server.
 pub struct Endpoint {
     pub cfg: EmulatorConfig,
@@ -163,14 +127,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock leaves consistent-enough state for an
     // emulator; keep serving rather than poisoning every later request.
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Unix time now, seconds.
-pub fn unix_now_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
 }
 
 impl Endpoint {

@@ -17,7 +17,6 @@
 use super::endpoint::{Endpoint, MetricsMode, Progress};
 use super::metrics_text;
 use super::openai::{engine_request, error_body, models_body, ResponseShape};
-use crate::vllm_model::{AdmitError, RequestId};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -26,6 +25,7 @@ use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
+use kvroute_sim_model::vllm_model::{AdmitError, RequestId};
 use serde_json::json;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -212,7 +212,12 @@ async fn metrics(ep: &Arc<Endpoint>) -> Result<Response<Body>, DropConnection> {
     ep.metrics_scrapes.fetch_add(1, Ordering::Relaxed);
     Ok(match ep.metrics_mode() {
         MetricsMode::Ok => {
-            let text = metrics_text::render(ep, &ep.snapshot());
+            let text = metrics_text::render_parts(
+                &ep.cfg.model,
+                &ep.cfg.engine,
+                ep.started_unix_s,
+                &ep.snapshot(),
+            );
             respond(
                 ep,
                 StatusCode::OK,

@@ -1,67 +1,21 @@
 //! Serves emulated vLLM endpoints on loopback ports: the HTTP/ZMQ glue
-//! around [`crate::vllm_model::Engine`]. One [`Fleet`] hosts N endpoints, each
+//! around [`kvroute_sim_model::vllm_model::Engine`]. One [`Fleet`] hosts N endpoints, each
 //! with its own engine, port and (optionally) KV-event publisher.
 
 pub mod endpoint;
 pub mod http;
 pub mod kv_publisher;
-pub mod metrics_text;
-pub mod openai;
-pub mod tokenize;
 
-use crate::vllm_model::EngineConfig;
+/// The server's surface without I/O (settings, request → engine input,
+/// tokenizer, `/metrics` page) lives in the pure crate, which the simulator
+/// shares; re-exported here under the emulator's names.
+pub use kvroute_sim_model::vllm_server::{metrics_text, openai, tokenize, EmulatorConfig};
+
 use endpoint::Endpoint;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-
-/// Everything one emulated endpoint needs besides its port.
-#[derive(Clone, Debug)]
-pub struct EmulatorConfig {
-    pub engine: EngineConfig,
-    /// Served model name (`--model`); requests for another model get 404.
-    pub model: String,
-    /// How text and chat prompts become tokens (`--tokenizer`).
-    pub tokenizer: tokenize::Tokenization,
-    /// Bytes of text per token with `--tokenizer estimate`
-    /// (`--chars-per-token`), as the filter's estimate.
-    pub chars_per_token: u32,
-    /// Model seconds per wall-clock second (`--time-scale`); 10 runs ten
-    /// times faster than the modelled hardware.
-    pub time_scale: f64,
-    /// First ZMQ port for KV events (`--kv-events-port-base`); endpoint i
-    /// publishes on base + i. `Some(0)` picks free ports. `None`: off.
-    pub kv_events_port_base: Option<u16>,
-    /// ZMQ topic; `{endpoint}` and `{model}` are replaced.
-    pub kv_events_topic: String,
-    /// `PYTHONHASHSEED` of the emulated server, seeds token-ID block hashes.
-    pub python_hash_seed: String,
-    /// Output tokens per streamed chunk (vLLM `--stream-interval`).
-    pub stream_interval: u32,
-    /// Output tokens when the client gives no `max_tokens`.
-    pub default_max_tokens: u32,
-    /// Serve any `model` instead of answering 404.
-    pub accept_any_model: bool,
-}
-
-impl Default for EmulatorConfig {
-    fn default() -> Self {
-        EmulatorConfig {
-            engine: EngineConfig::default(),
-            model: "tiny".into(),
-            tokenizer: tokenize::Tokenization::tiny(),
-            chars_per_token: 4,
-            time_scale: 1.0,
-            kv_events_port_base: None,
-            kv_events_topic: "kv@{endpoint}@{model}".into(),
-            python_hash_seed: "0".into(),
-            stream_interval: 1,
-            default_max_tokens: 16,
-            accept_any_model: false,
-        }
-    }
-}
 
 /// One endpoint that is up.
 pub struct RunningEndpoint {

@@ -1,11 +1,7 @@
-//! The load generator: workloads of real-word prompts, Poisson and
-//! fixed-concurrency stages, and per-stage reports that read the endpoints'
-//! own prefix-cache counters before and after each stage.
+//! The load generator's client: sends a workload's requests (see
+//! `kvroute_sim_model::workload` for the workloads, stages and reports) to
+//! real endpoints over HTTP, reading their own prefix-cache counters before
+//! and after each stage.
 
-pub mod ceiling;
 pub mod client;
-pub mod reject;
-pub mod report;
 pub mod run;
-pub mod stages;
-pub mod workload;

@@ -1,16 +1,17 @@
 //! Drives a target (Envoy or one endpoint) through the stages and builds the
 //! reports. Counters are read directly from each endpoint's `/metrics`.
 
-use super::ceiling::Ceiling;
 use super::client::{HttpClient, Timed};
-use super::reject::{RejectBodies, RejectStats, RejectStream};
-use super::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
-use super::stages::{Stage, StageKind};
-use super::workload::{Workload, WorkloadSpec};
-use crate::prometheus;
-use crate::simulator::parts_pieces;
-use crate::simulator::prompt::piece_block_hashes;
 use kvroute_core::scheduling::Rng;
+use kvroute_sim_model::prometheus;
+use kvroute_sim_model::workload::ceiling::Ceiling;
+use kvroute_sim_model::workload::prompt::{parts_pieces, piece_block_hashes};
+use kvroute_sim_model::workload::reject::{RejectBodies, RejectStats, RejectStream};
+use kvroute_sim_model::workload::report::{
+    stage_report, EndpointCounters, RequestRecord, StageReport,
+};
+use kvroute_sim_model::workload::stages::{Stage, StageKind};
+use kvroute_sim_model::workload::{GenRequest, Workload, WorkloadSpec};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -51,7 +52,7 @@ struct Source {
 }
 
 impl Source {
-    fn next(&mut self) -> (super::workload::GenRequest, Option<(u64, u64)>) {
+    fn next(&mut self) -> (GenRequest, Option<(u64, u64)>) {
         let req = self.workload.next_request();
         let ceiling = self.ceiling.as_mut().map(|c| {
             let pieces = parts_pieces(&req.parts);
@@ -268,7 +269,7 @@ fn classify_transport(e: &str) -> String {
 async fn send_one(
     client: &HttpClient,
     cfg: &RunConfig,
-    (req, ceiling): (super::workload::GenRequest, Option<(u64, u64)>),
+    (req, ceiling): (GenRequest, Option<(u64, u64)>),
     stage_start: Instant,
 ) -> RequestRecord {
     let sent_at_s = stage_start.elapsed().as_secs_f64() * cfg.time_scale;

@@ -19,7 +19,7 @@
 //!
 //! Blank lines and lines starting with `#` are skipped.
 
-use super::prompt::Piece;
+use crate::workload::prompt::Piece;
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::HashMap;

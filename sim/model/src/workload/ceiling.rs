@@ -12,7 +12,7 @@
 //! tokens and a real tokenizer's deviation from the stated lengths); the
 //! simulator from the modelled server's own blocks, exactly.
 
-use crate::simulator::prompt::cacheable_tokens;
+use super::prompt::cacheable_tokens;
 use std::collections::HashSet;
 
 /// Blocks seen so far, and the block size they are counted in.
@@ -64,8 +64,8 @@ impl Ceiling {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::loadgen::workload::{Workload, WorkloadKind, WorkloadSpec};
-    use crate::simulator::prompt::{piece_block_hashes, Piece};
+    use crate::workload::prompt::{piece_block_hashes, segment_id, Piece};
+    use crate::workload::{Workload, WorkloadKind, WorkloadSpec};
 
     #[test]
     fn a_prefix_seen_before_counts_in_whole_blocks_up_to_the_last_token() {
@@ -97,7 +97,7 @@ mod tests {
                     .iter()
                     .flat_map(|(_, s)| s.iter())
                     .map(|s| Piece {
-                        id: crate::simulator::segment_id(s),
+                        id: segment_id(s),
                         tokens: s.tokens,
                     })
                     .collect();

@@ -1,8 +1,8 @@
 //! The timing and cache model of one emulated vLLM server, driven in model
 //! time without sleeping (a discrete-event loop over `Engine::step`).
 
-use kvroute_sim::kv_events::KvEvent;
-use kvroute_sim::vllm_model::{
+use kvroute_sim_model::kv_events::KvEvent;
+use kvroute_sim_model::vllm_model::{
     AdmitError, Engine, EngineConfig, EngineRequest, RequestId, TokenOutput,
 };
 use std::collections::HashMap;
@@ -421,7 +421,7 @@ fn prefill_histograms_give_computed_tokens_over_prefill_time() {
     assert_eq!(e.prefill_kv_computed.sum, 20_480.0 + 2.0 * 8192.0 + 64.0);
     // vLLM's 1-2-5 token buckets up to max_model_len.
     assert_eq!(
-        &kvroute_sim::vllm_model::buckets_1_2_5(4096)[..],
+        &kvroute_sim_model::vllm_model::buckets_1_2_5(4096)[..],
         &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]
     );
 }

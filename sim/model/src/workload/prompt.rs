@@ -21,6 +21,7 @@
 //!   template's few tokens around each message and the router's
 //!   bytes-per-token estimate (both sides count tokens exactly).
 
+use super::{GenParts, Segment};
 use crate::vllm_model::EngineRequest;
 use kvroute_core::blocks::{chain, chain_seed};
 
@@ -129,6 +130,30 @@ pub fn from_pieces(
 pub fn cacheable_tokens(prompt_tokens: u64, block_size: u32) -> u64 {
     let bs = u64::from(block_size.max(1));
     (prompt_tokens.saturating_sub(1) / bs) * bs
+}
+
+/// A request's messages as segments-form pieces, in order.
+pub fn parts_pieces(parts: &GenParts) -> Vec<Piece> {
+    parts
+        .messages
+        .iter()
+        .flat_map(|(_, segs)| segs.iter())
+        .map(|s| Piece {
+            id: segment_id(s),
+            tokens: s.tokens,
+        })
+        .collect()
+}
+
+/// The piece id of a workload segment (segments form).
+pub fn segment_id(s: &Segment) -> u64 {
+    let mut h = kvroute_core::blocks::chain(0x5E6, &[s.kind]);
+    h = kvroute_core::blocks::chain(h, &s.a.to_le_bytes());
+    h = kvroute_core::blocks::chain(h, &s.b.to_le_bytes());
+    match s.fresh {
+        Some(n) => kvroute_core::blocks::chain(h ^ 0xF2E5, &n.to_le_bytes()),
+        None => h,
+    }
 }
 
 #[cfg(test)]

@@ -36,6 +36,12 @@
 //! prefixes so arrive close together, while the first may still be in
 //! prefill; every document of a round comes before any of the next.
 
+pub mod ceiling;
+pub mod prompt;
+pub mod reject;
+pub mod report;
+pub mod stages;
+
 use crate::words::text_of_bytes;
 use kvroute_core::scheduling::Rng;
 use serde_json::{json, Value};
@@ -564,7 +570,7 @@ impl Workload {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::emulator::tokenize::Tokenization;
+    use crate::vllm_server::tokenize::Tokenization;
     use std::collections::{HashMap, HashSet};
     #[test]
     fn text_sizing_matches_the_tiny_tokenizer() {

@@ -33,9 +33,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// The compiled-in default tokenizer (see the module doc).
 const TINY_TOKENIZER: &[u8] =
-    include_bytes!("../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
+    include_bytes!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
 const TINY_CONFIG: &str =
-    include_str!("../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
+    include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
 
 /// Bytes of line text the cache holds before it is emptied.
 const CACHE_BYTES: usize = 64 << 20;

@@ -33,10 +33,10 @@
 //!    a TTFT p90 at most 10 % above its.
 
 use super::arms::{arm_document, set_affinity_param, ArmParams};
-use super::prompt::{cacheable_tokens, piece_block_hashes};
 use super::sweep::{ms, pct, summarize, Point, Scenario};
 use super::trace::{TracePrompt, TraceRequest};
 use super::{FleetSpec, Load};
+use crate::workload::prompt::{cacheable_tokens, piece_block_hashes};
 use kvroute_core::blocks::{chain_seed, text_blocks, BlockConfig};
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};

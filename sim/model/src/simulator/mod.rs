@@ -23,27 +23,29 @@
 //! - **Load.** The load generator's stages (Poisson rate or closed-loop
 //!   concurrency, each drained before the next) or a trace; the reports are
 //!   the load generator's [`StageReport`]s, built by the same function.
-//! - **Files.** `mod.rs` the event loop, `prompt.rs` segment prompts,
+//! - **Files.** `mod.rs` the event loop (segment prompts: `workload::prompt`),
 //!   `trace.rs` the JSONL trace, `arms.rs` `quality.py`'s router arms,
 //!   `sweep.rs`, `plot.rs` (SVG), `whatif.rs` (the what-if analysis).
 
 pub mod arms;
+pub mod flags;
 pub mod plot;
-pub mod prompt;
 pub mod sweep;
 pub mod trace;
 pub mod whatif;
 
-use crate::emulator::endpoint::Snapshot;
-use crate::emulator::metrics_text::render_parts;
-use crate::emulator::openai::engine_request;
-use crate::emulator::EmulatorConfig;
-use crate::loadgen::ceiling::Ceiling;
-use crate::loadgen::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
-use crate::loadgen::stages::{Stage, StageKind};
-use crate::loadgen::workload::{GenParts, Workload, WorkloadSpec};
+pub use flags::{fleet_from_flags, FLEET_FLAGS, FLEET_USAGE};
+
 use crate::vllm_hash::VllmBlockHasher;
 use crate::vllm_model::{Engine as Server, EngineConfig, RequestId, StepResult};
+use crate::vllm_server::metrics_text::{render_parts, Snapshot};
+use crate::vllm_server::openai::engine_request;
+use crate::vllm_server::EmulatorConfig;
+use crate::workload::ceiling::Ceiling;
+use crate::workload::prompt::{from_pieces, parts_pieces, RouterInput, SimRequest};
+use crate::workload::report::{stage_report, EndpointCounters, RequestRecord, StageReport};
+use crate::workload::stages::{Stage, StageKind};
+use crate::workload::{GenParts, Workload, WorkloadSpec};
 use kvroute_core::config::{Config, EndpointSource};
 use kvroute_core::engine::{Engine as Router, Outcome};
 use kvroute_core::lifecycle::Counter;
@@ -52,7 +54,6 @@ use kvroute_core::scheduling::Rng;
 use kvroute_shared_state::load::{LoadTable, Ticket};
 use kvroute_shared_state::memory::MemoryStore;
 use kvroute_shared_state::Store;
-use prompt::{from_pieces, Piece, RouterInput, SimRequest};
 use serde::Serialize;
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
@@ -100,7 +101,7 @@ pub enum Load {
     Workload {
         spec: WorkloadSpec,
         stages: Vec<Stage>,
-        /// Build the real request bodies (see [`prompt`]).
+        /// Build the real request bodies (see [`crate::workload::prompt`]).
         exact_prompts: bool,
     },
     /// A trace, as one stage; arrivals are divided by `speed`.
@@ -1192,134 +1193,7 @@ impl Sim {
     }
 }
 
-/// A request's messages as segments-form pieces, in order.
-pub(crate) fn parts_pieces(parts: &GenParts) -> Vec<Piece> {
-    parts
-        .messages
-        .iter()
-        .flat_map(|(_, segs)| segs.iter())
-        .map(|s| Piece {
-            id: segment_id(s),
-            tokens: s.tokens,
-        })
-        .collect()
-}
-
-/// The piece id of a workload segment (segments form).
-pub(crate) fn segment_id(s: &crate::loadgen::workload::Segment) -> u64 {
-    let mut h = kvroute_core::blocks::chain(0x5E6, &[s.kind]);
-    h = kvroute_core::blocks::chain(h, &s.a.to_le_bytes());
-    h = kvroute_core::blocks::chain(h, &s.b.to_le_bytes());
-    match s.fresh {
-        Some(n) => kvroute_core::blocks::chain(h ^ 0xF2E5, &n.to_le_bytes()),
-        None => h,
-    }
-}
-
 /// Runs one simulation.
 pub fn simulate(cfg: SimConfig) -> Result<SimReport, String> {
     Sim::new(cfg)?.run()
-}
-
-/// Flags that describe the modelled fleet (the emulator's names), shared by
-/// `kvroute-simulate` and `kvroute-what-if`.
-pub const FLEET_FLAGS: &[(&str, bool)] = &[
-    ("endpoints", true),
-    ("model", true),
-    ("block-size", true),
-    ("num-gpu-blocks", true),
-    ("max-num-batched-tokens", true),
-    ("max-num-seqs", true),
-    ("max-model-len", true),
-    ("prefill-tps", true),
-    ("prefill-attention-tokens", true),
-    ("decode-step-ms", true),
-    ("decode-ms-per-seq", true),
-    ("decode-ns-per-context-token", true),
-    ("chars-per-token", true),
-    ("stream-interval", true),
-];
-
-/// Usage lines of [`FLEET_FLAGS`].
-pub const FLEET_USAGE: &str = "\
-Fleet (each modelled server is the emulator's model; the emulator's flag names):
-  --endpoints N                  servers in the fleet [4]
-  --model NAME                   served model name [tiny]
-  --block-size N                 tokens per KV block [16]
-  --num-gpu-blocks N             KV cache size in blocks [16384]
-  --max-num-batched-tokens N     token budget per iteration, B [8192]
-  --max-num-seqs N               sequences per batch [256]
-  --max-model-len N              longest prompt + output, tokens [40960]
-  --prefill-tps X                peak prefill tokens/s [20480]
-  --prefill-attention-tokens X   attended context that doubles a prefill token's cost; 0 = off [32768]
-  --decode-step-ms X             floor of one forward pass, ms [25]
-  --decode-ms-per-seq X          extra per decoding sequence, ms [0.1]
-  --decode-ns-per-context-token X  extra per attended context token, ns [40]
-  --chars-per-token N            text bytes per token (text prompts) [4]
-  --stream-interval N            output tokens per streamed chunk [1]
-";
-
-/// The fleet from [`FLEET_FLAGS`].
-pub fn fleet_from_flags(f: &crate::cli::Flags, program: &str) -> Result<FleetSpec, String> {
-    let d = FleetSpec::default();
-    let de = EngineConfig::default();
-    let ds = crate::vllm_model::StepCost::default();
-    let fleet = FleetSpec {
-        endpoints: f.get("endpoints", d.endpoints)?,
-        model: f.get("model", d.model)?,
-        chars_per_token: f.get("chars-per-token", d.chars_per_token)?,
-        stream_interval: f.get("stream-interval", d.stream_interval)?,
-        engine: EngineConfig {
-            block_size: f.get("block-size", de.block_size)?,
-            num_gpu_blocks: f.get("num-gpu-blocks", de.num_gpu_blocks)?,
-            max_num_batched_tokens: f.get("max-num-batched-tokens", de.max_num_batched_tokens)?,
-            max_num_seqs: f.get("max-num-seqs", de.max_num_seqs)?,
-            max_model_len: f.get("max-model-len", de.max_model_len)?,
-            step_cost: crate::vllm_model::StepCost {
-                prefill_tokens_per_s: f.get("prefill-tps", ds.prefill_tokens_per_s)?,
-                prefill_attention_context_tokens: f.get(
-                    "prefill-attention-tokens",
-                    ds.prefill_attention_context_tokens,
-                )?,
-                decode_step_ms: f.get("decode-step-ms", ds.decode_step_ms)?,
-                decode_ms_per_seq: f.get("decode-ms-per-seq", ds.decode_ms_per_seq)?,
-                decode_ns_per_context_token: f.get(
-                    "decode-ns-per-context-token",
-                    ds.decode_ns_per_context_token,
-                )?,
-            },
-        },
-    };
-    let e = &fleet.engine;
-    for (name, v) in [
-        ("--endpoints", fleet.endpoints as u64),
-        ("--block-size", u64::from(e.block_size)),
-        ("--num-gpu-blocks", u64::from(e.num_gpu_blocks)),
-        (
-            "--max-num-batched-tokens",
-            u64::from(e.max_num_batched_tokens),
-        ),
-        ("--max-num-seqs", u64::from(e.max_num_seqs)),
-        ("--chars-per-token", u64::from(fleet.chars_per_token)),
-    ] {
-        if v == 0 {
-            return Err(format!("{program}: {name} must be at least 1"));
-        }
-    }
-    let sc = &e.step_cost;
-    for (name, v) in [
-        ("--prefill-tps", sc.prefill_tokens_per_s),
-        ("--decode-step-ms", sc.decode_step_ms),
-    ] {
-        if !(v > 0.0 && v.is_finite()) {
-            return Err(format!("{program}: {name} must be positive"));
-        }
-    }
-    let c = sc.prefill_attention_context_tokens;
-    if !(c >= 0.0 && c.is_finite()) {
-        return Err(format!(
-            "{program}: --prefill-attention-tokens must be 0 (off) or positive"
-        ));
-    }
-    Ok(fleet)
 }

@@ -122,7 +122,7 @@ impl ResponseShape {
         ResponseShape {
             chat,
             id: format!("{prefix}-{request_no:032x}"),
-            created: super::endpoint::unix_now_s() as u64,
+            created: super::unix_now_s() as u64,
             model: model.to_owned(),
             prompt_tokens,
             include_usage,

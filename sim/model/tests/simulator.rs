@@ -2,11 +2,11 @@
 //! prompt forms agreeing, and affinity showing up where it must.
 
 use kvroute_core::engine::Engine as Router;
-use kvroute_sim::loadgen::stages::parse_stages;
-use kvroute_sim::loadgen::workload::{WorkloadKind, WorkloadSpec};
-use kvroute_sim::simulator::arms::{arm_document, router_from_document, ArmParams};
-use kvroute_sim::simulator::trace::parse_trace;
-use kvroute_sim::simulator::{simulate, FleetSpec, Load, RouterSpec, SimConfig, SimReport};
+use kvroute_sim_model::simulator::arms::{arm_document, router_from_document, ArmParams};
+use kvroute_sim_model::simulator::trace::parse_trace;
+use kvroute_sim_model::simulator::{simulate, FleetSpec, Load, RouterSpec, SimConfig, SimReport};
+use kvroute_sim_model::workload::stages::parse_stages;
+use kvroute_sim_model::workload::{WorkloadKind, WorkloadSpec};
 
 fn small_shared_prefix() -> WorkloadSpec {
     WorkloadSpec {

@@ -4,7 +4,7 @@
 
 use super::arms::{arm_document, router_from_document, set_affinity_param, ArmParams};
 use super::{simulate, FleetSpec, Load, RouterSpec, SimConfig, SimReport};
-use crate::loadgen::stages::{Stage, StageKind};
+use crate::workload::stages::{Stage, StageKind};
 use serde::Serialize;
 use serde_json::Value;
 

@@ -2,13 +2,47 @@
 //! with vLLM's label style (`engine="0"`, `model_name=…`, sorted labels).
 //! Latencies are in model seconds (the hardware being modelled).
 
-use super::endpoint::{Endpoint, Snapshot};
 use crate::prometheus::{format_value, Exposition};
 use crate::vllm_model::EngineConfig;
 use crate::vllm_model::Histogram;
+use crate::vllm_model::{Engine, EngineCounters};
 
-pub fn render(ep: &Endpoint, s: &Snapshot) -> String {
-    render_parts(&ep.cfg.model, &ep.cfg.engine, ep.started_unix_s, s)
+/// A point-in-time view for `/metrics` and `/emulator/stats`.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_cache_usage: f64,
+    pub cached_blocks: usize,
+    pub evicted_blocks: u64,
+    pub counters: EngineCounters,
+    pub ttft: Histogram,
+    pub prefill_time: Histogram,
+    pub prefill_kv_computed: Histogram,
+    pub generation_tokens: Histogram,
+    pub fault_responses: u64,
+    /// Model seconds lost to host lag since start (never reset).
+    pub host_lag_model_s: f64,
+}
+
+impl Snapshot {
+    /// The model's state (no faults, no host lag: those belong to the glue).
+    pub fn of(engine: &Engine) -> Snapshot {
+        Snapshot {
+            running: engine.num_running(),
+            waiting: engine.num_waiting(),
+            kv_cache_usage: engine.cache().usage(),
+            cached_blocks: engine.cache().num_cached(),
+            evicted_blocks: engine.cache().evictions,
+            counters: engine.counters.clone(),
+            ttft: engine.ttft.clone(),
+            prefill_time: engine.prefill_time.clone(),
+            prefill_kv_computed: engine.prefill_kv_computed.clone(),
+            generation_tokens: engine.generation_tokens.clone(),
+            fault_responses: 0,
+            host_lag_model_s: 0.0,
+        }
+    }
 }
 
 /// The page for a server of `model` with engine config `cfg`, started at
