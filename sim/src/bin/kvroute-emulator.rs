@@ -130,6 +130,9 @@ fn main() {
         }
     };
     let code = rt.block_on(async move {
+        // The handlers go in before READY: whoever reads READY may send
+        // SIGTERM at once, and it must end in a clean exit 0.
+        let signals = Signals::install();
         let fleet = match Fleet::start(&cfg, &ports).await {
             Ok(f) => f,
             Err(e) => {
@@ -150,7 +153,7 @@ fn main() {
         let _ = writeln!(out, "READY {}", addrs.join(","));
         let _ = out.flush();
         drop(out);
-        wait_for_signal().await;
+        signals.wait().await;
         fleet.shutdown();
         0
     });
@@ -158,20 +161,32 @@ fn main() {
     std::process::exit(code);
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
+/// SIGTERM and SIGINT, listened for from `install` on.
+struct Signals(Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>);
+
+impl Signals {
+    fn install() -> Signals {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(term), Ok(int)) => Signals(Some((term, int))),
+            _ => Signals(None),
         }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
+    }
+
+    async fn wait(self) {
+        match self.0 {
+            Some((mut term, mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            None => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
         }
     }
 }
