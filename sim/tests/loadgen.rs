@@ -150,7 +150,7 @@ async fn run_reports_counter_based_hit_ratio_and_per_endpoint_shares() {
         endpoints: eps.clone(),
         workload,
         seed: 11,
-        stages: parse_stages("rate:10@3s;concurrency:2@2s").unwrap(),
+        stages: parse_stages("rate:10@3s;concurrency:2@10s").unwrap(),
         time_scale: 50.0,
         request_timeout: Duration::from_secs(10),
         reset: true,
