@@ -9,10 +9,18 @@
 //! least, and placing cold work there keeps every endpoint's share of the
 //! fleet's working set even:
 //!
-//! `score(e) = 1 − min(1, (I(e) − min_passing I) / cap(e))`
+//! `score(e) = 1 − min(1, (A(e) − min_passing A) / cap(e))`,
+//! `A(e) = I(e) − m(e)`
 //!
+//! where `m(e)` is the request's match there (`matched_blocks`): placing it
+//! on `e` gives `e` only the blocks past `m(e)`, so `A` compares the
+//! counters after the placement. A request under the affinity threshold
+//! (say half its prompt is a group's system prompt held on one endpoint)
+//! is cold, but the holder is given half as much by it; counting `I` alone
+//! sent such requests away from the holder and spread every group over
+//! several endpoints (`docs/lab/2026-12-07-regime-grid.md`).
 //! `cap(e) = 0` (unbounded index) uses the passing set's spread
-//! `max I − min I` instead. The least-given endpoint scores 1; one a whole
+//! `max A − min A` instead. The least-given endpoint scores 1; one a whole
 //! cache ahead scores 0. It scores only requests with no sticky endpoint
 //! (the filter's `no-affinity` branch, or no filter): a sticky request
 //! stays where its cache is, and one the gate released is placed by load
@@ -34,19 +42,17 @@ pub fn score(cands: &[Candidate], idx: &[usize], cold: bool, out: &mut [f64]) {
         out.iter_mut().for_each(|o| *o = 1.0);
         return;
     }
-    let min = idx
-        .iter()
-        .map(|&i| cands[i].inserted_blocks)
-        .min()
-        .unwrap_or(0);
-    let max = idx
-        .iter()
-        .map(|&i| cands[i].inserted_blocks)
-        .max()
-        .unwrap_or(0);
+    // The counter after placing the request there: an endpoint already
+    // holding part of the prompt is given only the rest.
+    let after = |c: &Candidate| {
+        c.inserted_blocks
+            .saturating_sub(u64::from(c.matched_blocks))
+    };
+    let min = idx.iter().map(|&i| after(&cands[i])).min().unwrap_or(0);
+    let max = idx.iter().map(|&i| after(&cands[i])).max().unwrap_or(0);
     for (o, &i) in out.iter_mut().zip(idx) {
         let c = &cands[i];
-        let ahead = c.inserted_blocks - min;
+        let ahead = after(c) - min;
         let scale = if c.capacity_blocks > 0 {
             c.capacity_blocks
         } else {
@@ -85,6 +91,21 @@ mod tests {
         let mut out = [0.0; 2];
         score(&c, &[1, 2], true, &mut out);
         assert_eq!(out, [1.0, 0.0]);
+    }
+
+    #[test]
+    fn a_partial_match_counts_as_blocks_not_given() {
+        // Endpoint 0 has been given 100 blocks more but already holds 100
+        // of the request's: after the placement both are even.
+        let mut c = [cand(1100, 1000), cand(1000, 1000)];
+        c[0].matched_blocks = 100;
+        let mut out = [0.0; 2];
+        score(&c, &[0, 1], true, &mut out);
+        assert_eq!(out, [1.0, 1.0]);
+        // Holding 150 of them, it is the better place for the new cache.
+        c[0].matched_blocks = 150;
+        score(&c, &[0, 1], true, &mut out);
+        assert_eq!(out, [1.0, 0.95]);
     }
 
     #[test]
