@@ -77,8 +77,9 @@ impl Scorer {
     }
 
     /// Writes each passing candidate's score, unweighted, to `out`.
-    /// (Always inlined: with plain `#[inline]` a decision cost 68 more
-    /// instructions, `callgrind.sh decide`.)
+    /// (Always inlined: with plain `#[inline]`, `callgrind.sh decide`
+    /// counted more instructions per decision; figures in this line's
+    /// commit.)
     #[inline(always)]
     pub fn score(&self, x: &ScoreInput, out: &mut [f64]) {
         let (req, cands, passing) = (x.req, x.cands, x.passing);
