@@ -1,6 +1,7 @@
 //! The parts of llm-d's `EndpointPickerConfig` that are not scheduling
-//! plugins kvroute runs: old type names, plugin types kvroute accepts but
-//! has no work for, plugin types it refuses (and why), and the top-level
+//! plugins kvroute runs: plugin types kvroute accepts but has no work for
+//! (their names are in `scheduling/registry.rs`), plugin types it refuses
+//! (and why), and the top-level
 //! sections `featureGates`, `dataLayer`, `flowControl`, `requestHandler`,
 //! `parser` and `saturationDetector`.
 //!
@@ -9,42 +10,15 @@
 //! in `docs/configuration.md`); refuse the rest with a message that names it
 //! and says why.
 
-use super::{err, ConfigError};
+use super::check::err;
+use super::ConfigError;
 use serde::Deserialize;
 use serde_json::Value;
-
-/// Older llm-d / gateway-api-inference-extension type names for plugins
-/// kvroute implements, and the current name each maps to.
-///
-/// Checked against the history of
-/// `kubernetes-sigs/gateway-api-inference-extension`: `kv-cache`,
-/// `queue`, `prefix-cache`, `max-score` and `single-profile` were renamed
-/// with the `-scorer`/`-picker`/`-handler` suffixes in 0b141c6a
-/// (2025-07-14); `kv-cache-scorer` became `kv-cache-utilization-scorer` in
-/// 216d5bf0 (2025-07-28).
-const ALIASES: &[(&str, &str)] = &[
-    ("kv-cache", "kv-cache-utilization-scorer"),
-    ("kv-cache-scorer", "kv-cache-utilization-scorer"),
-    ("queue", "queue-scorer"),
-    ("prefix-cache", "prefix-cache-scorer"),
-    ("max-score", "max-score-picker"),
-    ("single-profile", "single-profile-handler"),
-    // llm-d-router renamed the tokenizer plugin; `tokenizer` still loads there.
-    ("tokenizer", "token-producer"),
-];
-
-/// The current type name for `kind`.
-pub(super) fn canonical_type(kind: &str) -> &str {
-    ALIASES
-        .iter()
-        .find(|(old, _)| *old == kind)
-        .map_or(kind, |(_, new)| new)
-}
 
 /// Plugins kvroute accepts in `plugins` but that have nothing to compute in
 /// kvroute. Each says why accepting it cannot change a routing decision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Inert {
+pub(crate) enum Inert {
     /// `single-profile-handler`: kvroute always runs its one profile.
     ProfileHandler,
     /// `decode-filter`: keeps endpoints whose `llm-d.ai/role` label is a
@@ -62,22 +36,6 @@ pub(super) enum Inert {
 }
 
 impl Inert {
-    pub(super) fn of(kind: &str) -> Option<Inert> {
-        Some(match kind {
-            "single-profile-handler" => Inert::ProfileHandler,
-            "decode-filter" => Inert::DecodeFilter,
-            "utilization-detector" | "concurrency-detector" => Inert::Detector,
-            "openai-parser" => Inert::Parser,
-            "metrics-data-source"
-            | "core-metrics-extractor"
-            | "models-data-source"
-            | "models-data-extractor"
-            | "endpoint-notification-source"
-            | "k8s-notification-source" => Inert::DataLayer,
-            _ => return None,
-        })
-    }
-
     /// Why the plugin may not be listed in a scheduling profile, or `None`
     /// when it may (and is then skipped).
     pub(super) fn profile_error(self) -> Option<&'static str> {
@@ -93,7 +51,7 @@ impl Inert {
 
 /// Why kvroute refuses an llm-d plugin type it knows of, or `None` for a
 /// type it has never heard of.
-pub(super) fn unsupported_reason(kind: &str) -> Option<&'static str> {
+pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
     const PD: &str = "prefill/decode (or encode) disaggregation is not supported: kvroute runs one scheduling profile over one pool of servers that each do prefill and decode";
     Some(match kind {
         "pd-profile-handler" | "disagg-profile-handler" | "disagg-headers-handler"
@@ -267,7 +225,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
     const DETECTORS: &[&str] = &["utilization-detector", "concurrency-detector"];
 
     if let Some(v) = &s.saturation_detector {
-        let r: PluginRef = super::strict_value_req(v, "saturationDetector")?;
+        let r: PluginRef = super::check::strict_value_req(v, "saturationDetector")?;
         refers_to(
             "saturationDetector.pluginRef",
             &r.plugin_ref,
@@ -278,7 +236,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
     if let Some(v) = &s.flow_control {
         // llm-d reads this section only with the flowControl gate on, which
         // kvroute refuses; so it is checked for shape and otherwise unread.
-        let fc: FlowControl = super::strict_value_req(v, "flowControl")?;
+        let fc: FlowControl = super::check::strict_value_req(v, "flowControl")?;
         if let Some(r) = &fc.saturation_detector {
             refers_to(
                 "flowControl.saturationDetector.pluginRef",
@@ -300,7 +258,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
         );
     }
     if let Some(v) = &s.data_layer {
-        let dl: DataLayer = super::strict_value_req(v, "dataLayer")?;
+        let dl: DataLayer = super::check::strict_value_req(v, "dataLayer")?;
         if dl.cross_replica_syncer_plugin_ref.is_some() {
             return Err(err("dataLayer.crossReplicaSyncerPluginRef", "kvroute cannot share in-flight load between gateway replicas: each Envoy counts its own requests (shared by its workers); remove it"));
         }
@@ -327,7 +285,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
         )
     };
     if let Some(v) = &s.request_handler {
-        let rh: RequestHandler = super::strict_value_req(v, "requestHandler")?;
+        let rh: RequestHandler = super::check::strict_value_req(v, "requestHandler")?;
         for (i, p) in rh.parsers.iter().enumerate() {
             parser_ref(
                 &format!("requestHandler.parsers[{i}].pluginRef"),
@@ -336,7 +294,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
         }
     }
     if let Some(v) = &s.parser {
-        let p: PluginRef = super::strict_value_req(v, "parser")?;
+        let p: PluginRef = super::check::strict_value_req(v, "parser")?;
         parser_ref("parser.pluginRef", &p.plugin_ref)?;
     }
     Ok(())
@@ -370,7 +328,7 @@ struct ConcurrencyDetectorParams {
 struct NoParams {}
 
 /// Checks an inert plugin's parameters.
-pub(super) fn inert_params(
+pub(crate) fn inert_params(
     kind: &str,
     role: Inert,
     params: &Option<Value>,
@@ -392,7 +350,7 @@ pub(super) fn inert_params(
     };
     match (role, kind) {
         (Inert::Detector, "utilization-detector") => {
-            let q: UtilizationDetectorParams = super::strict_value(params, ppath)?;
+            let q: UtilizationDetectorParams = super::check::strict_value(params, ppath)?;
             positive("queueDepthThreshold", q.queue_depth_threshold)?;
             if let Some(k) = q.kv_cache_util_threshold {
                 if !k.is_finite() || k <= 0.0 || k > 1.0 {
@@ -406,7 +364,7 @@ pub(super) fn inert_params(
             let _ = q.metrics_staleness_threshold;
         }
         (Inert::Detector, _) => {
-            let q: ConcurrencyDetectorParams = super::strict_value(params, ppath)?;
+            let q: ConcurrencyDetectorParams = super::check::strict_value(params, ppath)?;
             positive("maxConcurrency", q.max_concurrency)?;
             positive("maxTokenConcurrency", q.max_token_concurrency)?;
             headroom(q.headroom)?;
@@ -431,5 +389,5 @@ pub(super) fn inert_params(
 }
 
 fn strict_value_no_params(params: &Option<Value>, ppath: &str) -> Result<(), ConfigError> {
-    super::strict_value::<NoParams>(params, ppath).map(|_| ())
+    super::check::strict_value::<NoParams>(params, ppath).map(|_| ())
 }

@@ -1,6 +1,10 @@
 use super::*;
+use crate::collector::prefill_rate::PrefillRateParams;
+use crate::scheduling::active_request::ActiveRequestScorer;
+use crate::scheduling::affinity_filter::AffinityFilter;
 use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
+use crate::scheduling::token_load::TokenLoadScorer;
 
 const BASELINE: &str = r#"{"plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":64,"maxPrefixTokensToMatch":131072}},
         {"type":"inflight-load-producer"},

@@ -4,6 +4,9 @@
 //! score(e) = 1 if count(e) ≤ idleThreshold, else (max − count(e)) / max × maxBusyScore.
 
 use super::Candidate;
+use crate::config::check::{err, range_f64, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct ActiveRequestScorer {
@@ -38,6 +41,48 @@ impl ActiveRequestScorer {
             };
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `active-request-scorer` in `plugins`.
+
+pub const TYPE: &str = "active-request-scorer";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ActiveRequestParams {
+    idle_threshold: Option<i64>,
+    max_busy_score: Option<f64>,
+    /// Deprecated in llm-d and ignored there too.
+    request_timeout: Option<String>,
+    in_flight_load_producer_name: Option<String>,
+}
+
+pub(crate) fn compile(p: &Params) -> Result<ActiveRequestScorer, ConfigError> {
+    let q: ActiveRequestParams = p.parse()?;
+    p.producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
+    let _ = q.request_timeout;
+    let idle = match q.idle_threshold {
+        None => 0,
+        Some(n) if n >= 0 => n as u64,
+        Some(n) => {
+            return Err(err(
+                p.field("idleThreshold"),
+                format!("{n} is out of range: must be ≥ 0 requests"),
+            ))
+        }
+    };
+    Ok(ActiveRequestScorer {
+        idle_threshold: idle,
+        max_busy_score: range_f64(
+            &p.field("maxBusyScore"),
+            q.max_busy_score,
+            1.0,
+            0.0,
+            1.0,
+            "must be in [0, 1]",
+        )?,
+    })
 }
 
 #[cfg(test)]

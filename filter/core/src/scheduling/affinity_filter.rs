@@ -38,6 +38,10 @@
 
 use super::{saturation, Candidate, RequestView, Rng};
 use crate::collector::prefill_rate::PrefillRateParams;
+use crate::config::check::{err, range_f64, strict_value_req, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
+use serde_json::Value;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct AffinityFilter {
@@ -197,6 +201,227 @@ impl AffinityFilter {
         }
         passing.retain(|&i| is_sticky(i));
         FilterBranch::Sticky
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `prefix-cache-affinity-filter` in `plugins`.
+
+pub const TYPE: &str = "prefix-cache-affinity-filter";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AffinityParams {
+    affinity_threshold: Option<f64>,
+    exploration_probability: Option<f64>,
+    #[serde(rename = "maxTTFTPenaltyMs")]
+    max_ttft_penalty_ms: Option<f64>,
+    /// llm-d's earlier interface: τ in tokens.
+    max_tokens_in_flight_penalty: Option<i64>,
+    /// A number (tokens/s), `"auto"`, or an `{"auto": …}` object.
+    peak_prefill_throughput: Option<Value>,
+    ttft_source: Option<String>,
+    prefix_match_info_producer_name: Option<String>,
+    in_flight_load_producer_name: Option<String>,
+    latency_prediction_info_producer_name: Option<String>,
+    /// kvroute: `"inflight"` (llm-d's) or `"saturation"`.
+    load_signal: Option<String>,
+    /// kvroute: the threshold test counts the blocks the index cannot look up.
+    count_unresolved_blocks: Option<bool>,
+}
+
+/// `peakPrefillThroughput: {"auto": true, …}`.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct AutoPeakParams {
+    auto: Option<bool>,
+    initial: Option<f64>,
+    floor: Option<f64>,
+    ceiling: Option<f64>,
+    smoothing: Option<f64>,
+    min_tokens_per_request: Option<f64>,
+}
+
+pub(crate) fn compile(p: &Params) -> Result<AffinityFilter, ConfigError> {
+    let q: AffinityParams = p.parse()?;
+    p.producer(
+        "prefixMatchInfoProducerName",
+        &q.prefix_match_info_producer_name,
+    )?;
+    p.producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
+    if q.latency_prediction_info_producer_name.is_some() {
+        return Err(err(
+            p.field("latencyPredictionInfoProducerName"),
+            "names llm-d's latency-predictor producer, which kvroute does not have; remove it (the TTFT estimate is in-flight tokens / peakPrefillThroughput)",
+        ));
+    }
+    let token_penalty = match q.max_tokens_in_flight_penalty {
+        None => 0,
+        Some(n) if n >= 0 => n as u64,
+        Some(n) => {
+            return Err(err(
+                p.field("maxTokensInFlightPenalty"),
+                format!("{n} is out of range: must be ≥ 0 tokens (0 = this gate is off)"),
+            ))
+        }
+    };
+    // Written with the token gate, a config is in llm-d's earlier
+    // interface, where maxTTFTPenaltyMs read the latency predictor
+    // and was inert without it: so its default there is "off".
+    let ttft_default = if token_penalty > 0 { 0.0 } else { 18_000.0 };
+    if let Some(s) = &q.ttft_source {
+        if s != "prefillThroughput" {
+            return Err(err(
+                p.field("ttftSource"),
+                format!("\"{s}\" is not supported by kvroute; use \"prefillThroughput\" (the latency predictor needs llm-d's sidecar)"),
+            ));
+        }
+    }
+    let (peak, prefill_auto) = peak_prefill(
+        &p.field("peakPrefillThroughput"),
+        &q.peak_prefill_throughput,
+    )?;
+    let f = AffinityFilter {
+        affinity_threshold: range_f64(
+            &p.field("affinityThreshold"),
+            q.affinity_threshold,
+            0.8,
+            0.0,
+            1.0,
+            "must be in [0, 1]",
+        )?,
+        exploration_probability: range_f64(
+            &p.field("explorationProbability"),
+            q.exploration_probability,
+            0.0,
+            0.0,
+            1.0,
+            "must be in [0, 1]",
+        )?,
+        max_ttft_penalty_ms: range_f64(
+            &p.field("maxTTFTPenaltyMs"),
+            q.max_ttft_penalty_ms,
+            ttft_default,
+            0.0,
+            86_400_000.0,
+            "must be ≥ 0 ms (0 = always stick)",
+        )?,
+        peak_prefill_throughput: peak,
+        max_tokens_in_flight_penalty: token_penalty,
+        prefill_auto,
+        load_signal: match q.load_signal.as_deref() {
+            None | Some("inflight") => LoadSignal::Inflight,
+            Some("saturation") => LoadSignal::Saturation,
+            Some(other) => {
+                return Err(err(
+                    p.field("loadSignal"),
+                    format!("\"{other}\" is not a load signal; use \"inflight\" (llm-d's) or \"saturation\""),
+                ))
+            }
+        },
+        count_unresolved_blocks: q.count_unresolved_blocks.unwrap_or(false),
+    };
+    if f.max_ttft_penalty_ms > 0.0 && f.peak_prefill_throughput <= 0.0 {
+        return Err(err(
+            p.field("peakPrefillThroughput"),
+            "must be > 0 tokens/s when maxTTFTPenaltyMs > 0",
+        ));
+    }
+    Ok(f)
+}
+
+/// `peakPrefillThroughput` → (the configured value, the online estimator's
+/// knobs when `"auto"`).
+fn peak_prefill(
+    path: &str,
+    v: &Option<Value>,
+) -> Result<(f64, Option<PrefillRateParams>), ConfigError> {
+    const MAX_TPS: f64 = 1e12;
+    let tps = |p: &str, v: Option<f64>, default: f64, lo: f64| {
+        range_f64(p, v, default, lo, MAX_TPS, "must be ≥ 0 tokens/s")
+    };
+    match v {
+        None | Some(Value::Null) => Ok((15_928.0, None)),
+        Some(Value::Number(n)) => Ok((tps(path, n.as_f64(), 15_928.0, 0.0)?, None)),
+        Some(Value::String(s)) if s == "auto" => {
+            Ok((15_928.0, Some(PrefillRateParams::around(15_928.0))))
+        }
+        Some(Value::String(s)) => Err(err(
+            path,
+            format!("\"{s}\" is not allowed: give tokens/s, \"auto\", or {{\"auto\": true, \"initial\": …, \"floor\": …, \"ceiling\": …}}"),
+        )),
+        Some(obj @ Value::Object(_)) => {
+            let q: AutoPeakParams = strict_value_req(obj, path)?;
+            let initial = tps(&format!("{path}.initial"), q.initial, 15_928.0, 0.0)?;
+            if q.auto == Some(false) {
+                // The estimator's knobs mean nothing without it: refuse them
+                // rather than ignore a setting the operator believes is used.
+                let knobs = [
+                    ("floor", q.floor.is_some()),
+                    ("ceiling", q.ceiling.is_some()),
+                    ("smoothing", q.smoothing.is_some()),
+                    ("minTokensPerRequest", q.min_tokens_per_request.is_some()),
+                ];
+                if let Some((name, _)) = knobs.iter().find(|(_, set)| *set) {
+                    return Err(err(
+                        format!("{path}.{name}"),
+                        "applies only with \"auto\": true (with \"auto\": false the gate uses \"initial\" alone)",
+                    ));
+                }
+                return Ok((initial, None));
+            }
+            if initial <= 0.0 {
+                return Err(err(
+                    format!("{path}.initial"),
+                    "must be > 0 tokens/s with \"auto\"",
+                ));
+            }
+            let d = PrefillRateParams::around(initial);
+            let floor = tps(&format!("{path}.floor"), q.floor, d.floor, 0.0)?;
+            let ceiling = tps(&format!("{path}.ceiling"), q.ceiling, d.ceiling, 0.0)?;
+            if floor <= 0.0 || !(floor <= initial && initial <= ceiling) {
+                return Err(err(
+                    path,
+                    format!("needs 0 < floor ≤ initial ≤ ceiling; got floor {floor}, initial {initial}, ceiling {ceiling} (tokens/s)"),
+                ));
+            }
+            let smoothing = range_f64(
+                &format!("{path}.smoothing"),
+                q.smoothing,
+                d.smoothing,
+                0.0,
+                1.0,
+                "must be in (0, 1] (the weight of each new measurement)",
+            )?;
+            if smoothing <= 0.0 {
+                return Err(err(
+                    format!("{path}.smoothing"),
+                    "0 is out of range: must be in (0, 1] (0 would never move)",
+                ));
+            }
+            let min_tokens_per_request = range_f64(
+                &format!("{path}.minTokensPerRequest"),
+                q.min_tokens_per_request,
+                d.min_tokens_per_request,
+                1.0,
+                1e9,
+                "must be ≥ 1 token",
+            )?;
+            Ok((
+                initial,
+                Some(PrefillRateParams {
+                    initial,
+                    floor,
+                    ceiling,
+                    smoothing,
+                    min_tokens_per_request,
+                }),
+            ))
+        }
+        Some(other) => Err(err(
+            path,
+            format!("{other} is not allowed: give tokens/s, \"auto\", or an {{\"auto\": true, …}} object"),
+        )),
     }
 }
 

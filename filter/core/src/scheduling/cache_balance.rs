@@ -35,6 +35,8 @@
 //! sticky (`engine` tests).
 
 use super::Candidate;
+use crate::config::check::Params;
+use crate::config::ConfigError;
 
 /// `cold`: the request has no sticky endpoint (else every score is 1).
 pub fn score(cands: &[Candidate], idx: &[usize], cold: bool, out: &mut [f64]) {
@@ -64,6 +66,16 @@ pub fn score(cands: &[Candidate], idx: &[usize], cold: bool, out: &mut [f64]) {
             1.0 - (ahead as f64 / scale as f64).min(1.0)
         };
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `cache-balance-scorer` in `plugins`.
+
+pub const TYPE: &str = "cache-balance-scorer";
+
+/// No parameters.
+pub(crate) fn compile(p: &Params) -> Result<(), ConfigError> {
+    p.none()
 }
 
 #[cfg(test)]

@@ -29,6 +29,9 @@
 //! charged as uncached prefill, and each gets its own outputs).
 
 use super::{Candidate, RequestView};
+use crate::config::check::{err, range_f64, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
 
 /// What one request asks of a server beyond one prompt and one output.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -146,6 +149,70 @@ impl InflightConfig {
             output_tokens,
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `inflight-load-producer` in `plugins`.
+
+pub const TYPE: &str = "inflight-load-producer";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct InflightParams {
+    add_estimated_output_tokens: Option<bool>,
+    output_ratio: Option<f64>,
+    max_estimated_output_tokens: Option<i64>,
+    prefix_match_info_producer_name: Option<String>,
+    /// Only acts with llm-d's cross-replica syncer, which kvroute does not
+    /// have; either value means "local to this gateway".
+    sync_cross_replica_state: Option<bool>,
+    /// kvroute: the output part holds the whole prompt until the stream
+    /// ends (`scheduling::charge`).
+    hold_kv_until_end: Option<bool>,
+    /// kvroute: the output estimate is the servers' mean output per
+    /// finished request, learnt online (`collector::output_tokens`).
+    learn_output_tokens: Option<bool>,
+}
+
+pub(crate) fn compile(p: &Params) -> Result<InflightConfig, ConfigError> {
+    let q: InflightParams = p.parse()?;
+    p.producer(
+        "prefixMatchInfoProducerName",
+        &q.prefix_match_info_producer_name,
+    )?;
+    let _ = q.sync_cross_replica_state;
+    let ratio = range_f64(
+        &p.field("outputRatio"),
+        q.output_ratio,
+        1.5,
+        0.0,
+        f64::MAX,
+        "must be a finite number ≥ 0",
+    )?;
+    let cap = match q.max_estimated_output_tokens {
+        Some(n) if n < 0 => {
+            return Err(err(
+                p.field("maxEstimatedOutputTokens"),
+                format!("{n} is out of range: must be ≥ 0 tokens"),
+            ))
+        }
+        Some(n) => Some(n as u64),
+        None => None,
+    };
+    let add_output = q.add_estimated_output_tokens.unwrap_or(false);
+    if q.learn_output_tokens == Some(true) && !add_output {
+        return Err(err(
+            p.field("learnOutputTokens"),
+            "learns the output estimate, which only `addEstimatedOutputTokens: true` charges: set that too, or drop this",
+        ));
+    }
+    Ok(InflightConfig {
+        add_estimated_output_tokens: add_output,
+        output_ratio: ratio,
+        max_estimated_output_tokens: cap,
+        hold_kv_until_end: q.hold_kv_until_end.unwrap_or(false),
+        learn_output_tokens: q.learn_output_tokens.unwrap_or(false),
+    })
 }
 
 #[cfg(test)]

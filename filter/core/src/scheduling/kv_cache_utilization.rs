@@ -2,6 +2,8 @@
 //! clamped to [0, 1]; 0.5 (neutral) without fresh metrics.
 
 use super::Candidate;
+use crate::config::check::Params;
+use crate::config::ConfigError;
 
 pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
     for (o, &i) in out.iter_mut().zip(idx) {
@@ -9,6 +11,16 @@ pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
             .metrics
             .map_or(0.5, |m| (1.0 - m.kv_cache_usage).clamp(0.0, 1.0));
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `kv-cache-utilization-scorer` in `plugins`.
+
+pub const TYPE: &str = "kv-cache-utilization-scorer";
+
+/// No parameters.
+pub(crate) fn compile(p: &Params) -> Result<(), ConfigError> {
+    p.none()
 }
 
 #[cfg(test)]

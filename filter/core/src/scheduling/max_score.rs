@@ -16,6 +16,9 @@
 //!   has no tie key and falls back to `random`.
 
 use super::Rng;
+use crate::config::check::{err, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
 
 /// How equal best scores are ordered.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -56,6 +59,49 @@ pub fn rank(
             .then_with(|| a.1.cmp(&b.1))
     });
     keyed.into_iter().map(|(k, _)| k).collect()
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `max-score-picker` in `plugins`.
+
+pub const TYPE: &str = "max-score-picker";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PickerParams {
+    max_num_of_endpoints: Option<i64>,
+    /// `max-score-picker` only: `"random"` (llm-d's, the default) or
+    /// `"prefix"` (rendezvous on the request's blocks).
+    tie_break: Option<String>,
+}
+
+/// llm-d's picker parameters, for both pickers (`weighted_random` calls
+/// it): the tie break, `random` for `weighted-random-picker`.
+pub(crate) fn compile(p: &Params) -> Result<TieBreak, ConfigError> {
+    let q: PickerParams = p.parse()?;
+    if let Some(n) = q.max_num_of_endpoints {
+        if n < 1 {
+            return Err(err(
+                p.field("maxNumOfEndpoints"),
+                format!("{n} is out of range: must be ≥ 1"),
+            ));
+        }
+    }
+    let tie = match q.tie_break.as_deref() {
+        None | Some("random") => TieBreak::Random,
+        Some("prefix") if p.kind == "max-score-picker" => TieBreak::Prefix,
+        Some(other) => {
+            return Err(err(
+                p.field("tieBreak"),
+                if p.kind == "max-score-picker" {
+                    format!("\"{other}\" is not a tie break; use \"random\" or \"prefix\"")
+                } else {
+                    "weighted-random-picker draws at random; only \"random\" applies".into()
+                },
+            ))
+        }
+    };
+    Ok(tie)
 }
 
 #[cfg(test)]

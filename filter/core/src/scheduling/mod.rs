@@ -13,7 +13,9 @@
 //! [`cache_balance`]),
 //! the pickers ([`max_score`], [`weighted_random`]), [`rng`],
 //! [`scheduler`] which runs a profile, and [`charge`] for the in-flight
-//! accounting a decision causes.
+//! accounting a decision causes. Each plugin's file also holds its
+//! parameters and their checks (`compile`); [`registry`] names every plugin
+//! type and holds the [`Scorer`] enum the scheduler dispatches on.
 
 pub mod active_request;
 pub mod affinity_filter;
@@ -24,14 +26,16 @@ pub mod max_score;
 pub mod no_hit_lru;
 pub mod prefix_cache;
 pub mod queue;
+pub mod registry;
 pub mod rng;
 pub mod saturation;
 pub mod scheduler;
 pub mod token_load;
 pub mod weighted_random;
 
+pub use registry::Scorer;
 pub use rng::Rng;
-pub use scheduler::{Branch, CandidateReport, Decision, Picker, Scheduler, Scorer};
+pub use scheduler::{Branch, CandidateReport, Decision, Picker, Scheduler};
 
 /// What the scheduler needs to know about the request.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]

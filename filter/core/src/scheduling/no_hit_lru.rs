@@ -8,6 +8,9 @@
 //! The host records the pick of a cold request (`Decision::cold`).
 
 use super::{Candidate, RequestView};
+use crate::config::check::{err, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
 
 pub fn is_cold(req: &RequestView, cands: &[Candidate], idx: &[usize]) -> bool {
     req.total_blocks == 0 || idx.iter().all(|&i| cands[i].matched_blocks == 0)
@@ -32,6 +35,41 @@ pub fn score(req: &RequestView, cands: &[Candidate], idx: &[usize], out: &mut [f
     for (rank, &k) in order.iter().enumerate() {
         out[k] = (1.0 - rank as f64 / (n - 1) as f64).max(0.0);
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `no-hit-lru-scorer` in `plugins`.
+
+pub const TYPE: &str = "no-hit-lru-scorer";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct NoHitLruParams {
+    /// Deprecated in llm-d: "never used".
+    prefix_plugin_type: Option<String>,
+    /// Deprecated in llm-d: "never used".
+    prefix_plugin_name: Option<String>,
+    lru_size: Option<i64>,
+    prefix_match_info_producer_name: Option<String>,
+}
+
+/// The parameters are llm-d's; the scorer has nothing to set.
+pub(crate) fn compile(p: &Params) -> Result<(), ConfigError> {
+    let q: NoHitLruParams = p.parse()?;
+    let _ = (q.prefix_plugin_type, q.prefix_plugin_name);
+    p.producer(
+        "prefixMatchInfoProducerName",
+        &q.prefix_match_info_producer_name,
+    )?;
+    if let Some(n) = q.lru_size {
+        if n <= 0 {
+            return Err(err(
+                p.field("lruSize"),
+                format!("{n} is out of range: must be > 0 endpoints"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -36,6 +36,10 @@
 //! once quoted here: `docs/lab/2026-12-06-measurements-from-code-comments.md`).
 
 use super::{Candidate, RequestView};
+use crate::config::check::{err, range_f64, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
+use serde_json::Value;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct PrefixCacheScorer {
@@ -73,6 +77,68 @@ impl PrefixCacheScorer {
             };
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `prefix-cache-scorer` in `plugins`.
+
+pub const TYPE: &str = "prefix-cache-scorer";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct PrefixScorerParams {
+    prefix_match_info_producer_name: Option<String>,
+    match_length_weight: Option<f64>,
+    match_length_scale_tokens: Option<i64>,
+    sticky_only: Option<bool>,
+}
+
+pub(crate) fn compile(p: &Params) -> Result<PrefixCacheScorer, ConfigError> {
+    if let Some(Value::Object(m)) = p.value {
+        // Before llm-d split the index into its own producer, the
+        // scorer kept it and took its parameters.
+        for old in [
+            "hashBlockSize",
+            "blockSize",
+            "blockSizeTokens",
+            "maxPrefixBlocksToMatch",
+            "maxPrefixTokensToMatch",
+            "lruCapacityPerServer",
+            "autoTune",
+        ] {
+            if m.contains_key(old) {
+                return Err(err(
+                    p.field(old),
+                    "is an index parameter from llm-d's older prefix-cache scorer; the index is now approx-prefix-cache-producer: move it there",
+                ));
+            }
+        }
+    }
+    let q: PrefixScorerParams = p.parse()?;
+    p.producer(
+        "prefixMatchInfoProducerName",
+        &q.prefix_match_info_producer_name,
+    )?;
+    let w = range_f64(
+        &p.field("matchLengthWeight"),
+        q.match_length_weight,
+        0.0,
+        0.0,
+        1.0,
+        "must be in [0, 1]",
+    )?;
+    let scale = q.match_length_scale_tokens.unwrap_or(8192);
+    if w > 0.0 && scale <= 0 {
+        return Err(err(
+            p.field("matchLengthScaleTokens"),
+            format!("{scale} is out of range: must be > 0 tokens when matchLengthWeight > 0"),
+        ));
+    }
+    Ok(PrefixCacheScorer {
+        match_length_weight: w,
+        match_length_scale_tokens: scale.max(0) as u64,
+        sticky_only: q.sticky_only.unwrap_or(false),
+    })
 }
 
 #[cfg(test)]

@@ -4,6 +4,8 @@
 //! 1 for all when max = min; 0.5 (neutral) for a candidate without fresh metrics.
 
 use super::Candidate;
+use crate::config::check::Params;
+use crate::config::ConfigError;
 
 pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
     // Non-finite values count as missing: min-max of ±inf would be NaN.
@@ -27,6 +29,16 @@ pub fn score(cands: &[Candidate], idx: &[usize], out: &mut [f64]) {
             Some(w) => (hi - w) / (hi - lo),
         };
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `queue-scorer` in `plugins`.
+
+pub const TYPE: &str = "queue-scorer";
+
+/// No parameters.
+pub(crate) fn compile(p: &Params) -> Result<(), ConfigError> {
+    p.none()
 }
 
 #[cfg(test)]

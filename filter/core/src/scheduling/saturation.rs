@@ -104,6 +104,9 @@
 //! An idle endpoint scores 1; the score is in [0, 1].
 
 use super::{Candidate, RequestView};
+use crate::config::check::{range_u64, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
 
 /// The signal of one endpoint for one request (see the module doc), tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -230,6 +233,41 @@ impl KvrouteLoadScorer {
             };
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `kvroute-load-scorer` in `plugins`.
+
+pub const TYPE: &str = "kvroute-load-scorer";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct KvrouteLoadParams {
+    queue_threshold_tokens: Option<u64>,
+    kv_capacity_tokens: Option<u64>,
+}
+
+pub(crate) fn compile(p: &Params) -> Result<KvrouteLoadScorer, ConfigError> {
+    let q: KvrouteLoadParams = p.parse()?;
+    let d = KvrouteLoadScorer::default();
+    Ok(KvrouteLoadScorer {
+        queue_threshold_tokens: range_u64(
+            &p.field("queueThresholdTokens"),
+            q.queue_threshold_tokens,
+            d.queue_threshold_tokens as u64,
+            1,
+            1 << 40,
+            "tokens",
+        )? as f64,
+        kv_capacity_tokens: range_u64(
+            &p.field("kvCapacityTokens"),
+            q.kv_capacity_tokens,
+            d.kv_capacity_tokens as u64,
+            1,
+            1 << 40,
+            "tokens",
+        )? as f64,
+    })
 }
 
 #[cfg(test)]

@@ -6,45 +6,13 @@
 //! in picker order, then the filtered-out candidates by ascending in-flight
 //! tokens, cut to `max_fallbacks`.
 
-use super::active_request::ActiveRequestScorer;
 use super::affinity_filter::{AffinityFilter, FilterBranch};
 use super::charge::InflightConfig;
-use super::prefix_cache::PrefixCacheScorer;
-use super::saturation::KvrouteLoadScorer;
+use super::registry::ScoreInput;
+pub use super::registry::Scorer;
 use super::token_load::TokenLoadScorer;
-use super::{cache_balance, kv_cache_utilization, max_score, no_hit_lru, queue, weighted_random};
+use super::{max_score, no_hit_lru, weighted_random};
 use super::{Candidate, RequestView, Rng};
-
-/// A scorer of the profile.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Scorer {
-    TokenLoad(TokenLoadScorer),
-    ActiveRequest(ActiveRequestScorer),
-    Queue,
-    KvCacheUtilization,
-    PrefixCache(PrefixCacheScorer),
-    NoHitLru,
-    /// kvroute's: the saturation-aware load signal (`saturation`).
-    KvrouteLoad(KvrouteLoadScorer),
-    /// kvroute's: balance the fleet's cache working sets (`cache_balance`).
-    CacheBalance,
-}
-
-impl Scorer {
-    /// The llm-d plugin type name.
-    pub fn type_name(&self) -> &'static str {
-        match self {
-            Scorer::TokenLoad(_) => "token-load-scorer",
-            Scorer::ActiveRequest(_) => "active-request-scorer",
-            Scorer::Queue => "queue-scorer",
-            Scorer::KvCacheUtilization => "kv-cache-utilization-scorer",
-            Scorer::PrefixCache(_) => "prefix-cache-scorer",
-            Scorer::NoHitLru => "no-hit-lru-scorer",
-            Scorer::KvrouteLoad(_) => "kvroute-load-scorer",
-            Scorer::CacheBalance => "cache-balance-scorer",
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Picker {
@@ -198,27 +166,16 @@ impl Scheduler {
         } else {
             Vec::new()
         };
+        let input = ScoreInput {
+            req,
+            cands,
+            passing: &passing,
+            branch,
+            lookahead: &lookahead,
+            held: &held,
+        };
         for (k, (scorer, weight)) in self.scorers.iter().enumerate() {
-            match scorer {
-                Scorer::TokenLoad(s) => s.score(cands, &lookahead, &passing, &mut buf),
-                Scorer::ActiveRequest(s) => s.score(cands, &passing, &mut buf),
-                Scorer::Queue => queue::score(cands, &passing, &mut buf),
-                Scorer::KvCacheUtilization => {
-                    kv_cache_utilization::score(cands, &passing, &mut buf)
-                }
-                Scorer::PrefixCache(s) if s.sticky_only && branch != Branch::Sticky => {
-                    buf.iter_mut().for_each(|o| *o = 1.0)
-                }
-                Scorer::PrefixCache(s) => s.score(req, cands, &passing, &mut buf),
-                Scorer::NoHitLru => no_hit_lru::score(req, cands, &passing, &mut buf),
-                Scorer::KvrouteLoad(s) => s.score(req, cands, &held, &passing, &mut buf),
-                Scorer::CacheBalance => {
-                    // Only for a request with no sticky endpoint: a warm or
-                    // released one is the load scorer's to place.
-                    let cold = !matches!(branch, Branch::Sticky | Branch::SaturationRelease);
-                    cache_balance::score(cands, &passing, cold, &mut buf)
-                }
-            }
+            scorer.score(&input, &mut buf);
             for (t, s) in totals.iter_mut().zip(&buf) {
                 *t += weight * s;
             }
@@ -281,6 +238,8 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduling::active_request::ActiveRequestScorer;
+    use crate::scheduling::prefix_cache::PrefixCacheScorer;
 
     fn req(blocks: u32) -> RequestView {
         RequestView {

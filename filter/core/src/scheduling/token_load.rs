@@ -6,6 +6,9 @@
 //! score(e) = 1 − min(1, load(e) / queueThresholdTokens); 1 when load is 0.
 
 use super::Candidate;
+use crate::config::check::{err, Params};
+use crate::config::ConfigError;
+use serde::Deserialize;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLoadScorer {
@@ -33,6 +36,36 @@ impl TokenLoadScorer {
             };
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `token-load-scorer` in `plugins`.
+
+pub const TYPE: &str = "token-load-scorer";
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct TokenLoadParams {
+    queue_threshold_tokens: Option<i64>,
+    in_flight_load_producer_name: Option<String>,
+}
+
+pub(crate) fn compile(p: &Params) -> Result<TokenLoadScorer, ConfigError> {
+    let q: TokenLoadParams = p.parse()?;
+    p.producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
+    let t = match q.queue_threshold_tokens {
+        None => 4_194_304,
+        Some(t) if t > 0 => t,
+        Some(t) => {
+            return Err(err(
+                p.field("queueThresholdTokens"),
+                format!("{t} is out of range: must be > 0 tokens"),
+            ))
+        }
+    };
+    Ok(TokenLoadScorer {
+        queue_threshold_tokens: t as f64,
+    })
 }
 
 #[cfg(test)]

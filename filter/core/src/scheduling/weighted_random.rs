@@ -3,6 +3,8 @@
 //! Endpoints scoring 0 are only picked when every score is 0 (then uniform).
 
 use super::Rng;
+use crate::config::check::Params;
+use crate::config::ConfigError;
 
 /// Orders positions by sampled key, descending.
 pub fn rank(scores: &[f64], rng: &mut Rng) -> Vec<usize> {
@@ -24,6 +26,16 @@ pub fn rank(scores: &[f64], rng: &mut Rng) -> Vec<usize> {
         .collect();
     keyed.sort_by(|a, b| b.1.total_cmp(&a.1));
     keyed.into_iter().map(|(k, _)| k).collect()
+}
+
+// ---------------------------------------------------------------------------
+// Configuration: `weighted-random-picker` in `plugins`.
+
+pub const TYPE: &str = "weighted-random-picker";
+
+/// llm-d's picker parameters (`max_score::compile`); only `tieBreak: "random"`.
+pub(crate) fn compile(p: &Params) -> Result<(), ConfigError> {
+    super::max_score::compile(p).map(|_| ())
 }
 
 #[cfg(test)]
