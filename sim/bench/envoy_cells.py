@@ -8,7 +8,8 @@ A benchmark, not a test: it prints figures and never fails on them.
     python3 sim/bench/envoy_cells.py --quick                 # a few seconds per arm (smoke)
 
 A cell is one emulated fleet and one load stage: {"name", "endpoints",
-"num_gpu_blocks", "stage" (kvroute-loadgen's --stages grammar, one stage),
+"num_gpu_blocks", "stage" (kvroute-loadgen's --stages grammar; the last stage
+is measured, any earlier one warms the caches),
 "time_scale", "loadgen": [kvroute-loadgen workload flags]}. The built-in
 `demo` cell is `scripts/demo.sh`'s run: four servers of 2,400 16-token KV
 blocks, 16 groups of 6,000-token system prompts, completions, 32 output
@@ -148,7 +149,7 @@ def run_cell(a, procs, work, cell, arms, seeds):
                         raise RuntimeError(f"{tag}: kvroute-loadgen exited {r.returncode}; see {logp}")
                 finally:
                     procs.stop(router)
-                st = json.load(open(res))["stages"][0]
+                st = json.load(open(res))["stages"][-1]
                 row = {"hit_ratio": st["hit_ratio"], "ceiling": st.get("hit_ratio_ceiling"),
                        "input_tps": st["input_tokens_per_s"], "ttft_p90_s": st["ttft_s"]["p90"],
                        "ok": st["ok"], "error_rate": st["error_rate"]}
