@@ -10,7 +10,7 @@
 //! reference is `docs/configuration.md`.
 
 use crate::blocks::BlockConfig;
-use crate::collector::prefill_rate::PrefillRateParams;
+use crate::learners::prefill_rate::PrefillRateParams;
 use crate::precise::{self, PreciseConfig, TokenizerConfig};
 use crate::scheduling::active_request::ActiveRequestScorer;
 use crate::scheduling::affinity_filter::{AffinityFilter, LoadSignal};
@@ -198,7 +198,7 @@ pub struct PrefixProducerConfig {
     pub lru_capacity_per_server: u64,
     /// `charsPerToken: "auto"`: text prompts' tokens (charges, capacity, τ)
     /// use the bytes per token learnt from the servers
-    /// (`collector::bytes_per_token`); blocks stay cut at
+    /// (`learners::bytes_per_token`); blocks stay cut at
     /// `blockSizeTokens × chars_per_token` bytes, so the index never moves.
     pub learn_bytes_per_token: bool,
 }
@@ -451,7 +451,7 @@ struct InflightParams {
     /// ends (`scheduling::charge`).
     hold_kv_until_end: Option<bool>,
     /// kvroute: the output estimate is the servers' mean output per
-    /// finished request, learnt online (`collector::output_tokens`).
+    /// finished request, learnt online (`learners::output_tokens`).
     learn_output_tokens: Option<bool>,
 }
 

@@ -7,7 +7,7 @@
 //! the request count at the end of the stream. The estimate is llm-d's
 //! `round(prompt_tokens × outputRatio)`; with `learnOutputTokens`
 //! (kvroute's parameter) it is the servers' mean output per finished
-//! request once learnt (`collector::output_tokens`), the ratio until then.
+//! request once learnt (`learners::output_tokens`), the ratio until then.
 //!
 //! With `holdKvUntilEnd` (kvroute's parameter, off in llm-d's profile) the
 //! output part also holds the request's uncached prompt tokens, so it
