@@ -156,9 +156,12 @@ impl World {
     }
 
     pub(crate) fn route(&mut self, kind: ApiKind, body: &[u8]) {
-        let outcome = self
-            .engine
-            .route(&self.store, kind, body, self.now_ms, &mut self.rng);
+        let outcome = match self.engine.facts(kind, body) {
+            Ok(facts) => self
+                .engine
+                .route(&self.store, facts, self.now_ms, &mut self.rng),
+            Err(why) => self.engine.fail_for(why),
+        };
         match outcome {
             Outcome::Routed(r) => {
                 self.check_routed(&r);

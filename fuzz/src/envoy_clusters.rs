@@ -19,8 +19,8 @@
 //!   with finite scores (`World::route`).
 
 use crate::engine::{route_chat, World};
-use kvroute_core::collector::envoy_clusters::cluster_members;
 use kvroute_core::config::Config;
+use kvroute_core::reports::envoy_clusters::cluster_members;
 use kvroute_shared_state::endpoints::EndpointTable;
 use kvroute_shared_state::{Store, ENDPOINTS_KEY, MAX_ENDPOINTS};
 use std::net::SocketAddr;

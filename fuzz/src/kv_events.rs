@@ -21,8 +21,9 @@
 //!   with the set.
 
 use crate::engine::{route_chat, World};
-use kvroute_core::collector::kv_events::{next_ask, Applied, ApplyError, Ask};
 use kvroute_core::config::Config;
+use kvroute_core::engine::{Applied, ApplyError};
+use kvroute_core::reports::relay::{next_ask, Ask};
 use kvroute_shared_state::held::{
     all_hashes, shard_key, HeldTable, HELD_KEY, SHARD_BYTES, SHARD_CAP, SHARD_ENTRIES,
 };
@@ -256,7 +257,7 @@ fn check(
         .expect("the endpoint in the state view");
     let kv = &ep["kvEvents"];
     assert_eq!(kv["blocks"].as_u64(), Some(u64::from(view.blocks)), "{kv}");
-    if view.blocks <= kvroute_core::collector::kv_events::STATE_HASHES_MAX {
+    if view.blocks <= kvroute_core::engine::STATE_HASHES_MAX {
         let listed: BTreeSet<u64> = hashes(&kv["hashes"]).into_iter().collect();
         assert_eq!(listed, set, "the state view lists other hashes");
     }

@@ -28,9 +28,10 @@
 //!   `limit` hashes (but for one batch), and the collector accepts the page
 //!   and the snapshot as JSON (`Engine::apply_relay_answer`).
 
-use kvroute_core::collector::kv_events::{ApplyError, Ask};
 use kvroute_core::config::Config;
+use kvroute_core::engine::ApplyError;
 use kvroute_core::engine::Engine;
+use kvroute_core::reports::relay::Ask;
 use kvroute_kv_events::{EventForm, KvEventBatch};
 use kvroute_relay::state::{BadFrame, Limits, Relay};
 use kvroute_shared_state::memory::MemoryStore;

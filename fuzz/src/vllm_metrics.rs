@@ -20,8 +20,9 @@
 //!   finite scores (`World::route`), and the state view is JSON.
 
 use crate::engine::{route_chat, World};
-use kvroute_core::collector::{bytes_per_token, output_tokens, vllm_metrics};
 use kvroute_core::config::Config;
+use kvroute_core::learners::{bytes_per_token, output_tokens};
+use kvroute_core::reports::vllm_metrics;
 use kvroute_shared_state::metrics::{MetricsSnapshot, MetricsTable, RatioLearner};
 use kvroute_shared_state::{Store, METRICS_KEY};
 

@@ -67,7 +67,7 @@ pub struct LoadRecord {
     pub reaped_requests: u32,
     /// Bytes of text prompts routed here, ever (monotone, wrapping): what the
     /// collector sets against the server's `vllm:prompt_tokens_total` to
-    /// learn bytes per token (`kvroute_core::collector::bytes_per_token`).
+    /// learn bytes per token (`kvroute_core::learners::bytes_per_token`).
     pub routed_prompt_bytes: u64,
     pub buckets: [Bucket; BUCKETS],
 }

@@ -30,13 +30,13 @@ pub struct MetricsSnapshot {
     /// `vllm:prefix_cache_hits_total` (tokens)
     pub prefix_hits: f64,
     /// The online prefill-throughput estimate and its window baseline
-    /// (`kvroute_core::collector::prefill_rate`).
+    /// (`kvroute_core::learners::prefill_rate`).
     pub prefill: PrefillRate,
     /// Bytes per token: routed prompt bytes over `vllm:prompt_tokens_total`
-    /// (`kvroute_core::collector::bytes_per_token`).
+    /// (`kvroute_core::learners::bytes_per_token`).
     pub bytes_per_token: RatioLearner,
     /// Output tokens per finished request: `vllm:request_generation_tokens`
-    /// sum over count (`kvroute_core::collector::output_tokens`).
+    /// sum over count (`kvroute_core::learners::output_tokens`).
     pub output_tokens: RatioLearner,
 }
 
@@ -44,7 +44,7 @@ pub struct MetricsSnapshot {
 pub const RATIO_SAMPLES: usize = 9;
 
 /// The collector's learner of one ratio of two growing totals
-/// (`kvroute_core::collector::ratio`) for one endpoint: the window's
+/// (`kvroute_core::learners::ratio`) for one endpoint: the window's
 /// baseline and a ring of the last samples (as f32 bits).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RatioLearner {

@@ -701,7 +701,7 @@ fn binary_prints_ready_serves_and_exits_on_sigterm() {
 /// the emulator the way it reads the real vLLM capture.
 #[tokio::test]
 async fn the_collectors_parser_reads_emulated_and_real_metrics_alike() {
-    use kvroute_core::collector::vllm_metrics;
+    use kvroute_core::reports::vllm_metrics;
     let mut c_cfg = cfg(100.0);
     c_cfg.engine = EngineConfig {
         block_size: 32,

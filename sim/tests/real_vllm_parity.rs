@@ -1,5 +1,5 @@
 //! Parser parity between real vLLM 0.32 and the emulator, through kvroute's
-//! own parsers: `kvroute_core::collector::vllm_metrics::parse` for `/metrics`
+//! own parsers: `kvroute_core::reports::vllm_metrics::parse` for `/metrics`
 //! and `kvroute_sim::kv_events` for the ZMQ KV-event frames.
 //!
 //! Ignored by default: it needs captures that `tests/real/test_parity.py`
@@ -13,7 +13,7 @@
 //! ```
 
 use base64::Engine as _;
-use kvroute_core::collector::vllm_metrics::{self, VllmMetrics};
+use kvroute_core::reports::vllm_metrics::{self, VllmMetrics};
 use kvroute_sim::kv_events::{decode_seq, KvEvent, KvEventBatch};
 use std::collections::BTreeSet;
 use std::path::PathBuf;

@@ -1,9 +1,9 @@
 """Real tokens in real Envoy (issue 15, part 3): with `charsPerToken: "auto"`
 (the shipped kvroute-default profile) the collector learns each endpoint's
 bytes per token from the server's `vllm:prompt_tokens_total` against the text
-bytes it routed there (filter/core/src/collector/bytes_per_token.rs), and
+bytes it routed there (filter/core/src/learners/bytes_per_token.rs), and
 with `learnOutputTokens` its mean output per finished request from
-`vllm:request_generation_tokens` (collector/output_tokens.rs).
+`vllm:request_generation_tokens` (learners/output_tokens.rs).
 
 The emulated servers tokenize with a real tokenizer (the tiny BPE,
 sim/model/src/vllm_server/tokenize.rs), at about 2 bytes per token on this text, so

@@ -1,6 +1,6 @@
 """Online calibration in real Envoy: the collector estimates each endpoint's
 prefill throughput from its /metrics (vllm:request_prefill_kv_computed_tokens
-over vllm:request_prefill_time_seconds, filter/core/src/collector/prefill_rate.rs),
+over vllm:request_prefill_time_seconds, filter/core/src/learners/prefill_rate.rs),
 and with peakPrefillThroughput {"auto": …} the affinity filter's TTFT estimate
 divides by it; a stalled metric falls back to the configured value.
 

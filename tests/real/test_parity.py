@@ -84,7 +84,7 @@ def _layout(messages):
     return keys
 
 
-# What kvroute's parsers read (filter/core/src/collector/vllm_metrics.rs).
+# What kvroute's parsers read (filter/core/src/reports/vllm_metrics.rs).
 KVROUTE_READS = {
     "vllm:num_requests_running": {"engine", "model_name"},
     "vllm:num_requests_waiting": {"engine", "model_name"},
@@ -94,7 +94,7 @@ KVROUTE_READS = {
     "vllm:cache_config_info": {"engine", "block_size", "num_gpu_blocks"},
 }
 # Histogram samples the online prefill-rate estimate reads
-# (filter/core/src/collector/prefill_rate.rs): family → samples.
+# (filter/core/src/learners/prefill_rate.rs): family → samples.
 KVROUTE_READS_HISTOGRAMS = {
     "vllm:request_prefill_time_seconds": ("_sum", "_count"),
     "vllm:request_prefill_kv_computed_tokens": ("_sum",),

@@ -8,7 +8,7 @@
 //! - `hash`: `blocks::prompt_blocks` (token estimate + chained xxh64 blocks);
 //! - `state`: reading the endpoint table, load and metrics tables, and the
 //!   prefix-index lookup (`index::longest_prefixes`), building candidates
-//!   as `Engine::route_parsed` does;
+//!   as `Engine::route` does (`Engine::snapshot`);
 //! - `decide`: `Scheduler::schedule` over those candidates;
 //! - `route`: `Engine::route` end to end over a `MemoryStore` (all of the
 //!   above, plus the charge CAS, the index insert and the explanation).
@@ -35,17 +35,14 @@ const STAGES: [&str; 5] = ["parse", "hash", "state", "decide", "route"];
 fn run(case: &Case, stage: &str, iters: u64, rng: &mut Rng) -> f64 {
     let req = case.parse();
     let blocks = case.hash(&req);
-    let (view, cands) = case.candidates(&blocks, req.max_output_tokens);
+    let facts = case.facts(&blocks, req.max_output_tokens);
+    let (view, cands) = case.candidates(&facts);
     let mut timed = Duration::ZERO;
     let start = Instant::now();
     match stage {
         "parse" => (0..iters).for_each(|_| drop(black_box(case.parse()))),
         "hash" => (0..iters).for_each(|_| drop(black_box(case.hash(black_box(&req))))),
-        "state" => (0..iters).for_each(|_| {
-            drop(black_box(
-                case.candidates(black_box(&blocks), req.max_output_tokens),
-            ))
-        }),
+        "state" => (0..iters).for_each(|_| drop(black_box(case.candidates(black_box(&facts))))),
         "decide" => {
             (0..iters).for_each(|_| drop(black_box(case.decide(&view, black_box(&cands), rng))))
         }

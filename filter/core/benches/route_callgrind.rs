@@ -21,16 +21,15 @@ use std::hint::black_box;
 fn measured_requests(case: &Case, stage: &str, n: u64, rng: &mut Rng) {
     let req = case.parse();
     let blocks = case.hash(&req);
-    let (view, cands) = case.candidates(&blocks, req.max_output_tokens);
+    let facts = case.facts(&blocks, req.max_output_tokens);
+    let (view, cands) = case.candidates(&facts);
     // The line above is collected too; subtracting a run with N = 0 removes it
     // (callgrind.sh does).
     for _ in 0..n {
         match stage {
             "parse" => drop(black_box(case.parse())),
             "hash" => drop(black_box(case.hash(black_box(&req)))),
-            "state" => drop(black_box(
-                case.candidates(black_box(&blocks), req.max_output_tokens),
-            )),
+            "state" => drop(black_box(case.candidates(black_box(&facts)))),
             "decide" => drop(black_box(case.decide(&view, black_box(&cands), rng))),
             "route" => case.route_and_release(rng),
             other => panic!("unknown stage {other}: use parse, hash, state, decide or route"),

@@ -6,10 +6,11 @@
 //! of them re-implements it. See `ARCHITECTURE.md` at the repository root.
 
 pub mod blocks;
-pub mod collector;
 pub mod config;
 pub mod engine;
+pub mod learners;
 pub mod lifecycle;
 pub mod precise;
+pub mod reports;
 pub mod request;
 pub mod scheduling;

@@ -1,7 +1,7 @@
 //! Property tests of the scheduler, the charge and the hashing.
 
 use kvroute_core::blocks::{prompt_blocks, BlockConfig};
-use kvroute_core::collector::prefill_rate::PrefillRateParams;
+use kvroute_core::learners::prefill_rate::PrefillRateParams;
 use kvroute_core::request::{ApiKind, InferenceRequest, Prompt};
 use kvroute_core::scheduling::active_request::ActiveRequestScorer;
 use kvroute_core::scheduling::affinity_filter::{AffinityFilter, LoadSignal};

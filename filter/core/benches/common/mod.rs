@@ -12,7 +12,7 @@
 
 use kvroute_core::blocks::{prompt_blocks, PromptBlocks};
 use kvroute_core::config::Config;
-use kvroute_core::engine::{Engine, Outcome};
+use kvroute_core::engine::{Engine, Outcome, RequestFacts};
 use kvroute_core::request::{parse_request, ApiKind, InferenceRequest, ParseLimits};
 use kvroute_core::scheduling::{Candidate, Decision, RequestView, Rng};
 use kvroute_shared_state::memory::MemoryStore;
@@ -201,22 +201,21 @@ impl Case {
         prompt_blocks(req, &self.engine.config.prefix.blocks)
     }
 
-    /// The scheduler's input for `blocks`, read from shared state by
-    /// `Engine::snapshot`, the same call `Engine::route_parsed` makes.
-    pub fn candidates(
-        &self,
-        blocks: &PromptBlocks,
-        max_output_tokens: Option<u64>,
-    ) -> (RequestView, Vec<Candidate>) {
+    /// The engine's facts for `blocks` (as the simulator builds them).
+    pub fn facts(&self, blocks: &PromptBlocks, max_output_tokens: Option<u64>) -> RequestFacts {
+        RequestFacts::blocks(
+            blocks.block_hashes.clone(),
+            blocks.prompt_tokens,
+            max_output_tokens,
+        )
+    }
+
+    /// The scheduler's input for `facts`, read from shared state by
+    /// `Engine::snapshot`, the same call `Engine::route` makes.
+    pub fn candidates(&self, facts: &RequestFacts) -> (RequestView, Vec<Candidate>) {
         let snap = self
             .engine
-            .snapshot(
-                &self.store,
-                &blocks.block_hashes,
-                blocks.prompt_tokens,
-                max_output_tokens,
-                0,
-            )
+            .snapshot(&self.store, facts, 0)
             .expect("shared state readable")
             .expect("endpoints known");
         (snap.view, snap.candidates)
@@ -231,8 +230,10 @@ impl Case {
     }
 
     fn route(&self, body: &[u8], rng: &mut Rng) -> Outcome {
-        self.engine
-            .route(&self.store, ApiKind::ChatCompletions, body, NOW_MS, rng)
+        match self.engine.facts(ApiKind::ChatCompletions, body) {
+            Ok(facts) => self.engine.route(&self.store, facts, NOW_MS, rng),
+            Err(why) => self.engine.fail_for(why),
+        }
     }
 
     /// `Engine::route` end to end, then the release that keeps the state steady.

@@ -31,7 +31,7 @@ pub struct PrefixProducerConfig {
     pub lru_capacity_per_server: u64,
     /// `charsPerToken: "auto"`: text prompts' tokens (charges, capacity, τ)
     /// use the bytes per token learnt from the servers
-    /// (`collector::bytes_per_token`); blocks stay cut at
+    /// (`learners::bytes_per_token`); blocks stay cut at
     /// `blockSizeTokens × chars_per_token` bytes, so the index never moves.
     pub learn_bytes_per_token: bool,
 }

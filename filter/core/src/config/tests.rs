@@ -1,5 +1,5 @@
 use super::*;
-use crate::collector::prefill_rate::PrefillRateParams;
+use crate::learners::prefill_rate::PrefillRateParams;
 use crate::scheduling::active_request::ActiveRequestScorer;
 use crate::scheduling::affinity_filter::AffinityFilter;
 use crate::scheduling::max_score::TieBreak;

@@ -1,5 +1,10 @@
 use super::*;
+use crate::precise::Fallback;
+use crate::request::ApiKind;
+use crate::scheduling::Rng;
+use kvroute_shared_state::load::LoadTable;
 use kvroute_shared_state::memory::MemoryStore;
+use kvroute_shared_state::LOAD_KEY;
 
 fn config(extra: &str) -> Config {
     let doc = format!(
@@ -23,6 +28,21 @@ fn routed(o: Outcome) -> Routed {
     match o {
         Outcome::Routed(r) => r,
         other => panic!("expected Routed, got {other:?}"),
+    }
+}
+
+/// Routes a body as the lifecycle does: its facts, then the one entry.
+fn route(
+    e: &Engine,
+    s: &dyn Store,
+    kind: ApiKind,
+    body: &[u8],
+    now_ms: u64,
+    rng: &mut Rng,
+) -> Outcome {
+    match e.facts(kind, body) {
+        Ok(facts) => e.route(s, facts, now_ms, rng),
+        Err(why) => e.fail_for(why),
     }
 }
 
@@ -52,11 +72,19 @@ fn shared_prefix_sticks_and_distinct_prefixes_spread() {
     e.collector_init(&s).unwrap();
     let sys = "You are a helpful assistant. ".repeat(40); // ~1160 bytes ≈ 290 tokens
     let mut rng = Rng::new(1);
-    let first = routed(e.route(&s, ApiKind::ChatCompletions, &chat(&sys, "q0"), 0, &mut rng));
+    let first = routed(route(
+        &e,
+        &s,
+        ApiKind::ChatCompletions,
+        &chat(&sys, "q0"),
+        0,
+        &mut rng,
+    ));
     let t = first.ticket.unwrap();
     e.release_rest(&s, &t, false).unwrap();
     for i in 1..10 {
-        let r = routed(e.route(
+        let r = routed(route(
+            &e,
             &s,
             ApiKind::ChatCompletions,
             &chat(&sys, &format!("question {i}")),
@@ -79,7 +107,8 @@ fn shared_prefix_sticks_and_distinct_prefixes_spread() {
     // Distinct prefixes while earlier ones are in flight spread out.
     let mut seen = std::collections::BTreeSet::new();
     for i in 0..3 {
-        let r = routed(e.route(
+        let r = routed(route(
+            &e,
             &s,
             ApiKind::ChatCompletions,
             &chat(&format!("{i} other system prompt ").repeat(40), "q"),
@@ -100,7 +129,14 @@ fn spill_past_tau_and_accounting_returns_to_zero() {
     let sys = "x".repeat(4 * 16 * 40); // 640 tokens, 40 blocks
     let mut rng = Rng::new(2);
     let mut tickets = vec![];
-    let warm = routed(e.route(&s, ApiKind::ChatCompletions, &chat(&sys, "a"), 0, &mut rng));
+    let warm = routed(route(
+        &e,
+        &s,
+        ApiKind::ChatCompletions,
+        &chat(&sys, "a"),
+        0,
+        &mut rng,
+    ));
     let warm_ep = primary(&warm).to_string();
     tickets.push(warm.ticket.unwrap());
     let mut spilled = false;
@@ -109,7 +145,8 @@ fn spill_past_tau_and_accounting_returns_to_zero() {
         // warm request charges its ~100 uncached tokens, and the gap to an
         // idle endpoint grows until it passes τ.
         let question = format!("{i:04}").repeat(100);
-        let r = routed(e.route(
+        let r = routed(route(
+            &e,
             &s,
             ApiKind::ChatCompletions,
             &chat(&sys, &question),
@@ -160,7 +197,8 @@ fn always_stick_never_spills() {
     e.collector_init(&s).unwrap();
     let sys = "y".repeat(4 * 16 * 40);
     let mut rng = Rng::new(3);
-    let first = primary(&routed(e.route(
+    let first = primary(&routed(route(
+        &e,
         &s,
         ApiKind::ChatCompletions,
         &chat(&sys, "a"),
@@ -169,7 +207,8 @@ fn always_stick_never_spills() {
     )))
     .to_string();
     for i in 0..200 {
-        let r = routed(e.route(
+        let r = routed(route(
+            &e,
             &s,
             ApiKind::ChatCompletions,
             &chat(&sys, &format!("b{i}")),
@@ -185,11 +224,25 @@ fn failure_modes() {
     let s = MemoryStore::new();
     let open = Engine::new(config(""));
     assert!(matches!(
-        open.route(&s, ApiKind::ChatCompletions, b"{nope", 0, &mut Rng::new(1)),
+        route(
+            &open,
+            &s,
+            ApiKind::ChatCompletions,
+            b"{nope",
+            0,
+            &mut Rng::new(1)
+        ),
         Outcome::FailOpen(Unrouted::BadBody(_))
     ));
     let closed = Engine::new(config(r#","routing":{"failureMode":"closed"}"#));
-    match closed.route(&s, ApiKind::ChatCompletions, b"{nope", 0, &mut Rng::new(1)) {
+    match route(
+        &closed,
+        &s,
+        ApiKind::ChatCompletions,
+        b"{nope",
+        0,
+        &mut Rng::new(1),
+    ) {
         Outcome::Reject {
             status: 400, body, ..
         } => {
@@ -205,7 +258,8 @@ fn failure_modes() {
     .unwrap();
     let e = Engine::new(c);
     assert!(matches!(
-        e.route(
+        route(
+            &e,
             &s,
             ApiKind::ChatCompletions,
             &chat("s", "u"),
@@ -231,7 +285,8 @@ fn collector_membership_metrics_and_reaping() {
     assert_eq!(e.apply_admin_clusters(&s, admin), Ok(true));
     assert_eq!(e.apply_admin_clusters(&s, admin), Ok(false));
     let mut rng = Rng::new(4);
-    let r = routed(e.route(
+    let r = routed(route(
+        &e,
         &s,
         ApiKind::Completions,
         br#"{"model":"m","prompt":"hello world"}"#,
@@ -263,7 +318,8 @@ fn collector_membership_metrics_and_reaping() {
         {"address":{"socket_address":{"address":"127.0.0.1","port_value":7002}}}]}]}"#;
     assert_eq!(e.apply_admin_clusters(&s, one), Ok(true));
     for i in 0..10 {
-        let r = routed(e.route(
+        let r = routed(route(
+            &e,
             &s,
             ApiKind::Completions,
             format!(r#"{{"model":"m","prompt":"p{i}"}}"#).as_bytes(),
@@ -283,7 +339,14 @@ fn index_stays_under_budget() {
     for i in 0..5_000u64 {
         let body =
             serde_json::json!({"model":"m","prompt": format!("{i:08} ").repeat(64)}).to_string();
-        let r = routed(e.route(&s, ApiKind::Completions, body.as_bytes(), i, &mut rng));
+        let r = routed(route(
+            &e,
+            &s,
+            ApiKind::Completions,
+            body.as_bytes(),
+            i,
+            &mut rng,
+        ));
         e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
     }
     assert!(s.bytes_with_prefix("kvroute/ix/") <= 262_144);
@@ -309,7 +372,8 @@ fn conversation_turns_stay_warm_with_known_capacity() {
     for turn in 0..6 {
         messages.push(serde_json::json!({"role":"user","content":format!("turn {turn}: {}", "please look at this diff ".repeat(20))}));
         let body = serde_json::json!({"model":"m","messages":messages}).to_string();
-        let r = routed(e.route(
+        let r = routed(route(
+            &e,
             &s,
             ApiKind::ChatCompletions,
             body.as_bytes(),
@@ -385,7 +449,8 @@ fn a_charge_that_loses_its_cas_after_the_snapshot_retries_and_lands() {
     e.collector_init(&s).unwrap();
     let mut rng = Rng::new(3);
     s.interfere.set(true);
-    let r = routed(e.route(
+    let r = routed(route(
+        &e,
         &s,
         ApiKind::ChatCompletions,
         &chat("a b c", "q"),
@@ -408,11 +473,25 @@ fn tables_are_cached_per_engine_until_the_collector_changes_them() {
     collector.collector_init(&s).unwrap();
     let mut rng = Rng::new(4);
     let body = chat(&"tenant one system prompt ".repeat(20), "q");
-    routed(worker.route(&s, ApiKind::ChatCompletions, &body, 0, &mut rng));
+    routed(route(
+        &worker,
+        &s,
+        ApiKind::ChatCompletions,
+        &body,
+        0,
+        &mut rng,
+    ));
     // Warm: a decision reads the load table and the index, not the
     // endpoint or metrics tables.
     let before = s.gets.get();
-    let r = routed(worker.route(&s, ApiKind::ChatCompletions, &body, 0, &mut rng));
+    let r = routed(route(
+        &worker,
+        &s,
+        ApiKind::ChatCompletions,
+        &body,
+        0,
+        &mut rng,
+    ));
     let warm_gets = s.gets.get() - before;
     let index_reads = r.decision.report.len() as u32; // ≤ one shard read per warm holder here
     assert!(
@@ -424,7 +503,8 @@ fn tables_are_cached_per_engine_until_the_collector_changes_them() {
         .apply_membership(&s, vec![("127.0.0.1:3".into(), true)])
         .unwrap();
     for i in 0..5 {
-        let r = routed(worker.route(
+        let r = routed(route(
+            &worker,
             &s,
             ApiKind::ChatCompletions,
             &chat("x", &i.to_string()),
@@ -440,7 +520,14 @@ fn tables_are_cached_per_engine_until_the_collector_changes_them() {
             vec![("127.0.0.1:3".into(), false), ("127.0.0.1:4".into(), true)],
         )
         .unwrap();
-    let r = routed(worker.route(&s, ApiKind::ChatCompletions, &body, 0, &mut rng));
+    let r = routed(route(
+        &worker,
+        &s,
+        ApiKind::ChatCompletions,
+        &body,
+        0,
+        &mut rng,
+    ));
     assert_eq!(r.destination, "127.0.0.1:4");
 }
 
@@ -457,7 +544,7 @@ fn a_sticky_request_does_not_rewrite_the_groups_it_already_holds() {
     let mut rng = Rng::new(5);
     let mut route = |body: &[u8]| {
         let before = s.index_sets.get();
-        let r = routed(e.route(&s, ApiKind::ChatCompletions, body, 0, &mut rng));
+        let r = routed(route(&e, &s, ApiKind::ChatCompletions, body, 0, &mut rng));
         e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
         (r, s.index_sets.get() - before)
     };
@@ -498,7 +585,7 @@ const PRECISE_DOC: &str = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2"
 
 /// Each endpoint's relay snapshot, applied as the collector applies it.
 fn held_snapshots(e: &Engine, s: &MemoryStore, held: &[Vec<u64>], now_ms: u64) {
-    use crate::collector::kv_events::Ask;
+    use crate::reports::relay::Ask;
     let table = e.endpoint_table(s).unwrap();
     for (ep, blocks) in table.endpoints.iter().zip(held) {
         let body = serde_json::json!({"epoch": 7, "seq": 1, "complete": true, "blocks": blocks});
@@ -532,7 +619,14 @@ fn precise_mode_routes_on_the_held_blocks_when_every_view_is_fresh() {
         1000,
     );
     let mut rng = Rng::new(1);
-    let r = routed(e.route(&s, ApiKind::Completions, body.as_bytes(), 1500, &mut rng));
+    let r = routed(route(
+        &e,
+        &s,
+        ApiKind::Completions,
+        body.as_bytes(),
+        1500,
+        &mut rng,
+    ));
     assert_eq!(r.precise, Some(PreciseUse::Matched { blocks: 4 }));
     assert_eq!(primary(&r), "127.0.0.1:2");
     // Uncached tokens in vLLM's terms: 17 − 3 × 4.
@@ -540,12 +634,20 @@ fn precise_mode_routes_on_the_held_blocks_when_every_view_is_fresh() {
     e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
     // The held view moves: now endpoint 3 holds all 4.
     held_snapshots(&e, &s, &[vec![], vec![], vllm.clone()], 1600);
-    let r = routed(e.route(&s, ApiKind::Completions, body.as_bytes(), 1700, &mut rng));
+    let r = routed(route(
+        &e,
+        &s,
+        ApiKind::Completions,
+        body.as_bytes(),
+        1700,
+        &mut rng,
+    ));
     assert_eq!(primary(&r), "127.0.0.1:3");
     assert_eq!(r.uncached_tokens, 1);
     e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
     // Past staleMs without a good poll: every request falls back.
-    let r = routed(e.route(
+    let r = routed(route(
+        &e,
         &s,
         ApiKind::Completions,
         body.as_bytes(),
@@ -570,7 +672,7 @@ fn precise_mode_computes_vllm_hashes_and_falls_back_counted_by_reason() {
     // Token IDs: hashed precisely (2 full blocks of 4); no relay has
     // answered yet, so they are routed on the approximate index.
     let ids = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#;
-    let r = routed(e.route(&s, ApiKind::Completions, ids, 0, &mut rng));
+    let r = routed(route(&e, &s, ApiKind::Completions, ids, 0, &mut rng));
     assert_eq!(
         r.precise,
         Some(PreciseUse::Fallback {
@@ -580,7 +682,7 @@ fn precise_mode_computes_vllm_hashes_and_falls_back_counted_by_reason() {
     );
     // Only two of three views fresh: still the approximate index.
     held_snapshots(&e, &s, &[vec![1], vec![2]], 10);
-    let r = routed(e.route(&s, ApiKind::Completions, ids, 20, &mut rng));
+    let r = routed(route(&e, &s, ApiKind::Completions, ids, 20, &mut rng));
     assert!(matches!(
         r.precise,
         Some(PreciseUse::Fallback {
@@ -590,7 +692,7 @@ fn precise_mode_computes_vllm_hashes_and_falls_back_counted_by_reason() {
     ));
     // Text with the UDS tokenizer (not loadable in a VM): no tokenizer.
     let text = br#"{"model":"m","prompt":"hello"}"#;
-    let r = routed(e.route(&s, ApiKind::Completions, text, 0, &mut rng));
+    let r = routed(route(&e, &s, ApiKind::Completions, text, 0, &mut rng));
     assert_eq!(
         r.precise,
         Some(PreciseUse::Fallback {
@@ -602,7 +704,7 @@ fn precise_mode_computes_vllm_hashes_and_falls_back_counted_by_reason() {
     let a = Engine::new(config(""));
     let s2 = MemoryStore::new();
     a.collector_init(&s2).unwrap();
-    let r = routed(a.route(&s2, ApiKind::Completions, ids, 0, &mut rng));
+    let r = routed(route(&a, &s2, ApiKind::Completions, ids, 0, &mut rng));
     assert_eq!(r.precise, None);
 }
 
@@ -655,7 +757,10 @@ fn online_prefill_estimate_reaches_the_gate_while_fresh() {
         2000,
     )
     .unwrap();
-    let snap = e.snapshot(&s, &[], 10, None, 2500).unwrap().unwrap();
+    let snap = e
+        .snapshot(&s, &RequestFacts::blocks(vec![], 10, None), 2500)
+        .unwrap()
+        .unwrap();
     let rates: Vec<_> = snap
         .candidates
         .iter()
@@ -671,7 +776,10 @@ fn online_prefill_estimate_reaches_the_gate_while_fresh() {
     // to the configured value; the estimate itself is kept for later.
     e.record_metrics(&s, slot, generation, Err(()), 4000)
         .unwrap();
-    let snap = e.snapshot(&s, &[], 10, None, 5001).unwrap().unwrap();
+    let snap = e
+        .snapshot(&s, &RequestFacts::blocks(vec![], 10, None), 5001)
+        .unwrap()
+        .unwrap();
     assert_eq!(snap.candidates[0].prefill_tokens_per_s, None);
     let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 5001).unwrap()).unwrap();
     assert_eq!(v["endpoints"][0]["gatePrefillTokensPerS"], 10_000.0);
@@ -711,8 +819,8 @@ fn prefix_tie_break_places_cold_prompts_alike_in_two_replicas() {
             &sys,
             &format!("session {i}: {}", "private context ".repeat(20)),
         );
-        let pa = routed(a.route(&sa, ApiKind::ChatCompletions, &body, i, &mut ra));
-        let pb = routed(b.route(&sb, ApiKind::ChatCompletions, &body, i, &mut rb));
+        let pa = routed(route(&a, &sa, ApiKind::ChatCompletions, &body, i, &mut ra));
+        let pb = routed(route(&b, &sb, ApiKind::ChatCompletions, &body, i, &mut rb));
         assert_eq!(primary(&pa), primary(&pb), "session {i}");
         *used.entry(primary(&pa).to_string()).or_insert(0) += 1;
         // Finished before the next arrives: every endpoint has no request
@@ -744,8 +852,8 @@ fn random_tie_break_is_the_llm_d_default() {
     let mut differ = 0;
     for i in 0..30 {
         let body = chat(&format!("prompt {i} ").repeat(30), "q");
-        let pa = routed(a.route(&sa, ApiKind::ChatCompletions, &body, i, &mut ra));
-        let pb = routed(b.route(&sb, ApiKind::ChatCompletions, &body, i, &mut rb));
+        let pa = routed(route(&a, &sa, ApiKind::ChatCompletions, &body, i, &mut ra));
+        let pb = routed(route(&b, &sb, ApiKind::ChatCompletions, &body, i, &mut rb));
         differ += usize::from(primary(&pa) != primary(&pb));
         a.release_rest(&sa, &pa.ticket.unwrap(), false).unwrap();
         b.release_rest(&sb, &pb.ticket.unwrap(), false).unwrap();
@@ -785,7 +893,7 @@ fn cold_sessions_balance_the_fleets_cache() {
         for i in 0..30 {
             // Equal-length private contexts: the same number of new blocks.
             let body = chat(&sys, &format!("session {i:03}: {}", "context ".repeat(60)));
-            let r = routed(e.route(&s, ApiKind::ChatCompletions, &body, i, &mut rng));
+            let r = routed(route(&e, &s, ApiKind::ChatCompletions, &body, i, &mut rng));
             *used.entry(primary(&r).to_string()).or_insert(0) += 1;
             order.push(primary(&r).to_string());
             e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
@@ -817,7 +925,7 @@ fn llm_d_matched_cold_placement_is_not_balanced() {
         let mut used = std::collections::BTreeMap::new();
         for i in 0..30 {
             let body = chat("sys", &format!("session {i:03}: {}", "context ".repeat(60)));
-            let r = routed(e.route(&s, ApiKind::ChatCompletions, &body, i, &mut rng));
+            let r = routed(route(&e, &s, ApiKind::ChatCompletions, &body, i, &mut rng));
             *used.entry(primary(&r).to_string()).or_insert(0) += 1;
             e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
         }
@@ -841,8 +949,8 @@ fn default_profile_places_alike_in_two_replicas() {
     let (mut ra, mut rb) = (Rng::new(5), Rng::new(77));
     for i in 0..20 {
         let body = chat(&format!("tenant {} ", i % 4).repeat(20), &format!("q {i}"));
-        let pa = routed(a.route(&sa, ApiKind::ChatCompletions, &body, i, &mut ra));
-        let pb = routed(b.route(&sb, ApiKind::ChatCompletions, &body, i, &mut rb));
+        let pa = routed(route(&a, &sa, ApiKind::ChatCompletions, &body, i, &mut ra));
+        let pb = routed(route(&b, &sb, ApiKind::ChatCompletions, &body, i, &mut rb));
         assert_eq!(primary(&pa), primary(&pb), "request {i}");
         if i % 3 == 0 {
             a.release_rest(&sa, &pa.ticket.unwrap(), false).unwrap();
@@ -862,9 +970,9 @@ fn identical_cold_prompts_in_a_burst_go_together() {
     e.collector_init(&s).unwrap();
     let mut rng = Rng::new(9);
     let body = chat(&"Burst document. ".repeat(40), "summarise it");
-    let first = routed(e.route(&s, ApiKind::ChatCompletions, &body, 0, &mut rng));
+    let first = routed(route(&e, &s, ApiKind::ChatCompletions, &body, 0, &mut rng));
     for i in 1..8 {
-        let r = routed(e.route(&s, ApiKind::ChatCompletions, &body, i, &mut rng));
+        let r = routed(route(&e, &s, ApiKind::ChatCompletions, &body, i, &mut rng));
         assert_eq!(primary(&r), primary(&first), "{}", r.explanation());
         assert!(
             r.explanation().starts_with("branch=sticky"),
@@ -872,7 +980,8 @@ fn identical_cold_prompts_in_a_burst_go_together() {
             r.explanation()
         );
     }
-    let other = routed(e.route(
+    let other = routed(route(
+        &e,
         &s,
         ApiKind::ChatCompletions,
         &chat(&"Another document. ".repeat(40), "summarise it"),
@@ -891,7 +1000,8 @@ fn default_profile_holds_kv_until_the_stream_ends() {
     let s = MemoryStore::new();
     e.collector_init(&s).unwrap();
     let mut rng = Rng::new(1);
-    let r = routed(e.route(
+    let r = routed(route(
+        &e,
         &s,
         ApiKind::ChatCompletions,
         &chat(&"x".repeat(640), "q"),
@@ -949,7 +1059,14 @@ fn bytes_per_token_is_learnt_from_the_servers_and_a_fixed_value_overrides_it() {
             .unwrap();
         let mut first = None;
         for _ in 0..40 {
-            let r = routed(e.route(&s, ApiKind::ChatCompletions, &body, now, &mut rng));
+            let r = routed(route(
+                &e,
+                &s,
+                ApiKind::ChatCompletions,
+                &body,
+                now,
+                &mut rng,
+            ));
             first.get_or_insert(r.uncached_tokens);
             e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
             let v: serde_json::Value =
@@ -967,7 +1084,14 @@ fn bytes_per_token_is_learnt_from_the_servers_and_a_fixed_value_overrides_it() {
         // A new prompt (nothing cached): its charge in tokens.
         let fresh = chat(&"other ".repeat(400), "q");
         let bytes = fresh.len() as f64; // the rendered prompt is a little shorter
-        let r = routed(e.route(&s, ApiKind::ChatCompletions, &fresh, now, &mut rng));
+        let r = routed(route(
+            &e,
+            &s,
+            ApiKind::ChatCompletions,
+            &fresh,
+            now,
+            &mut rng,
+        ));
         let estimate_at_4 = bytes / 4.0;
         if learns {
             assert!(
@@ -1022,7 +1146,7 @@ fn output_tokens_are_learnt_from_the_servers() {
         // The held estimate of one routed request: inflight tokens are
         // uncached (prefill) + uncached + output (held until the end).
         let held_output = |body: &[u8], now: u64, rng: &mut Rng| {
-            let r = routed(e.route(&s, ApiKind::ChatCompletions, body, now, rng));
+            let r = routed(route(&e, &s, ApiKind::ChatCompletions, body, now, rng));
             let v: serde_json::Value =
                 serde_json::from_str(&e.state_json(&s, now).unwrap()).unwrap();
             let inflight = v["endpoints"][0]["inflightTokens"].as_u64().unwrap();
@@ -1089,11 +1213,11 @@ fn a_long_prompt_ages_by_the_capacity_at_most_and_take_back_restores_all() {
     e.collector_init(&s).unwrap();
     let mut rng = Rng::new(3);
     let warm = chat("a warm system prompt. ".repeat(20).as_str(), "hello");
-    let w = routed(e.route(&s, ApiKind::ChatCompletions, &warm, 1, &mut rng));
+    let w = routed(route(&e, &s, ApiKind::ChatCompletions, &warm, 1, &mut rng));
     e.release_rest(&s, &w.ticket.unwrap(), false).unwrap();
     let before = records(&s);
     let long = chat(&"x".repeat(64 * 64 * 3), "q");
-    let r = routed(e.route(&s, ApiKind::ChatCompletions, &long, 2, &mut rng));
+    let r = routed(route(&e, &s, ApiKind::ChatCompletions, &long, 2, &mut rng));
     let after = records(&s);
     let grew: u64 = after
         .iter()
@@ -1113,13 +1237,13 @@ fn a_long_prompt_ages_by_the_capacity_at_most_and_take_back_restores_all() {
     assert!(restored[before.len()..].iter().all(|r| *r == (0, 0, 0)));
     assert!(inflight(&e, &s).iter().all(|&(t, r)| t == 0 && r == 0));
     // The long prompt is cold everywhere again; the warm one still sticks.
-    let again = routed(e.route(&s, ApiKind::ChatCompletions, &long, 3, &mut rng));
+    let again = routed(route(&e, &s, ApiKind::ChatCompletions, &long, 3, &mut rng));
     assert!(
         again.explanation().starts_with("branch=no-affinity"),
         "{}",
         again.explanation()
     );
-    let w2 = routed(e.route(&s, ApiKind::ChatCompletions, &warm, 4, &mut rng));
+    let w2 = routed(route(&e, &s, ApiKind::ChatCompletions, &warm, 4, &mut rng));
     assert_eq!(primary(&w2), primary(&w), "{}", w2.explanation());
 }
 
@@ -1131,7 +1255,8 @@ fn n_and_batches_are_charged_for_all_their_work() {
     let ticket = |body: &str| {
         let s = MemoryStore::new();
         e.collector_init(&s).unwrap();
-        let r = routed(e.route(
+        let r = routed(route(
+            &e,
             &s,
             ApiKind::Completions,
             body.as_bytes(),
@@ -1163,4 +1288,25 @@ fn n_and_batches_are_charged_for_all_their_work() {
         one.prompt_tokens + 2 * (prompt.len() as u64).div_ceil(4)
     );
     assert!(batch.output_tokens > 3 * (one.output_tokens - one.prompt_tokens));
+}
+
+#[test]
+fn scorer_scores_are_kept_only_when_the_facts_ask_for_them() {
+    let e = Engine::new(config(""));
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let body = chat("system", "question");
+    let mut rng = Rng::new(1);
+    // The request path: not allocated.
+    let facts = e.facts(ApiKind::ChatCompletions, &body).unwrap();
+    assert!(!facts.scorer_scores);
+    let r = routed(e.route(&s, facts, 0, &mut rng));
+    assert!(r.decision.scorer_scores.is_empty());
+    // Asked for (the simulator's decision log): one per candidate and scorer.
+    let mut facts = e.facts(ApiKind::ChatCompletions, &body).unwrap();
+    facts.scorer_scores = true;
+    let r = routed(e.route(&s, facts, 1, &mut rng));
+    let scorers = e.config.scheduler.scorers.len();
+    assert_eq!(r.decision.scorer_scores.len(), 3 * scorers);
+    assert!(scorers > 0);
 }

@@ -19,7 +19,7 @@
 //! endpoint's KV-event relay (`kvEvents.relays`, else the endpoint's IP at
 //! `kvEvents.relayPort`) through the `ORIGINAL_DST` cluster `kvEvents.cluster`
 //! (the relay's `ip:port` in [`RELAY_HOST_HEADER`]), and applies the answer
-//! to the endpoint's held set (`collector::kv_events`). The relay position
+//! to the endpoint's held set (`Engine::apply_relay_answer`). The relay position
 //! (epoch, seq) lives in shared data with the set, so in `lease` mode a new
 //! leader carries on where the last one stopped.
 //!
@@ -29,9 +29,9 @@
 use super::lease::{Lease, Schedule, Standing};
 use super::telemetry::{self, CollectorStats};
 use super::{Counter, Counts, Host, Level};
-use crate::collector::kv_events::{ask_path, next_ask, Ask};
 use crate::config::{CollectorMode, EndpointSource, ORIGINAL_DST_HOST_HEADER, RELAY_HOST_HEADER};
 use crate::engine::Engine;
+use crate::reports::relay::{ask_path, next_ask, Ask};
 use kvroute_shared_state::collector_tick;
 use kvroute_shared_state::held::HeldTable;
 use std::collections::HashMap;
@@ -516,7 +516,7 @@ impl Collector {
                 .apply_relay_answer(host.store(), slot, generation, ask, &body, now)
             {
                 Ok(a) => a,
-                Err(crate::collector::kv_events::ApplyError::Garbage(m)) => {
+                Err(crate::engine::ApplyError::Garbage(m)) => {
                     self.counts.inc(host, Counter::KvEventsBadAnswers);
                     host.log(
                         first_of_run(failures),
@@ -524,7 +524,7 @@ impl Collector {
                     );
                     return self.relay_failed(host, slot, generation, now);
                 }
-                Err(crate::collector::kv_events::ApplyError::Store(e)) => {
+                Err(crate::engine::ApplyError::Store(e)) => {
                     return self.host_error(host, "storing held blocks", e)
                 }
             };

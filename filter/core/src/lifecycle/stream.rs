@@ -330,7 +330,10 @@ impl Stream {
         let now = now_ns.map_or_else(|| w.now_ms_cached(), |ns| ns / 1_000_000);
         let outcome = {
             let mut rng = w.rng.borrow_mut();
-            w.engine.route(host.store(), kind, &body, now, &mut rng)
+            match w.engine.facts(kind, &body) {
+                Ok(facts) => w.engine.route(host.store(), facts, now, &mut rng),
+                Err(why) => w.engine.fail_for(why),
+            }
         };
         w.samples
             .on_decision(host, now_ns.filter(|_| timed), &outcome);

@@ -248,7 +248,7 @@ pub const SLOT_GAUGES: [&str; 4] = [
     // when no poll ever succeeded; 0 for a free slot).
     "kvroute_endpoint_metrics_age_ms",
     // The collector's online prefill-throughput estimate
-    // (collector::prefill_rate), tokens/s, rounded; 0 until one exists.
+    // (learners::prefill_rate), tokens/s, rounded; 0 until one exists.
     "kvroute_endpoint_prefill_tokens_per_s",
 ];
 

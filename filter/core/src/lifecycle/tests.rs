@@ -1470,9 +1470,12 @@ mod kv_events {
         // A request routed (approximate mode) before: the index holds it.
         let body = chat_body("hello");
         let mut rng = crate::scheduling::Rng::new(1);
-        let Outcome::Routed(r) =
-            e.route(&host.store, ApiKind::ChatCompletions, &body, 1000, &mut rng)
-        else {
+        let Outcome::Routed(r) = e.route(
+            &host.store,
+            e.facts(ApiKind::ChatCompletions, &body).unwrap(),
+            1000,
+            &mut rng,
+        ) else {
             panic!("not routed")
         };
         let slot = if r.primary_address() == "127.0.0.1:1" {
@@ -1493,9 +1496,11 @@ mod kv_events {
             let snap = e
                 .snapshot(
                     &host.store,
-                    &blocks.block_hashes,
-                    blocks.prompt_tokens,
-                    None,
+                    &crate::engine::RequestFacts::blocks(
+                        blocks.block_hashes,
+                        blocks.prompt_tokens,
+                        None,
+                    ),
                     1000,
                 )
                 .unwrap()
@@ -1607,8 +1612,7 @@ mod kv_events {
         assert!(matches!(
             e.route(
                 &host.store,
-                ApiKind::ChatCompletions,
-                &chat_body("x"),
+                e.facts(ApiKind::ChatCompletions, &chat_body("x")).unwrap(),
                 now_ms,
                 &mut rng
             ),

@@ -4,7 +4,7 @@
 //! - sticky = { e : affinity(e) ≥ affinityThreshold }.
 //! - ttft(e) ms = inflight_tokens(e) / peakPrefillThroughput × 1000. With
 //!   `peakPrefillThroughput: "auto"`, each endpoint's own online estimate
-//!   (`collector::prefill_rate`) replaces it while that endpoint's metrics are
+//!   (`learners::prefill_rate`) replaces it while that endpoint's metrics are
 //!   fresh; otherwise the configured (`initial`) value is used.
 //! - With `countUnresolvedBlocks` (kvroute's parameter) the sticky test
 //!   reads (matched + unresolved) / request blocks instead: the blocks just
@@ -37,9 +37,9 @@
 //! a release pays for recomputing the prompt on the cold endpoint).
 
 use super::{saturation, Candidate, RequestView, Rng};
-use crate::collector::prefill_rate::PrefillRateParams;
 use crate::config::check::{err, range_f64, strict_value_req, Params};
 use crate::config::ConfigError;
+use crate::learners::prefill_rate::PrefillRateParams;
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -7,7 +7,7 @@
 //! the request count at the end of the stream. The estimate is llm-d's
 //! `round(prompt_tokens × outputRatio)`; with `learnOutputTokens`
 //! (kvroute's parameter) it is the servers' mean output per finished
-//! request once learnt (`collector::output_tokens`), the ratio until then.
+//! request once learnt (`learners::output_tokens`), the ratio until then.
 //!
 //! With `holdKvUntilEnd` (kvroute's parameter, off in llm-d's profile) the
 //! output part also holds the request's uncached prompt tokens, so it
@@ -170,7 +170,7 @@ struct InflightParams {
     /// ends (`scheduling::charge`).
     hold_kv_until_end: Option<bool>,
     /// kvroute: the output estimate is the servers' mean output per
-    /// finished request, learnt online (`collector::output_tokens`).
+    /// finished request, learnt online (`learners::output_tokens`).
     learn_output_tokens: Option<bool>,
 }
 

@@ -49,7 +49,7 @@ pub struct RequestView {
     /// The client's output cap (`max_tokens` and friends), if any.
     pub max_output_tokens: Option<u64>,
     /// The fleet's learnt mean output tokens per request
-    /// (`collector::output_tokens`), when `inflight-load-producer` learns
+    /// (`learners::output_tokens`), when `inflight-load-producer` learns
     /// it and the servers have taught it; else `None`.
     pub learnt_output_tokens: Option<u64>,
     /// What `max-score-picker`'s `tieBreak: prefix` hashes: the request's
@@ -112,7 +112,7 @@ pub struct Candidate {
     /// larger = more recent), for `no-hit-lru-scorer`; `None` if never.
     pub last_cold_pick: Option<u64>,
     /// The collector's prefill-throughput estimate for this endpoint,
-    /// tokens/s, while its metrics are fresh (`collector::prefill_rate`);
+    /// tokens/s, while its metrics are fresh (`learners::prefill_rate`);
     /// the affinity filter uses it with `peakPrefillThroughput: "auto"`.
     pub prefill_tokens_per_s: Option<f64>,
     /// A stable hash of the endpoint's `ip:port` (the same in every gateway

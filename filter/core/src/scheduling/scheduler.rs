@@ -73,10 +73,10 @@ pub struct Decision {
     pub cold: bool,
     /// One entry per candidate, in candidate order.
     pub report: Vec<CandidateReport>,
-    /// Each scorer's unweighted score, for explanations and the
-    /// simulator's decision log: `scorer_scores[i * scorers + k]` is scorer
-    /// `k` (profile order) on candidate `i` (candidate order); 0 for a
-    /// candidate the filter dropped.
+    /// Each scorer's unweighted score, for the simulator's decision log:
+    /// `scorer_scores[i * scorers + k]` is scorer `k` (profile order) on
+    /// candidate `i` (candidate order); 0 for a candidate the filter
+    /// dropped. Empty unless asked for ([`Scheduler::schedule_scored`]).
     pub scorer_scores: Box<[f64]>,
 }
 
@@ -111,6 +111,27 @@ impl Scheduler {
         cands: &[Candidate],
         rng: &mut Rng,
     ) -> Option<Decision> {
+        self.decide(req, cands, rng, false)
+    }
+
+    /// [`schedule`](Self::schedule), keeping each scorer's score in
+    /// [`Decision::scorer_scores`].
+    pub fn schedule_scored(
+        &self,
+        req: &RequestView,
+        cands: &[Candidate],
+        rng: &mut Rng,
+    ) -> Option<Decision> {
+        self.decide(req, cands, rng, true)
+    }
+
+    fn decide(
+        &self,
+        req: &RequestView,
+        cands: &[Candidate],
+        rng: &mut Rng,
+        keep_scores: bool,
+    ) -> Option<Decision> {
         if cands.is_empty() {
             return None;
         }
@@ -135,7 +156,14 @@ impl Scheduler {
         let mut totals = vec![0.0; passing.len()];
         let mut buf = vec![0.0; passing.len()];
         let n_scorers = self.scorers.len();
-        let mut scorer_scores = vec![0.0; cands.len() * n_scorers];
+        let mut scorer_scores = vec![
+            0.0;
+            if keep_scores {
+                cands.len() * n_scorers
+            } else {
+                0
+            }
+        ];
         let lookahead: Vec<u64> = if self
             .scorers
             .iter()
@@ -179,7 +207,7 @@ impl Scheduler {
             for (t, s) in totals.iter_mut().zip(&buf) {
                 *t += weight * s;
             }
-            for (&i, s) in passing.iter().zip(&buf) {
+            for (&i, s) in passing.iter().zip(&buf).filter(|_| keep_scores) {
                 scorer_scores[i * n_scorers + k] = *s;
             }
         }

@@ -47,7 +47,7 @@ use crate::workload::report::{stage_report, EndpointCounters, RequestRecord, Sta
 use crate::workload::stages::{Stage, StageKind};
 use crate::workload::{GenParts, Workload, WorkloadSpec};
 use kvroute_core::config::{Config, EndpointSource};
-use kvroute_core::engine::{Engine as Router, Outcome};
+use kvroute_core::engine::{Engine as Router, Outcome, RequestFacts};
 use kvroute_core::lifecycle::Counter;
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_core::scheduling::Rng;
@@ -676,28 +676,25 @@ impl Sim {
             } => {
                 let w = pick_worker.below(workers.len() as u64) as usize;
                 let (router, rng) = &mut workers[w];
-                let outcome = match input {
-                    RouterInput::Body { kind, body } => {
-                        router.route(store, *kind, body, now_ms, rng)
-                    }
+                let facts = match input {
+                    RouterInput::Body { kind, body } => router.facts(*kind, body),
                     RouterInput::Hashed {
                         hashes,
                         prompt_tokens,
                         max_output_tokens,
-                    } => match router.route_parsed(
-                        store,
-                        hashes,
+                    } => Ok(RequestFacts::blocks(
+                        hashes.clone(),
                         *prompt_tokens,
                         *max_output_tokens,
-                        now_ms,
-                        rng,
-                    ) {
-                        Ok(Some(r)) => Outcome::Routed(r),
-                        Ok(None) => router.fail_for(kvroute_core::engine::Unrouted::NoEndpoints),
-                        Err(e) => {
-                            router.fail_for(kvroute_core::engine::Unrouted::Store(e.to_string()))
-                        }
-                    },
+                    )),
+                };
+                let outcome = match facts {
+                    Ok(mut facts) => {
+                        // The decision log prints each scorer's score.
+                        facts.scorer_scores = self.decision_log.is_some();
+                        router.route(store, facts, now_ms, rng)
+                    }
+                    Err(why) => router.fail_for(why),
                 };
                 let mut count = |c: Counter| *self.router_counts.entry(c.name()).or_insert(0) += 1;
                 match &outcome {

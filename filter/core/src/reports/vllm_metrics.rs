@@ -35,7 +35,7 @@ pub struct VllmMetrics {
 }
 
 /// Sum and count of `vllm:request_generation_tokens`, summed over engines
-/// (see `super::output_tokens`).
+/// (see `crate::learners::output_tokens`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GenerationTotals {
     /// `_sum`: output tokens of every finished request.
@@ -45,7 +45,7 @@ pub struct GenerationTotals {
 }
 
 /// Sums of vLLM's two prefill histograms, which it observes together for
-/// each finished request (see `super::prefill_rate`).
+/// each finished request (see `crate::learners::prefill_rate`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PrefillTotals {
     /// `vllm:request_prefill_kv_computed_tokens_sum`: prompt tokens computed

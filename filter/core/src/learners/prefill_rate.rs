@@ -42,7 +42,7 @@
 //!   metrics are fresh (`collector.metricsStaleAfterMs`); otherwise the gate
 //!   falls back to the configured value (`Engine::snapshot`).
 
-use super::vllm_metrics::PrefillTotals;
+use crate::reports::vllm_metrics::PrefillTotals;
 use kvroute_shared_state::metrics::PrefillRate;
 
 /// The estimator's knobs (`peakPrefillThroughput: {"auto": …}`).

@@ -1,15 +1,21 @@
-//! KV events from an endpoint's relay (`relay/README.md` has its HTTP API),
-//! applied to the endpoint's held-block set in shared data
-//! (`kvroute_shared_state::held`).
+//! The collector's writes: the endpoint table (membership from Envoy's
+//! admin `/clusters`, or the static list), one `/metrics` poll of an
+//! endpoint with its learners (`crate::learners`), the relay's KV events
+//! applied to the endpoint's held set, and reaping. The collector
+//! (`lifecycle::Collector`) fetches the bytes; `crate::reports` parses
+//! them; this file writes what they say.
 //!
-//! Per endpoint, the collector asks for one of two things:
+//! # Relay answers
 //!
-//! - `/kv/snapshot` when it has no position on the relay (first poll, a new
-//!   slot generation, after a resync): the set is replaced by the snapshot,
-//!   and the position becomes the snapshot's `epoch` and `seq`;
-//! - `/kv/events?after=SEQ&epoch=E&limit=N` otherwise: each batch's ops are
-//!   applied in order (`stored`, `removed`, `cleared`), and the position
-//!   moves to the answer's `seq`; `more: true` asks again at once.
+//! Applied to the endpoint's held-block set in shared data
+//! (`kvroute_shared_state::held`); `reports::relay::next_ask` says which
+//! call to make:
+//!
+//! - a `/kv/snapshot` answer replaces the set, and the position becomes
+//!   the snapshot's `epoch` and `seq`;
+//! - a `/kv/events` answer's batches are applied in order (`stored`,
+//!   `removed`, `cleared`), and the position moves to the answer's `seq`;
+//!   `more: true` asks again at once.
 //!
 //! A `resync` answer, or an answer from another relay epoch (the relay
 //! restarted), empties the set and asks for the snapshot. A body that does
@@ -27,83 +33,20 @@
 //! (`lruCapacityPerServer: 0` and no `vllm:cache_config_info`) entries do
 //! not age, and nothing is corrected.
 
-use crate::engine::Engine;
+use super::Engine;
+use crate::config::EndpointSource;
+use crate::learners::prefill_rate::{self, PrefillRateParams};
+use crate::learners::{bytes_per_token, output_tokens};
+use crate::reports::relay::{self, Ask, Op};
+use crate::reports::{envoy_clusters, vllm_metrics};
 use kvroute_shared_state::cas::update;
-use kvroute_shared_state::held::{EndpointHeld, HeldGeometry, HeldTable, HeldWriter};
+use kvroute_shared_state::endpoints::EndpointTable;
+use kvroute_shared_state::held::{HeldGeometry, HeldTable, HeldWriter};
+use kvroute_shared_state::index;
 use kvroute_shared_state::load::LoadTable;
 use kvroute_shared_state::metrics::MetricsTable;
-use kvroute_shared_state::{Store, StoreError, LOAD_KEY, METRICS_KEY};
-use serde::Deserialize;
+use kvroute_shared_state::{Store, StoreError, ENDPOINTS_KEY, LOAD_KEY, METRICS_KEY};
 use std::fmt;
-
-/// `GET /kv/events` answer.
-#[derive(Debug, Deserialize)]
-struct EventsAnswer {
-    epoch: u64,
-    seq: u64,
-    /// The relay's newest seq (absent: treat `seq` as the newest).
-    #[serde(default)]
-    last: Option<u64>,
-    /// The relay snapshot's completeness now (absent: unknown, keep ours).
-    #[serde(default)]
-    complete: Option<bool>,
-    #[serde(default)]
-    resync: bool,
-    #[serde(default)]
-    more: bool,
-    #[serde(default)]
-    batches: Vec<Batch>,
-}
-
-/// One batch of an answer (its `seq` is not needed: the answer's `seq` is
-/// the cursor).
-#[derive(Debug, Deserialize)]
-struct Batch {
-    ops: Vec<Op>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(tag = "op", rename_all = "lowercase")]
-enum Op {
-    Stored { hashes: Vec<u64> },
-    Removed { hashes: Vec<u64> },
-    Cleared,
-}
-
-/// `GET /kv/snapshot` answer.
-#[derive(Debug, Deserialize)]
-struct SnapshotAnswer {
-    epoch: u64,
-    seq: u64,
-    complete: bool,
-    blocks: Vec<u64>,
-}
-
-/// Which call to make to an endpoint's relay.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Ask {
-    Snapshot,
-    Events,
-}
-
-/// What to ask the relay, given the endpoint's view (`None`: no view yet).
-pub fn next_ask(view: Option<&EndpointHeld>) -> Ask {
-    match view {
-        Some(v) if v.relay_epoch != 0 => Ask::Events,
-        _ => Ask::Snapshot,
-    }
-}
-
-/// The request path of `ask`.
-pub fn ask_path(ask: Ask, view: Option<&EndpointHeld>, limit: u32) -> String {
-    match (ask, view) {
-        (Ask::Events, Some(v)) => format!(
-            "/kv/events?after={}&epoch={}&limit={limit}",
-            v.relay_seq, v.relay_epoch
-        ),
-        _ => "/kv/snapshot".to_string(),
-    }
-}
 
 /// What applying one relay answer did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -151,6 +94,181 @@ impl From<StoreError> for ApplyError {
 }
 
 impl Engine {
+    /// Tells workers that the endpoint or metrics table changed (the
+    /// collector calls this after writing either).
+    fn bump_epoch(&self, store: &dyn Store) -> Result<(), StoreError> {
+        update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| {
+                t.bump_epoch();
+                Some(())
+            },
+        )
+        .map(|_| ())
+    }
+
+    /// Writes the initial state before traffic: the static endpoint list,
+    /// empty load and metrics tables and every (empty) index shard, if they
+    /// do not exist yet, so workers always CAS against an existing value.
+    pub fn collector_init(&self, store: &dyn Store) -> Result<(), StoreError> {
+        if let EndpointSource::Static(list) = &self.config.endpoints {
+            self.apply_membership(store, list.iter().map(|a| (a.to_string(), true)).collect())?;
+        }
+        self.ensure_tables(store)?;
+        // Create every index shard up front, before traffic: a worker that
+        // finds a shard missing must write it unconditionally, which could
+        // drop another worker's first insert. The index never holds more
+        // than its budget, so this only spends it early.
+        let empty = vec![0u8; index::SHARD_BYTES];
+        for n in 0..self.geometry.shards {
+            let key = index::shard_key_of(n);
+            if store.get(&key)?.is_none() {
+                store.set(&key, &empty, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Creates the load and metrics tables if they do not exist yet. The
+    /// collector and every worker's root call this when configured, before
+    /// traffic: Envoy applies a first write of a missing key
+    /// unconditionally, so a key created while another worker is already
+    /// charging could drop that charge.
+    pub fn ensure_tables(&self, store: &dyn Store) -> Result<(), StoreError> {
+        if store.get(LOAD_KEY)?.is_none() {
+            store.set(LOAD_KEY, &LoadTable::default().encode(), 0)?;
+        }
+        if store.get(METRICS_KEY)?.is_none() {
+            store.set(METRICS_KEY, &MetricsTable::default().encode(), 0)?;
+        }
+        Ok(())
+    }
+
+    /// Makes the endpoint table list exactly `members`. Returns true if it changed.
+    pub fn apply_membership(
+        &self,
+        store: &dyn Store,
+        members: Vec<(String, bool)>,
+    ) -> Result<bool, StoreError> {
+        let u = update(
+            store,
+            ENDPOINTS_KEY,
+            |b| b.and_then(EndpointTable::decode).unwrap_or_default(),
+            EndpointTable::encode,
+            |t: &mut EndpointTable| t.apply_membership(members.clone()).then_some(()),
+        )?;
+        let changed = u.result.is_some();
+        if changed {
+            self.bump_epoch(store)?;
+        }
+        Ok(changed)
+    }
+
+    /// Applies an admin `/clusters?format=json` body.
+    pub fn apply_admin_clusters(&self, store: &dyn Store, body: &[u8]) -> Result<bool, String> {
+        let EndpointSource::FromCluster { cluster, .. } = &self.config.endpoints else {
+            return Ok(false);
+        };
+        let members = envoy_clusters::cluster_members(body, cluster).map_err(|e| e.to_string())?;
+        self.apply_membership(store, members)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Records one `/metrics` poll of (`slot`, `generation`): `Ok(body)` or a
+    /// failure (timeout, non-200). Garbage keeps the old values, marked as a
+    /// failure. Returns the parse error, if any.
+    pub fn record_metrics(
+        &self,
+        store: &dyn Store,
+        slot: u16,
+        generation: u16,
+        result: Result<&[u8], ()>,
+        now_ms: u64,
+    ) -> Result<Option<String>, StoreError> {
+        let parsed = result.map(vllm_metrics::parse);
+        let prefill = self.prefill_rate_params();
+        // The text bytes routed to this endpoint so far, for the
+        // bytes-per-token learner (read only when the server counts tokens).
+        let routed_bytes = match &parsed {
+            Ok(Ok(v)) if v.prompt_tokens.is_some() => {
+                LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()))
+                    .get(slot, generation)
+                    .map_or(0, |r| r.routed_prompt_bytes)
+            }
+            _ => 0,
+        };
+        let mut problem = None;
+        update(
+            store,
+            METRICS_KEY,
+            MetricsTable::decode,
+            MetricsTable::encode,
+            |t: &mut MetricsTable| {
+                let m = t.entry(slot, generation)?;
+                m.attempted_at_ms = now_ms;
+                match &parsed {
+                    Ok(Ok(v)) => {
+                        m.ok_at_ms = now_ms.max(1);
+                        m.failures = 0;
+                        m.waiting = v.waiting;
+                        m.running = v.running;
+                        m.kv_cache_usage = v.kv_cache_usage;
+                        m.block_size = v.block_size.unwrap_or(m.block_size);
+                        m.num_gpu_blocks = v.num_gpu_blocks.unwrap_or(m.num_gpu_blocks);
+                        m.prefix_queries = v.prefix_queries;
+                        m.prefix_hits = v.prefix_hits;
+                        prefill_rate::observe(&mut m.prefill, v.prefill, now_ms, &prefill);
+                        if let Some(tokens) = v.prompt_tokens {
+                            bytes_per_token::observe(&mut m.bytes_per_token, tokens, routed_bytes);
+                        }
+                        if let Some(g) = v.generation {
+                            output_tokens::observe(&mut m.output_tokens, g.tokens, g.requests);
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        m.failures = m.failures.saturating_add(1);
+                        problem = Some(e.to_string());
+                    }
+                    Err(()) => m.failures = m.failures.saturating_add(1),
+                }
+                Some(())
+            },
+        )?;
+        self.bump_epoch(store)?;
+        Ok(problem)
+    }
+
+    /// The online prefill-rate estimator's knobs: the affinity filter's
+    /// `"auto"` settings, or defaults around its fixed value (the estimate is
+    /// kept and shown either way; the gate uses it only with `"auto"`).
+    pub fn prefill_rate_params(&self) -> PrefillRateParams {
+        let f = self.config.scheduler.filters.first();
+        match f.and_then(|f| f.prefill_auto) {
+            Some(p) => p,
+            None => PrefillRateParams::around(
+                f.map(|f| f.peak_prefill_throughput)
+                    .filter(|&r| r > 0.0)
+                    .unwrap_or(15_928.0),
+            ),
+        }
+    }
+
+    /// Reaps charges older than `collector.reapAfterMs`. Returns the requests reaped.
+    pub fn reap(&self, store: &dyn Store, now_ms: u64) -> Result<u64, StoreError> {
+        let reap_after = self.config.collector.reap_after_ms;
+        let u = update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| t.reap(now_ms, reap_after),
+        )?;
+        Ok(u.result.unwrap_or(0))
+    }
+
     /// The held-set layout from `kvEvents.maxHeldBlocks`.
     pub fn held_geometry(&self) -> HeldGeometry {
         HeldGeometry::new(self.config.kv_events.max_held_blocks)
@@ -197,8 +315,7 @@ impl Engine {
         body: &[u8],
         now_ms: u64,
     ) -> Result<Applied, ApplyError> {
-        let a: EventsAnswer =
-            serde_json::from_slice(body).map_err(|e| ApplyError::Garbage(e.to_string()))?;
+        let a = relay::parse_events(body).map_err(ApplyError::Garbage)?;
         let status = HeldTable::read(store)?;
         let mut w = HeldWriter::open(&status, self.held_geometry(), slot, generation, now_ms);
         let mut out = Applied::default();
@@ -275,8 +392,7 @@ impl Engine {
         body: &[u8],
         now_ms: u64,
     ) -> Result<Applied, ApplyError> {
-        let a: SnapshotAnswer =
-            serde_json::from_slice(body).map_err(|e| ApplyError::Garbage(e.to_string()))?;
+        let a = relay::parse_snapshot(body).map_err(ApplyError::Garbage)?;
         let status = HeldTable::read(store)?;
         let geo = self.held_geometry();
         let mut w = HeldWriter::open(&status, geo, slot, generation, now_ms);
@@ -340,107 +456,5 @@ impl Engine {
             },
         )?;
         Ok(u.result.is_some())
-    }
-}
-
-/// Hashes listed per endpoint in the state view; a larger set is counted
-/// but not listed (`hashesListed: false`).
-pub const STATE_HASHES_MAX: u32 = 4096;
-
-/// The held table as the state view reads it (`kvEvents.enabled` only).
-pub(crate) struct HeldState {
-    table: HeldTable,
-}
-
-impl HeldState {
-    /// One endpoint's `kvEvents` object in the state JSON.
-    pub(crate) fn endpoint_json(
-        &self,
-        engine: &Engine,
-        store: &dyn Store,
-        e: &kvroute_shared_state::endpoints::EndpointEntry,
-        now_ms: u64,
-    ) -> serde_json::Value {
-        let kv = &engine.config.kv_events;
-        let relay = kv.relay_for(&e.address);
-        let Some(v) = self.table.get(e.slot, e.generation) else {
-            return serde_json::json!({"relay": relay, "fresh": false, "blocks": 0});
-        };
-        let listed = v.blocks <= STATE_HASHES_MAX;
-        let hashes = if listed {
-            let geo = engine.held_geometry();
-            match kvroute_shared_state::held::all_hashes(
-                store,
-                &geo,
-                &self.table,
-                e.slot,
-                e.generation,
-            ) {
-                Ok(mut h) => {
-                    h.sort_unstable();
-                    Some(h)
-                }
-                Err(_) => None,
-            }
-        } else {
-            None
-        };
-        serde_json::json!({
-            "relay": relay,
-            "relayEpoch": v.relay_epoch,
-            "relaySeq": v.relay_seq,
-            "blocks": v.blocks,
-            "complete": v.complete,
-            "fresh": v.is_fresh(now_ms, kv.stale_ms),
-            "ageMs": (v.ok_at_ms != 0).then(|| now_ms.saturating_sub(v.ok_at_ms)),
-            "failures": v.failures,
-            "droppedBlocks": v.dropped,
-            "hashesListed": hashes.is_some(),
-            "hashes": hashes,
-        })
-    }
-}
-
-impl Engine {
-    /// The held table for the state view, when `kvEvents.enabled`.
-    pub(crate) fn held_state(&self, store: &dyn Store) -> Result<Option<HeldState>, StoreError> {
-        if !self.config.kv_events.enabled {
-            return Ok(None);
-        }
-        Ok(Some(HeldState {
-            table: HeldTable::read(store)?,
-        }))
-    }
-}
-
-impl Engine {
-    /// The request path's view of the held sets (`kvEvents`): for each of
-    /// `endpoints` (e.g. [`crate::engine::Snapshot::endpoints`]), the
-    /// leading hashes of `hashes` (vLLM block hashes, block 0 first) it
-    /// holds and whether its view is fresh (`kvEvents.staleMs`). With
-    /// `kvEvents` off, every endpoint is not fresh and nothing is read.
-    /// One read of `kvroute/held`, then [`kvroute_shared_state::held::longest_held`].
-    pub fn held_prefixes(
-        &self,
-        store: &dyn Store,
-        endpoints: &[kvroute_shared_state::endpoints::EndpointEntry],
-        hashes: &[u64],
-        now_ms: u64,
-    ) -> Result<Vec<kvroute_shared_state::held::HeldMatch>, StoreError> {
-        let kv = &self.config.kv_events;
-        if !kv.enabled {
-            return Ok(vec![Default::default(); endpoints.len()]);
-        }
-        let status = HeldTable::read(store)?;
-        let ids: Vec<(u16, u16)> = endpoints.iter().map(|e| (e.slot, e.generation)).collect();
-        kvroute_shared_state::held::longest_held(
-            store,
-            &self.held_geometry(),
-            &status,
-            &ids,
-            hashes,
-            now_ms,
-            kv.stale_ms,
-        )
     }
 }

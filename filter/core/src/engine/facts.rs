@@ -1,0 +1,103 @@
+//! What the engine routes on: a request's facts ([`RequestFacts`]), read
+//! from its body by [`Engine::facts`] or built from blocks directly
+//! ([`RequestFacts::blocks`]: the simulator and the benches).
+
+use super::{Engine, Unrouted};
+use crate::blocks::prompt_blocks;
+use crate::precise::Fallback;
+use crate::request::{parse_request, ApiKind, Prompt};
+use crate::scheduling::charge::Work;
+
+/// One request as the engine sees it: its prompt cut into blocks, and what
+/// the charge and the learners need to know about it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestFacts {
+    /// kvroute's chained block hashes of the prompt (`blocks::prompt_blocks`):
+    /// the approximate index's keys, kept up to date in precise mode too
+    /// (it is the fallback).
+    pub hashes: Vec<u64>,
+    /// The prompt's tokens (estimated at `charsPerToken` for text).
+    pub prompt_tokens: u64,
+    /// Precise mode's input (`None`: precise mode off): the prompt's vLLM
+    /// block hashes and exact token count, or why they could not be had
+    /// (the approximate index decides then).
+    pub precise: Option<Result<(Vec<u64>, u64), Fallback>>,
+    /// The client's output cap (`max_tokens` and friends), if any.
+    pub max_output_tokens: Option<u64>,
+    /// `n` / `best_of` and a completions batch's other prompts.
+    pub work: Work,
+    /// A text prompt's bytes (`None`: token IDs or exact counts): counted
+    /// on the endpoint for the bytes-per-token learner, and scaled with it
+    /// (see [`Engine::snapshot`]).
+    pub text_bytes: Option<u64>,
+    /// The client asked for a streamed answer.
+    pub stream: bool,
+    /// Keep each scorer's score in the decision
+    /// (`Decision::scorer_scores`): the simulator's decision log. Off on
+    /// the request path, which does not allocate them.
+    pub scorer_scores: bool,
+}
+
+impl RequestFacts {
+    /// A prompt already cut into blocks (the simulator, the benches): one
+    /// prompt, one output sequence, no text bytes, no precise hashes, not
+    /// streamed.
+    pub fn blocks(
+        hashes: Vec<u64>,
+        prompt_tokens: u64,
+        max_output_tokens: Option<u64>,
+    ) -> RequestFacts {
+        RequestFacts {
+            hashes,
+            prompt_tokens,
+            precise: None,
+            max_output_tokens,
+            work: Work::ONE,
+            text_bytes: None,
+            stream: false,
+            scorer_scores: false,
+        }
+    }
+}
+
+impl Engine {
+    /// A request's facts from its body: parse it (`request::parse_request`),
+    /// then, in precise mode, turn the prompt into vLLM's block hashes, and
+    /// cut it into kvroute's blocks. A body that does not parse is
+    /// `Unrouted::BadBody` (give it to [`Engine::fail_for`]).
+    pub fn facts(&self, kind: ApiKind, body: &[u8]) -> Result<RequestFacts, Unrouted> {
+        let req = parse_request(kind, body, &self.limits).map_err(Unrouted::BadBody)?;
+        // Precise mode: vLLM's own hashes of the prompt, matched against the
+        // blocks the servers hold (`kvEvents`); or, when they cannot be had,
+        // the reason the approximate index decides instead.
+        let precise = self
+            .config
+            .precise
+            .as_ref()
+            .map(|p| p.request_hashes(&req, body));
+        let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
+        let text_bytes = match &req.prompt {
+            Prompt::Text(t) => Some(t.len() as u64),
+            Prompt::TokenIds(_) => None,
+        };
+        // n / best_of and a completions batch's other prompts (their text
+        // estimated at `charsPerToken`, as a prompt without a learnt figure).
+        let cpt = u64::from(self.config.prefix.blocks.chars_per_token.max(1));
+        let rest = req.batch_rest;
+        let work = Work {
+            sequences: req.sequences,
+            extra_prompts: rest.prompts,
+            extra_prompt_tokens: rest.token_ids.saturating_add(rest.text_bytes.div_ceil(cpt)),
+        };
+        Ok(RequestFacts {
+            hashes: blocks.block_hashes,
+            prompt_tokens: blocks.prompt_tokens,
+            precise,
+            max_output_tokens: req.max_output_tokens,
+            work,
+            text_bytes,
+            stream: req.stream,
+            scorer_scores: false,
+        })
+    }
+}

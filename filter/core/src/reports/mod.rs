@@ -1,0 +1,12 @@
+//! What the servers report, parsed: vLLM's Prometheus `/metrics`
+//! (`vllm_metrics`), Envoy's admin `/clusters?format=json`
+//! (`envoy_clusters`) and the KV-event relay's answers (`relay`). Pure
+//! functions from bytes to values; the collector fetches the bytes
+//! (`lifecycle::Collector`) and the engine writes what they say
+//! (`engine/collect.rs`).
+//!
+//! Nothing here reads or writes shared state, or imports the engine.
+
+pub mod envoy_clusters;
+pub mod relay;
+pub mod vllm_metrics;
