@@ -50,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import quality  # noqa: E402  (plugin_config: the kvroute and legacy-blend arms)
-from fleet import Procs, free_port, http_req, start_emulators, wait_until  # noqa: E402
+from fleet import Procs, free_port, http_req, start_emulators, wait_fleet_idle, wait_until  # noqa: E402
 
 ARMS = ["kvroute-default", "kvroute-default-before", "kvroute", "legacy-blend", "round-robin"]
 DEMO = {"name": "demo", "endpoints": 4, "num_gpu_blocks": 2400, "stage": "concurrency:8@30s", "time_scale": 1,
@@ -110,18 +110,6 @@ def start_envoy(procs, work, tag, arm, endpoints, wasm, poll_ms):
     return p, listen, admin
 
 
-def fleet_idle(endpoints):
-    def idle():
-        for e in endpoints:
-            st, body = http_req("GET", int(e.rsplit(":", 1)[1]), "/emulator/stats")
-            s = json.loads(body)
-            if st != 200 or s.get("running", 0) or s.get("waiting", 0):
-                return False
-        return True
-
-    wait_until("fleet idle before the next arm", idle, 120)
-
-
 def run_cell(a, procs, work, cell, arms, seeds):
     emulator = os.path.join(a.target_dir, "release", "kvroute-emulator")
     loadgen = os.path.join(a.target_dir, "release", "kvroute-loadgen")
@@ -136,7 +124,7 @@ def run_cell(a, procs, work, cell, arms, seeds):
                 tag = f"{cell['name']}.{arm}.seed{seed}"
                 router, port, admin = start_envoy(procs, work, tag, arm, endpoints, wasm, a.metrics_poll_ms)
                 try:
-                    fleet_idle(endpoints)
+                    wait_fleet_idle(endpoints)
                     res = os.path.join(work, f"{tag}.json")
                     argv = [loadgen, "--target", f"http://127.0.0.1:{port}", "--endpoints", ",".join(endpoints),
                             "--stages", cell["stage"], "--time-scale", str(cell["time_scale"]),

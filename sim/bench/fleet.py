@@ -11,6 +11,7 @@ Only the Python standard library.
 """
 
 import http.client
+import json
 import os
 import signal
 import socket
@@ -114,3 +115,17 @@ def start_emulators(procs, emulator, fleet, log_path, time_scale, stream_interva
 
     wait_until("emulator fleet", ready, 30, p)
     return p, endpoints
+
+
+def wait_fleet_idle(endpoints, timeout=120):
+    """Waits until no emulated server in `endpoints` has a request running or
+    waiting (`/emulator/stats`), so the next arm starts on an idle fleet."""
+    def idle():
+        for e in endpoints:
+            st, body = http_req("GET", int(e.rsplit(":", 1)[1]), "/emulator/stats")
+            s = json.loads(body)
+            if st != 200 or s.get("running", 0) or s.get("waiting", 0):
+                return False
+        return True
+
+    wait_until("fleet idle before the next arm", idle, timeout)

@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import plots  # noqa: E402  (sim/bench/plots.py)
-from fleet import Procs, free_port, http_req, start_emulators, wait_until  # noqa: E402,F401  (sim/bench/fleet.py)
+from fleet import Procs, free_port, http_req, start_emulators, wait_fleet_idle, wait_until  # noqa: E402,F401  (sim/bench/fleet.py)
 # The fleet, the workloads, the arms and the helpers other scripts share (sim/bench/kvbench.py);
 # re-exported here, where those scripts found them first.
 from kvbench import (  # noqa: E402,F401
@@ -140,17 +140,6 @@ class Bench:
                                        FLEET["stream_interval"])
         log(f"fleet for {name}: {','.join(endpoints)} (time scale {time_scale})")
         return p, endpoints
-
-    def fleet_idle(self, endpoints):
-        def idle():
-            for e in endpoints:
-                st, body = http_req("GET", int(e.rsplit(":", 1)[1]), "/emulator/stats")
-                s = json.loads(body)
-                if st != 200 or s.get("running", 0) or s.get("waiting", 0):
-                    return False
-            return True
-
-        wait_until("fleet idle before the next arm", idle, 120)
 
     # -- calibration ---------------------------------------------------------
     def calibrate(self, name, endpoints, time_scale):
@@ -249,7 +238,7 @@ class Bench:
         else:
             router, port, admin = self.start_envoy(tag, arm, endpoints, peak)
         try:
-            self.fleet_idle(endpoints)
+            wait_fleet_idle(endpoints)
             rates = ",".join(f"{r:g}" for r in w["rates"])
             argv = [self.loadgen, "--target", f"http://127.0.0.1:{port}", "--endpoints", ",".join(endpoints),
                     "--workload", w.get("workload", wname), "--stages", f"rate:{rates}@{w['stage_s']}s",
