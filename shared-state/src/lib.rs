@@ -9,10 +9,11 @@
 //! | key | written by | what |
 //! |---|---|---|
 //! | `kvroute/endpoints` | collector | [`endpoints::EndpointTable`]: address, slot, generation, health |
-//! | `kvroute/load` | workers (and the collector: reaper, state epoch) | [`load::LoadTable`]: per-slot in-flight tokens/requests in time buckets, insert counter; the state epoch |
+//! | `kvroute/load` | workers (and the collector: reaper, state epoch) | [`load::LoadTable`]: per-slot in-flight tokens/requests in time buckets, insert counter, the other proxies' load (mesh); the state epoch |
 //! | `kvroute/metrics` | collector | [`metrics::MetricsTable`]: last polled vLLM metrics per slot, with age, and the online prefill-rate estimate |
 //! | `kvroute/ix/<n>` | workers | [`index::PrefixIndex`] shards: fixed-size tables of block entries |
 //! | `kvroute/held`, `kvroute/held/<slot>/<n>` | collector (`kvEvents`) | [`held`]: the vLLM block hashes each endpoint holds, from its KV events, with relay epoch/seq and freshness |
+//! | `kvroute/mesh/outbox` | workers (append), collector (take) | [`mesh::Outbox`]: accepted decisions the other proxies of a mesh have not been told of, bounded |
 //! | `kvroute/collector/tick` | collector | [`collector_tick`]: when it last ticked, ms (workers publish the age) |
 //!
 //! The crate knows nothing of proxy-wasm: the [`Store`] trait is implemented
@@ -27,6 +28,7 @@ pub mod held;
 pub mod index;
 pub mod load;
 pub mod memory;
+pub mod mesh;
 pub mod metrics;
 
 use std::fmt;

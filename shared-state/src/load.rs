@@ -69,7 +69,30 @@ pub struct LoadRecord {
     /// collector sets against the server's `vllm:prompt_tokens_total` to
     /// learn bytes per token (`kvroute_core::learners::bytes_per_token`).
     pub routed_prompt_bytes: u64,
+    /// Other proxies' in-flight work here, as the mesh exchange last
+    /// reported it (the collector writes it; not released by requests).
+    pub peer: PeerLoad,
     pub buckets: [Bucket; BUCKETS],
+}
+
+/// What the other proxies of a mesh have in flight on one endpoint: the
+/// sums they last posted to the exchange (`kvroute_core::engine` `mesh`),
+/// and when this proxy received them. A decision adds them to the
+/// endpoint's own charges while `at_ms` is recent (the config's peer TTL).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerLoad {
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    pub requests: u32,
+    /// ms; 0 = never received.
+    pub at_ms: u64,
+}
+
+impl PeerLoad {
+    /// Whether the figures are recent enough to count at `now_ms`.
+    pub fn is_fresh(&self, now_ms: u64, ttl_ms: u64) -> bool {
+        self.at_ms != 0 && now_ms.saturating_sub(self.at_ms) <= ttl_ms
+    }
 }
 
 impl LoadRecord {
@@ -136,12 +159,13 @@ pub struct LoadTable {
     pub records: Vec<LoadRecord>,
 }
 
-const MAGIC: u8 = 0x12;
+const MAGIC: u8 = 0x13;
 /// The encoding's layout (see [`LoadTable::encode`]): magic, epoch, count;
 /// per record generation, insert counter, last cold pick, reaped requests,
-/// routed prompt bytes, then the buckets (start, prompt, output, requests).
+/// routed prompt bytes, the peers' load (prompt, output, requests, at),
+/// then the buckets (start, prompt, output, requests).
 const HEADER_BYTES: usize = 1 + 8 + 2;
-const RECORD_HEAD_BYTES: usize = 2 + 8 + 8 + 4 + 8;
+const RECORD_HEAD_BYTES: usize = 2 + 8 + 8 + 4 + 8 + (8 + 8 + 4 + 8);
 const BUCKET_BYTES: usize = 8 + 8 + 8 + 4;
 const RECORD_BYTES: usize = RECORD_HEAD_BYTES + BUCKETS * BUCKET_BYTES;
 
@@ -174,6 +198,10 @@ impl LoadTable {
             w.u64(r.last_cold_pick);
             w.u32(r.reaped_requests);
             w.u64(r.routed_prompt_bytes);
+            w.u64(r.peer.prompt_tokens);
+            w.u64(r.peer.output_tokens);
+            w.u32(r.peer.requests);
+            w.u64(r.peer.at_ms);
             for b in &r.buckets {
                 w.u64(b.start_ms);
                 w.u64(b.prompt_tokens);
@@ -207,6 +235,12 @@ impl LoadTable {
                 last_cold_pick: r.u64()?,
                 reaped_requests: r.u32()?,
                 routed_prompt_bytes: r.u64()?,
+                peer: PeerLoad {
+                    prompt_tokens: r.u64()?,
+                    output_tokens: r.u64()?,
+                    requests: r.u32()?,
+                    at_ms: r.u64()?,
+                },
                 ..Default::default()
             };
             for b in rec.buckets.iter_mut() {
@@ -262,6 +296,18 @@ impl LoadTable {
         match self.record_mut(slot, generation) {
             Some(rec) => {
                 rec.insert_counter = rec.insert_counter.saturating_add(blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Sets what the other proxies have in flight on an endpoint (the mesh
+    /// exchange's answer). False if the slot is out of range.
+    pub fn set_peer_load(&mut self, slot: u16, generation: u16, peer: PeerLoad) -> bool {
+        match self.record_mut(slot, generation) {
+            Some(rec) => {
+                rec.peer = peer;
                 true
             }
             None => false,

@@ -4,7 +4,9 @@
 use kvroute_core::engine::Engine as Router;
 use kvroute_sim_model::simulator::arms::{arm_document, router_from_document, ArmParams};
 use kvroute_sim_model::simulator::trace::parse_trace;
-use kvroute_sim_model::simulator::{simulate, FleetSpec, Load, RouterSpec, SimConfig, SimReport};
+use kvroute_sim_model::simulator::{
+    simulate, FleetSpec, Load, MeshSpec, ProxyAssign, RouterSpec, SimConfig, SimReport,
+};
 use kvroute_sim_model::workload::stages::parse_stages;
 use kvroute_sim_model::workload::{WorkloadKind, WorkloadSpec};
 
@@ -59,6 +61,7 @@ fn cfg(arm: &str, stages: &str, seed: u64, exact: bool) -> SimConfig {
         stop_after_ttft_p90_s: None,
         envoy_workers: 1,
         decision_log: None,
+        mesh: MeshSpec::default(),
     }
 }
 
@@ -325,7 +328,71 @@ fn sessions(
     seed: u64,
     exact: bool,
 ) -> (f64, f64) {
+    sessions_through(
+        MeshSpec::default(),
+        arm,
+        groups,
+        endpoints,
+        blocks,
+        stages,
+        seed,
+        exact,
+    )
+}
+
+/// Turns of a conversation through alternating proxies (gateway
+/// replicas, each its own shared data): alone, each proxy learns only the
+/// turns it routed, and a turn through the other finds its server cold.
+/// With the mesh exchange every proxy learns the others' accepted
+/// decisions within a poll period, and the conversations keep their
+/// servers as through one gateway.
+#[test]
+fn conversations_through_several_proxies_keep_their_server_with_the_exchange() {
+    for g in [2, 4] {
+        let run = |exchange| {
+            let mesh = MeshSpec {
+                proxies: g,
+                assign: ProxyAssign::Rotate,
+                exchange,
+                exchange_ms: 0,
+            };
+            sessions_through(
+                mesh,
+                "shipped-default",
+                16,
+                4,
+                4096,
+                "rate:2@200s",
+                6,
+                false,
+            )
+        };
+        let (alone, ceiling) = run(false);
+        let (with, _) = run(true);
+        eprintln!(
+            "{g} proxies: hit {alone:.3} alone, {with:.3} with the exchange, ceiling {ceiling:.3}"
+        );
+        assert!(
+            alone < 0.9 * ceiling,
+            "{g} proxies without the exchange: {alone} of {ceiling}"
+        );
+        near_the_ceiling(&format!("{g} proxies with the exchange"), run(true));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sessions_through(
+    mesh: MeshSpec,
+    arm: &str,
+    groups: u32,
+    endpoints: usize,
+    blocks: u32,
+    stages: &str,
+    seed: u64,
+    exact: bool,
+) -> (f64, f64) {
     let mut c = cfg(arm, stages, seed, exact);
+    c.mesh = mesh;
     c.fleet.endpoints = endpoints;
     c.fleet.engine.num_gpu_blocks = blocks;
     c.load = Load::Workload {

@@ -8,7 +8,9 @@ use kvroute_sim_model::simulator::arms::{arm_document, set_affinity_param, ArmPa
 use kvroute_sim_model::simulator::plot::sweep_svg;
 use kvroute_sim_model::simulator::sweep::{markdown, parse_sweep, run_sweep, Scenario};
 use kvroute_sim_model::simulator::trace::parse_trace;
-use kvroute_sim_model::simulator::{fleet_from_flags, Load, FLEET_FLAGS, FLEET_USAGE};
+use kvroute_sim_model::simulator::{
+    fleet_from_flags, Load, MeshSpec, ProxyAssign, FLEET_FLAGS, FLEET_USAGE,
+};
 use kvroute_sim_model::workload::report::render_table;
 use kvroute_sim_model::workload::stages::parse_stages;
 use kvroute_sim_model::workload::{Api, WorkloadKind, WorkloadSpec};
@@ -51,6 +53,14 @@ Router:
   --envoy-workers N         Envoy worker threads (--concurrency): each routes with its own
                             engine and generator (the same routing.seed, when set) over
                             the one shared store; a request lands on a random one [1]
+  --proxies G               G Envoy processes in front of the fleet, each with its own shared
+                            data, collector and --envoy-workers workers [1]
+  --proxy-assign HOW        which proxy a request goes through: rotate (turn k of group g
+                            through (g + k) mod G) | random | client (closed-loop client
+                            mod G; rate stages by group) [rotate]
+  --mesh-exchange           the proxies exchange accepted decisions and in-flight sums per
+                            server (the relay beside each server, modelled) [off]
+  --exchange-ms MS          router-clock ms between one proxy's exchanges [--metrics-poll-ms]
 
 Output:
   --json PATH               the report (or the sweep's points) as JSON
@@ -88,6 +98,10 @@ fn flags() -> Vec<(&'static str, bool)> {
         ("metrics-poll-ms", true),
         ("time-scale", true),
         ("envoy-workers", true),
+        ("proxies", true),
+        ("proxy-assign", true),
+        ("mesh-exchange", false),
+        ("exchange-ms", true),
         ("json", true),
         ("sweep", true),
         ("plot", true),
@@ -179,6 +193,13 @@ fn scenario(f: &Flags) -> Result<Scenario, String> {
         stop_after_ttft_p90_s: stop,
         envoy_workers: f.get("envoy-workers", 1usize)?.max(1),
         decision_log: f.str("decision-log").map(str::to_owned),
+        mesh: MeshSpec {
+            proxies: f.get("proxies", 1usize)?.max(1),
+            assign: ProxyAssign::parse(f.str("proxy-assign").unwrap_or("rotate"))
+                .map_err(|e| format!("{P}: {e}"))?,
+            exchange: f.has("mesh-exchange"),
+            exchange_ms: f.get("exchange-ms", 0u64)?,
+        },
     };
     // Refuse a bad document now, with the filter's own error.
     s.sim_config().map_err(|e| format!("{P}: {e}"))?;

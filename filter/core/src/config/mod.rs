@@ -71,6 +71,24 @@ pub struct Config {
     pub collector: CollectorConfig,
     pub kv_events: KvEventsConfig,
     pub shared_state: SharedStateConfig,
+    /// The mesh exchange between proxies (`engine` `mesh`): not read from
+    /// the JSON yet; the fleet simulator turns it on.
+    pub mesh: MeshConfig,
+}
+
+/// How this proxy shares its routing with the other proxies of a mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct MeshConfig {
+    /// Accepted decisions go to the outbox, and the other proxies' load
+    /// counts in decisions.
+    pub enabled: bool,
+    /// ms; the other proxies' load counts this long after it arrived
+    /// (0: three metrics poll intervals).
+    pub peer_ttl_ms: u64,
+    /// XORed into the picker's tie key (`tieBreak: prefix`): each proxy
+    /// its own, so ties among an empty fleet's endpoints spread over the
+    /// proxies instead of all naming one endpoint. 0: none.
+    pub tie_salt: u64,
 }
 
 impl Config {
@@ -434,6 +452,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         collector,
         kv_events,
         shared_state,
+        mesh: MeshConfig::default(),
     })
 }
 

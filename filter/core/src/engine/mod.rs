@@ -17,6 +17,8 @@
 //!   shared state (tables, index lookup, precise mode's held view);
 //! - `collect.rs`: the collector's writes (membership, `/metrics` polls and
 //!   the learners, relay answers, reaping);
+//! - `mesh.rs`: the mesh exchange between proxies (the outbox of accepted
+//!   decisions, the other proxies' decisions and load applied);
 //! - `state.rs`: the state view ([`Engine::state_json`], `routing.statePath`).
 //!
 //! What they share is here: the [`Engine`] and its per-VM table cache, and
@@ -93,12 +95,14 @@ use std::sync::{Arc, Mutex};
 
 mod collect;
 mod facts;
+mod mesh;
 mod route;
 mod snapshot;
 mod state;
 
 pub use collect::{Applied, ApplyError};
 pub use facts::RequestFacts;
+pub use mesh::{MeshOutgoing, OwnLoad};
 pub use snapshot::Snapshot;
 pub use state::STATE_HASHES_MAX;
 

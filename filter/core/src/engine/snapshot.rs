@@ -119,6 +119,11 @@ impl Engine {
         let hashes = facts.hashes.as_slice();
         let matches = index::longest_prefixes(store, &self.geometry, hashes, &holders)?;
 
+        let peer_ttl = if self.config.mesh.enabled {
+            self.peer_ttl_ms()
+        } else {
+            0
+        };
         let candidates: Vec<Candidate> = endpoints
             .iter()
             .zip(&matches.matched_blocks)
@@ -128,13 +133,23 @@ impl Engine {
                 let m = metrics
                     .get(e.slot, e.generation)
                     .filter(|m| m.is_fresh(now_ms, stale_after));
+                // The other proxies' load (mesh), while recent.
+                let peer = rec
+                    .map(|r| r.peer)
+                    .filter(|p| peer_ttl > 0 && p.is_fresh(now_ms, peer_ttl))
+                    .unwrap_or_default();
                 Candidate {
                     matched_blocks: matched,
                     unresolved_blocks: index::unresolved_after(matched, hashes.len()),
-                    inflight_tokens: rec.map_or(0, |r| r.inflight_tokens()),
-                    inflight_requests: rec.map_or(0, |r| r.inflight_requests()),
-                    inflight_prefill_tokens: rec.map_or(0, |r| r.inflight_prompt_tokens()),
-                    inflight_held_tokens: rec.map_or(0, |r| r.inflight_output_tokens()),
+                    inflight_tokens: rec.map_or(0, |r| r.inflight_tokens())
+                        + peer.prompt_tokens
+                        + peer.output_tokens,
+                    inflight_requests: rec.map_or(0, |r| r.inflight_requests())
+                        + u64::from(peer.requests),
+                    inflight_prefill_tokens: rec.map_or(0, |r| r.inflight_prompt_tokens())
+                        + peer.prompt_tokens,
+                    inflight_held_tokens: rec.map_or(0, |r| r.inflight_output_tokens())
+                        + peer.output_tokens,
                     inserted_blocks: h.insert_counter,
                     capacity_blocks: h.capacity_blocks,
                     metrics: m.map(|m| EndpointMetrics {
@@ -170,7 +185,10 @@ impl Engine {
             block_size_tokens: block_tokens,
             max_output_tokens: facts.max_output_tokens,
             learnt_output_tokens,
-            tie_key: tie_key(hashes, &candidates),
+            // A mesh proxy's own salt: proxies that see the same empty
+            // fleet at once (a burst of new sessions sharing a system
+            // prompt) break ties differently, as one proxy's charges would.
+            tie_key: tie_key(hashes, &candidates).map(|k| k ^ self.config.mesh.tie_salt),
         };
         Ok(Some(Snapshot {
             endpoints,
@@ -222,7 +240,7 @@ impl Engine {
             block_size_tokens: p.block_size,
             max_output_tokens: snap.view.max_output_tokens,
             learnt_output_tokens: snap.view.learnt_output_tokens,
-            tie_key: tie_key(vllm_hashes, &candidates),
+            tie_key: tie_key(vllm_hashes, &candidates).map(|k| k ^ self.config.mesh.tie_salt),
         };
         Ok(Some((candidates, view)))
     }

@@ -395,6 +395,13 @@ impl Stream {
                     true
                 }
             };
+            // Accepted work is told to the other proxies (mesh exchange).
+            if let (true, Some(w), Some(p)) = (self.accepted, &self.worker, &self.provisional) {
+                match w.engine.note_accepted(host.store(), p) {
+                    Ok(retries) => w.counts.add(host, Counter::CasRetries, u64::from(retries)),
+                    Err(e) => w.host_error(host, "telling the mesh of an accepted request", e),
+                }
+            }
         }
         if let Some(x) = self.explanation.take() {
             if let Err(e) = host.set_response_header(DECISION_HEADER, &x) {

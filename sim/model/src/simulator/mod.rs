@@ -47,11 +47,11 @@ use crate::workload::report::{stage_report, EndpointCounters, RequestRecord, Sta
 use crate::workload::stages::{Stage, StageKind};
 use crate::workload::{GenParts, Workload, WorkloadSpec};
 use kvroute_core::config::{Config, EndpointSource};
-use kvroute_core::engine::{Engine as Router, Outcome, RequestFacts};
+use kvroute_core::engine::{Engine as Router, Outcome, OwnLoad, RequestFacts};
 use kvroute_core::lifecycle::Counter;
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_core::scheduling::Rng;
-use kvroute_shared_state::load::{LoadTable, Ticket};
+use kvroute_shared_state::load::{LoadTable, PeerLoad, Ticket};
 use kvroute_shared_state::memory::MemoryStore;
 use kvroute_shared_state::Store;
 use serde::Serialize;
@@ -129,6 +129,64 @@ pub struct SimConfig {
     /// per-scorer scores, its insert counter, and the prefix the modelled
     /// server really holds, for finding why a profile misses.
     pub decision_log: Option<String>,
+    /// Several proxies in front of the fleet (gateway replicas, sidecars).
+    pub mesh: MeshSpec,
+}
+
+/// Several proxies (Envoy processes) in front of one fleet: each has its
+/// own shared data (its own store, collector and workers) and sees only the
+/// requests sent through it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MeshSpec {
+    /// Proxies (`--proxies`); 1 is one gateway.
+    pub proxies: usize,
+    /// Which proxy a request goes through (`--proxy-assign`).
+    pub assign: ProxyAssign,
+    /// The mesh exchange on (`--mesh-exchange`): every `exchange_ms` each
+    /// proxy posts its accepted decisions and in-flight sums per server to
+    /// that server's exchange (the relay beside it) and takes the others'
+    /// posted since its last call (`kvroute_core::engine` `mesh`).
+    pub exchange: bool,
+    /// ms of router clock between one proxy's exchanges (0: the metrics
+    /// poll interval).
+    pub exchange_ms: u64,
+}
+
+impl Default for MeshSpec {
+    fn default() -> Self {
+        MeshSpec {
+            proxies: 1,
+            assign: ProxyAssign::Rotate,
+            exchange: false,
+            exchange_ms: 0,
+        }
+    }
+}
+
+/// How requests are spread over the proxies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProxyAssign {
+    /// Turn k of conversation (group) g through proxy (g + k) mod G: each
+    /// turn through another proxy than the last (`replicas.py`'s shape).
+    Rotate,
+    /// A uniformly random proxy (a load balancer in front of replicas).
+    Random,
+    /// Each closed-loop client through its own proxy (client mod G; a rate
+    /// stage's requests by group): sidecars.
+    Client,
+}
+
+impl ProxyAssign {
+    pub fn parse(s: &str) -> Result<ProxyAssign, String> {
+        match s {
+            "rotate" => Ok(ProxyAssign::Rotate),
+            "random" => Ok(ProxyAssign::Random),
+            "client" => Ok(ProxyAssign::Client),
+            _ => Err(format!(
+                "--proxy-assign: '{s}' is not rotate, random or client"
+            )),
+        }
+    }
 }
 
 /// Totals of a run.
@@ -216,6 +274,8 @@ enum Ev {
     StepEnd(usize),
     Scrape,
     Reap,
+    /// Proxy p's mesh exchange.
+    Exchange(usize),
 }
 
 #[derive(Debug)]
@@ -256,6 +316,8 @@ struct Inflight {
     /// Stage start, model s (the record's times are relative to it).
     stage_t0: f64,
     ticket: Option<Ticket>,
+    /// The proxy that routed it (its charge is in that proxy's store).
+    proxy: usize,
     prompt_released: bool,
     first_at: Option<f64>,
     last_chunk_at: f64,
@@ -268,27 +330,54 @@ enum KvRouter {
     /// One rotation per Envoy worker; a request lands on a random worker.
     RoundRobin { next: Vec<usize>, pick_worker: Rng },
     Kvroute {
-        /// The collector's engine (and the releases').
-        router: Box<Router>,
-        store: MemoryStore,
-        /// Envoy's worker threads: each has its own engine (its own table
-        /// cache) and its own generator, seeded as the filter seeds it (every
-        /// worker the same `routing.seed`, when set).
-        workers: Vec<(Box<Router>, Rng)>,
-        /// Which worker a request lands on (the kernel's connection spread).
-        pick_worker: Rng,
+        /// One per Envoy process ([`MeshSpec`]); one gateway: one.
+        proxies: Vec<Proxy>,
+        /// Which proxy a request goes through ([`ProxyAssign::Random`]).
+        pick_proxy: Rng,
+        /// Requests so far per group ([`ProxyAssign::Rotate`]).
+        turns: HashMap<u32, u32>,
+        /// The mesh exchange, when on.
+        exchange: Option<Exchange>,
         /// Endpoint address → fleet index.
         by_address: HashMap<String, usize>,
-        /// Fleet index → (slot, generation).
+        /// Fleet index → (slot, generation), the same in every proxy.
         slots: Vec<(u16, u16)>,
-        fallback_next: usize,
     },
+}
+
+/// One Envoy process running kvroute.
+struct Proxy {
+    /// The collector's engine (and the releases').
+    router: Box<Router>,
+    store: MemoryStore,
+    /// Envoy's worker threads: each has its own engine (its own table
+    /// cache) and its own generator, seeded as the filter seeds it (every
+    /// worker the same `routing.seed`, when set).
+    workers: Vec<(Box<Router>, Rng)>,
+    /// Which worker a request lands on (the kernel's connection spread).
+    pick_worker: Rng,
+    fallback_next: usize,
+}
+
+/// The exchange beside each server (the relay's part): what each proxy
+/// posted, in order, and each proxy's last posted in-flight sums there.
+struct Exchange {
+    period_s: f64,
+    /// Per server: (poster, new blocks, hashes), in posting order.
+    log: Vec<Vec<(usize, u32, Vec<u64>)>>,
+    /// Per server, per proxy: its last posted sums and when (model s).
+    load: Vec<Vec<Option<(OwnLoad, f64)>>>,
+    /// Per proxy, per server: how far into `log` it has read.
+    cursor: Vec<Vec<usize>>,
 }
 
 /// The result of routing one request.
 struct Routed {
     endpoint: usize,
     ticket: Option<Ticket>,
+    /// What the decision wrote, told to the mesh once the server accepts.
+    provisional: Option<kvroute_core::engine::Provisional>,
+    proxy: usize,
     unrouted: bool,
 }
 
@@ -327,6 +416,10 @@ pub struct Sim {
     decision_log: Option<std::io::BufWriter<std::fs::File>>,
     pending_tag: Option<(u32, String)>,
     last_decision: Option<(kvroute_core::scheduling::Decision, u64)>,
+    /// The group of the request being built (which proxy it goes through).
+    pending_group: Option<u32>,
+    /// The proxy that routed the request just routed.
+    last_proxy: usize,
 }
 
 impl Sim {
@@ -346,7 +439,7 @@ impl Sim {
                     // Envoy starts each worker's rotation at a random host.
                     next: {
                         let mut r = Rng::derive(cfg.seed, 0xE0E1);
-                        (0..cfg.envoy_workers.max(1))
+                        (0..cfg.envoy_workers.max(1) * cfg.mesh.proxies.max(1))
                             .map(|_| r.below(cfg.fleet.endpoints as u64) as usize)
                             .collect()
                     },
@@ -356,7 +449,8 @@ impl Sim {
                 1.0,
             ),
             RouterSpec::Kvroute(config) => {
-                let config = (**config).clone();
+                let mut config = (**config).clone();
+                config.mesh.enabled = cfg.mesh.exchange;
                 if let EndpointSource::Static(list) = &config.endpoints {
                     if list.len() != cfg.fleet.endpoints {
                         return Err(format!(
@@ -367,29 +461,48 @@ impl Sim {
                     }
                     names = list.iter().map(|a| a.to_string()).collect();
                 }
-                let c = &config.collector;
+                let c = config.collector.clone();
                 let poll_s = c
                     .metrics_cluster
                     .as_ref()
                     .map(|_| c.metrics_poll_interval_ms as f64 / 1e3 * cfg.time_scale);
                 let reap_s = (c.reap_after_ms / 4).clamp(100, 1000) as f64 / 1e3 * cfg.time_scale;
                 let fixed_seed = config.routing.seed;
-                let router = Box::new(Router::new(config));
-                let workers = (0..cfg.envoy_workers.max(1))
-                    .map(|i| {
-                        let s = fixed_seed.unwrap_or(cfg.seed.wrapping_add(i as u64));
-                        (router.clone(), Rng::new(s))
-                    })
-                    .collect();
-                let store = MemoryStore::new();
-                router
-                    .collector_init(&store)
-                    .map_err(|e| format!("collector init: {e}"))?;
-                router
-                    .apply_membership(&store, names.iter().map(|n| (n.clone(), true)).collect())
-                    .map_err(|e| format!("membership: {e}"))?;
+                let n_proxies = cfg.mesh.proxies.max(1);
+                let mut proxies = Vec::with_capacity(n_proxies);
+                for p in 0..n_proxies {
+                    let mut config = config.clone();
+                    if cfg.mesh.exchange && n_proxies > 1 {
+                        // Each Envoy process its own tie salt.
+                        config.mesh.tie_salt = Rng::derive(p as u64, 0x5A17).next_u64();
+                    }
+                    let router = Box::new(Router::new(config));
+                    // Proxy 0 is seeded as one gateway always was.
+                    let base = cfg.seed.wrapping_add((p as u64) << 20);
+                    let workers = (0..cfg.envoy_workers.max(1))
+                        .map(|i| {
+                            let s = fixed_seed.unwrap_or(base.wrapping_add(i as u64));
+                            (router.clone(), Rng::new(s))
+                        })
+                        .collect();
+                    let store = MemoryStore::new();
+                    router
+                        .collector_init(&store)
+                        .map_err(|e| format!("collector init: {e}"))?;
+                    router
+                        .apply_membership(&store, names.iter().map(|n| (n.clone(), true)).collect())
+                        .map_err(|e| format!("membership: {e}"))?;
+                    proxies.push(Proxy {
+                        router,
+                        store,
+                        workers,
+                        pick_worker: Rng::derive(cfg.seed ^ ((p as u64) << 32), 0xE0E0),
+                        fallback_next: 0,
+                    });
+                }
+                let (router, store) = (&proxies[0].router, &proxies[0].store);
                 let table = router
-                    .endpoint_table(&store)
+                    .endpoint_table(store)
                     .map_err(|e| format!("endpoint table: {e}"))?;
                 let mut by_address = HashMap::new();
                 let mut slots = vec![(0, 0); names.len()];
@@ -402,15 +515,42 @@ impl Sim {
                     by_address.insert(n.clone(), i);
                     slots[i] = (e.slot, e.generation);
                 }
+                // Every proxy has the same slots (the same membership, in order).
+                for p in &proxies[1..] {
+                    let t = p
+                        .router
+                        .endpoint_table(&p.store)
+                        .map_err(|e| format!("endpoint table: {e}"))?;
+                    for (i, n) in names.iter().enumerate() {
+                        if !t
+                            .endpoints
+                            .iter()
+                            .any(|e| &e.address == n && (e.slot, e.generation) == slots[i])
+                        {
+                            return Err(format!("proxies disagree on {n}'s slot"));
+                        }
+                    }
+                }
+                let exchange = cfg.mesh.exchange.then(|| {
+                    let ms = match cfg.mesh.exchange_ms {
+                        0 => c.metrics_poll_interval_ms,
+                        ms => ms,
+                    };
+                    Exchange {
+                        period_s: ms.max(1) as f64 / 1e3 * cfg.time_scale,
+                        log: vec![Vec::new(); names.len()],
+                        load: vec![vec![None; n_proxies]; names.len()],
+                        cursor: vec![vec![0; names.len()]; n_proxies],
+                    }
+                });
                 (
                     KvRouter::Kvroute {
-                        router,
-                        store,
-                        workers,
-                        pick_worker: Rng::derive(cfg.seed, 0xE0E0),
+                        proxies,
+                        pick_proxy: Rng::derive(cfg.seed, 0xE0E2),
+                        turns: HashMap::new(),
+                        exchange,
                         by_address,
                         slots,
-                        fallback_next: 0,
                     },
                     poll_s,
                     reap_s,
@@ -469,6 +609,8 @@ impl Sim {
             },
             pending_tag: None,
             last_decision: None,
+            pending_group: None,
+            last_proxy: 0,
             cfg,
         })
     }
@@ -496,6 +638,18 @@ impl Sim {
         }
         if matches!(self.router, KvRouter::Kvroute { .. }) {
             self.push(self.reap_s, Ev::Reap);
+        }
+        if let KvRouter::Kvroute {
+            proxies,
+            exchange: Some(x),
+            ..
+        } = &self.router
+        {
+            // Each proxy on its own phase within the period.
+            let (n, period) = (proxies.len(), x.period_s);
+            for p in 0..n {
+                self.push(period * (p as f64 + 0.5) / n as f64, Ev::Exchange(p));
+            }
         }
         self.push(SAMPLE_S, Ev::Sample);
         let mut stages = Vec::new();
@@ -527,17 +681,22 @@ impl Sim {
             .map(|s| s.model.counters.preemptions)
             .sum();
         let (inflight_after, shared_data_bytes) = match &self.router {
-            KvRouter::Kvroute { store, slots, .. } => {
-                let bytes = store
-                    .get(kvroute_shared_state::LOAD_KEY)
-                    .map_err(|e| format!("reading the load table: {e}"))?;
-                let load = LoadTable::decode(bytes.as_ref().map(|(b, _)| b.as_slice()));
-                let inflight = slots
-                    .iter()
-                    .filter_map(|&(slot, generation)| load.get(slot, generation))
-                    .map(|r| r.inflight_requests())
-                    .sum();
-                (inflight, store.usage().0)
+            KvRouter::Kvroute { proxies, slots, .. } => {
+                let (mut inflight, mut bytes_max) = (0, 0);
+                for p in proxies {
+                    let bytes = p
+                        .store
+                        .get(kvroute_shared_state::LOAD_KEY)
+                        .map_err(|e| format!("reading the load table: {e}"))?;
+                    let load = LoadTable::decode(bytes.as_ref().map(|(b, _)| b.as_slice()));
+                    inflight += slots
+                        .iter()
+                        .filter_map(|&(slot, generation)| load.get(slot, generation))
+                        .map(|r| r.inflight_requests())
+                        .sum::<u64>();
+                    bytes_max = bytes_max.max(p.store.usage().0);
+                }
+                (inflight, bytes_max)
             }
             KvRouter::RoundRobin { .. } => (0, 0),
         };
@@ -586,6 +745,7 @@ impl Sim {
             .expect("workload load has a workload");
         if exact {
             let g = w.next_request();
+            self.pending_group = Some(g.group);
             let kind = if g.path.ends_with("/chat/completions") {
                 ApiKind::ChatCompletions
             } else {
@@ -594,6 +754,7 @@ impl Sim {
             self.body_request(kind, g.body.to_string().into_bytes())
         } else {
             let parts = w.next_parts();
+            self.pending_group = Some(parts.group);
             let model = w.spec().model.clone();
             if self.decision_log.is_some() {
                 let last = parts
@@ -652,9 +813,14 @@ impl Sim {
         }
     }
 
-    fn route(&mut self, input: &RouterInput) -> Result<Option<Routed>, String> {
+    fn route(
+        &mut self,
+        input: &RouterInput,
+        client: Option<usize>,
+    ) -> Result<Option<Routed>, String> {
         let now_ms = self.now_ms();
         let n = self.servers.len();
+        let group = self.pending_group.take();
         match &mut self.router {
             KvRouter::RoundRobin { next, pick_worker } => {
                 let w = pick_worker.below(next.len() as u64) as usize;
@@ -663,17 +829,39 @@ impl Sim {
                 Ok(Some(Routed {
                     endpoint: e,
                     ticket: None,
+                    provisional: None,
+                    proxy: 0,
                     unrouted: false,
                 }))
             }
             KvRouter::Kvroute {
-                store,
-                workers,
-                pick_worker,
+                proxies,
+                pick_proxy,
+                turns,
                 by_address,
-                fallback_next,
                 ..
             } => {
+                let g = proxies.len();
+                let p = match (self.cfg.mesh.assign, group, client) {
+                    _ if g == 1 => 0,
+                    (ProxyAssign::Client, _, Some(c)) => c % g,
+                    (ProxyAssign::Client, Some(grp), None) => grp as usize % g,
+                    (ProxyAssign::Rotate, Some(grp), _) => {
+                        let k = turns.entry(grp).or_insert(0);
+                        let p = (grp as usize + *k as usize) % g;
+                        *k = k.wrapping_add(1);
+                        p
+                    }
+                    _ => pick_proxy.below(g as u64) as usize,
+                };
+                self.last_proxy = p;
+                let Proxy {
+                    store,
+                    workers,
+                    pick_worker,
+                    fallback_next,
+                    ..
+                } = &mut proxies[p];
                 let w = pick_worker.below(workers.len() as u64) as usize;
                 let (router, rng) = &mut workers[w];
                 let facts = match input {
@@ -716,6 +904,8 @@ impl Sim {
                         Ok(Some(Routed {
                             endpoint: e,
                             ticket: r.ticket,
+                            provisional: r.provisional,
+                            proxy: p,
                             unrouted: false,
                         }))
                     }
@@ -726,6 +916,8 @@ impl Sim {
                         Ok(Some(Routed {
                             endpoint: e,
                             ticket: None,
+                            provisional: None,
+                            proxy: p,
                             unrouted: true,
                         }))
                     }
@@ -737,11 +929,13 @@ impl Sim {
 
     fn release(
         &mut self,
+        proxy: usize,
         ticket: &Ticket,
         rest: bool,
         prompt_released: bool,
     ) -> Result<(), String> {
-        if let KvRouter::Kvroute { router, store, .. } = &self.router {
+        if let KvRouter::Kvroute { proxies, .. } = &self.router {
+            let Proxy { router, store, .. } = &proxies[proxy];
             let r = if rest {
                 router.release_rest(store, ticket, prompt_released)
             } else {
@@ -785,7 +979,7 @@ impl Sim {
             RouterInput::Body { .. } => 0,
         };
         self.last_decision = None;
-        let Some(routed) = self.route(&req.router)? else {
+        let Some(routed) = self.route(&req.router, client)? else {
             // A closed-loop client whose request is refused at once stops
             // (in virtual time it would otherwise resend forever at one instant).
             self.drop_request(rec, "rejected by kvroute");
@@ -801,6 +995,16 @@ impl Sim {
         }
         match self.servers[e].model.add_request(req.server, now) {
             Ok(id) => {
+                // The server accepted it: the filter tells the mesh at the
+                // response's headers (`lifecycle::stream`).
+                if let (KvRouter::Kvroute { proxies, .. }, Some(prov)) =
+                    (&self.router, &routed.provisional)
+                {
+                    let px = &proxies[routed.proxy];
+                    px.router
+                        .note_accepted(&px.store, prov)
+                        .map_err(|e| format!("outbox: {e}"))?;
+                }
                 let idx = self.requests.len();
                 self.requests.push(Some(Inflight {
                     rec: RequestRecord {
@@ -809,6 +1013,7 @@ impl Sim {
                     },
                     stage_t0,
                     ticket: routed.ticket,
+                    proxy: routed.proxy,
                     prompt_released: false,
                     first_at: None,
                     last_chunk_at: now,
@@ -824,7 +1029,7 @@ impl Sim {
             Err(_) => {
                 // vLLM answers 400 at once; the filter releases at the reply.
                 if let Some(t) = &routed.ticket {
-                    self.release(t, true, false)?;
+                    self.release(routed.proxy, t, true, false)?;
                 }
                 // As above: the refused client stops.
                 self.drop_request(rec, "http 400");
@@ -847,8 +1052,9 @@ impl Sim {
         };
         let tag = self.pending_tag.take();
         let load = match &self.router {
-            KvRouter::Kvroute { store, .. } => {
-                let bytes = store
+            KvRouter::Kvroute { proxies, .. } => {
+                let bytes = proxies[self.last_proxy]
+                    .store
                     .get(kvroute_shared_state::LOAD_KEY)
                     .map_err(|e| format!("reading the load table: {e}"))?;
                 Some(LoadTable::decode(bytes.as_ref().map(|(b, _)| b.as_slice())))
@@ -942,7 +1148,7 @@ impl Sim {
                 continue;
             };
             let now = self.now;
-            let mut release: Option<(Ticket, bool, bool)> = None;
+            let mut release: Option<(usize, Ticket, bool, bool)> = None;
             let finished;
             {
                 let inf = self.requests[idx].as_mut().expect("live request");
@@ -956,7 +1162,7 @@ impl Sim {
                     inf.rec.cached_tokens = u64::from(o.cached_tokens);
                     if !o.finished {
                         if let Some(t) = &inf.ticket {
-                            release = Some((*t, false, false));
+                            release = Some((inf.proxy, *t, false, false));
                         }
                         inf.prompt_released = true;
                     }
@@ -964,13 +1170,13 @@ impl Sim {
                 finished = o.finished;
                 if finished {
                     if let Some(t) = &inf.ticket {
-                        release = Some((*t, true, inf.prompt_released));
+                        release = Some((inf.proxy, *t, true, inf.prompt_released));
                     }
                     inf.rec.completion_tokens = u64::from(o.generated);
                 }
             }
-            if let Some((t, rest, pr)) = release {
-                self.release(&t, rest, pr)?;
+            if let Some((px, t, rest, pr)) = release {
+                self.release(px, &t, rest, pr)?;
             }
             if finished {
                 self.servers[e].ids.remove(&o.id);
@@ -1000,13 +1206,7 @@ impl Sim {
     }
 
     fn scrape(&mut self) {
-        let KvRouter::Kvroute {
-            router,
-            store,
-            slots,
-            ..
-        } = &self.router
-        else {
+        let KvRouter::Kvroute { proxies, slots, .. } = &self.router else {
             return;
         };
         let now_ms = 1_000_000 + (self.now / self.cfg.time_scale * 1e3) as u64;
@@ -1018,20 +1218,91 @@ impl Sim {
                 &Snapshot::of(&s.model),
             );
             let (slot, generation) = slots[i];
-            // A failure to write is the collector's problem in Envoy too:
-            // it keeps the old values, which go stale.
-            let _ = router.record_metrics(store, slot, generation, Ok(page.as_bytes()), now_ms);
+            // Every proxy's collector polls every server. A failure to
+            // write is the collector's problem in Envoy too: it keeps the
+            // old values, which go stale.
+            for p in proxies {
+                let _ = p.router.record_metrics(
+                    &p.store,
+                    slot,
+                    generation,
+                    Ok(page.as_bytes()),
+                    now_ms,
+                );
+            }
             self.totals.scrapes += 1;
         }
     }
 
     fn reap(&mut self) {
-        if let KvRouter::Kvroute { router, store, .. } = &self.router {
+        if let KvRouter::Kvroute { proxies, .. } = &self.router {
             let now_ms = 1_000_000 + (self.now / self.cfg.time_scale * 1e3) as u64;
-            if let Ok(n) = router.reap(store, now_ms) {
-                self.totals.reaped += n;
+            for p in proxies {
+                if let Ok(n) = p.router.reap(&p.store, now_ms) {
+                    self.totals.reaped += n;
+                }
             }
         }
+    }
+
+    /// Proxy `p`'s exchange: it posts what its outbox holds and its own
+    /// in-flight sums to each server's exchange, and takes what the others
+    /// posted there since its last call, with their latest sums.
+    fn exchange(&mut self, p: usize) -> Result<(), String> {
+        let now = self.now;
+        let now_ms = self.now_ms();
+        let KvRouter::Kvroute {
+            proxies,
+            exchange: Some(x),
+            slots,
+            ..
+        } = &mut self.router
+        else {
+            return Ok(());
+        };
+        let px = &proxies[p];
+        let out = px
+            .router
+            .mesh_outgoing(&px.store)
+            .map_err(|e| format!("mesh outgoing: {e}"))?;
+        let server_of =
+            |slot: u16, generation: u16| slots.iter().position(|&s| s == (slot, generation));
+        for d in out.decisions {
+            if let Some(e) = server_of(d.slot, d.generation) {
+                x.log[e].push((p, d.new_blocks, d.hashes));
+            }
+        }
+        for l in &out.load {
+            if let Some(e) = server_of(l.slot, l.generation) {
+                x.load[e][p] = Some((*l, now));
+            }
+        }
+        // A proxy's sums count for three periods after it posted them.
+        let ttl = 3.0 * x.period_s;
+        for (e, &(slot, generation)) in slots.iter().enumerate() {
+            let mut peer = PeerLoad {
+                at_ms: now_ms.max(1),
+                ..Default::default()
+            };
+            for (q, l) in x.load[e].iter().enumerate() {
+                if let Some((l, _)) = (*l).filter(|&(_, at)| q != p && now - at <= ttl) {
+                    peer.prompt_tokens += l.prompt_tokens;
+                    peer.output_tokens += l.output_tokens;
+                    peer.requests += l.requests;
+                }
+            }
+            let from = x.cursor[p][e];
+            let decisions: Vec<(u32, &[u64])> = x.log[e][from..]
+                .iter()
+                .filter(|(q, _, _)| *q != p)
+                .map(|(_, n, h)| (*n, h.as_slice()))
+                .collect();
+            px.router
+                .apply_peer(&px.store, slot, generation, Some(peer), &decisions)
+                .map_err(|e| format!("mesh apply: {e}"))?;
+            x.cursor[p][e] = x.log[e].len();
+        }
+        Ok(())
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), String> {
@@ -1046,6 +1317,16 @@ impl Sim {
             Ev::Reap => {
                 self.reap();
                 self.push(self.now + self.reap_s, Ev::Reap);
+            }
+            Ev::Exchange(p) => {
+                self.exchange(p)?;
+                if let KvRouter::Kvroute {
+                    exchange: Some(x), ..
+                } = &self.router
+                {
+                    let period = x.period_s;
+                    self.push(self.now + period, Ev::Exchange(p));
+                }
             }
             Ev::Sample => {
                 for sv in &self.servers {

@@ -3,7 +3,7 @@
 //! Markdown table (and, with [`super::plot`], an SVG).
 
 use super::arms::{arm_document, router_from_document, set_affinity_param, ArmParams};
-use super::{simulate, FleetSpec, Load, RouterSpec, SimConfig, SimReport};
+use super::{simulate, FleetSpec, Load, MeshSpec, RouterSpec, SimConfig, SimReport};
 use crate::workload::stages::{Stage, StageKind};
 use serde::Serialize;
 use serde_json::Value;
@@ -21,6 +21,8 @@ pub struct Scenario {
     pub envoy_workers: usize,
     /// `--decision-log` (see [`SimConfig::decision_log`]).
     pub decision_log: Option<String>,
+    /// Several proxies (see [`SimConfig::mesh`]).
+    pub mesh: MeshSpec,
 }
 
 impl Scenario {
@@ -38,6 +40,7 @@ impl Scenario {
             stop_after_ttft_p90_s: self.stop_after_ttft_p90_s,
             envoy_workers: self.envoy_workers,
             decision_log: self.decision_log.clone(),
+            mesh: self.mesh.clone(),
         })
     }
 

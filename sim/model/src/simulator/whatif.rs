@@ -194,6 +194,7 @@ fn scenario(trace: &[TraceRequest], f: &Facts, doc: Option<serde_json::Value>) -
         stop_after_ttft_p90_s: None,
         envoy_workers: 1,
         decision_log: None,
+        mesh: Default::default(),
     }
 }
 

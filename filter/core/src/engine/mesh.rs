@@ -1,0 +1,399 @@
+//! The mesh exchange: what this proxy tells the other proxies of a mesh,
+//! and what it takes from theirs (`config.mesh`).
+//!
+//! Each Envoy process has its own shared data and sees only its own
+//! traffic. With the exchange on:
+//!
+//! - **Told.** A request a server accepted (2xx) goes to the outbox
+//!   ([`Engine::note_accepted`]: `kvroute_shared_state::mesh`); at each
+//!   exchange the collector takes it, with this proxy's own in-flight sums
+//!   per endpoint ([`Engine::mesh_outgoing`]). Rejected requests are never
+//!   told: only accepted work changes another proxy's state.
+//! - **Taken.** For one endpoint, the others' decisions and the sum of
+//!   their in-flight load ([`Engine::apply_peer`]): each decision's blocks
+//!   are inserted into this proxy's index for the endpoint and advance its
+//!   eviction clock by what they advanced the teller's, so the index holds
+//!   what the whole mesh routed there, and the clock (and so
+//!   `cache-balance-scorer`) counts the whole mesh's new cache. The load
+//!   sum is kept beside the endpoint's own charges and counts in decisions
+//!   while it is younger than `mesh.peerTtlMs` (`engine::snapshot`).
+//!
+//! Who carries the messages (the relay beside each server, or the fleet
+//! simulator's model of it) is not this file's business.
+
+use super::{Engine, Provisional};
+use kvroute_shared_state::cas::update;
+use kvroute_shared_state::index::{self, Holder, InsertStats, GROUP_BLOCKS};
+use kvroute_shared_state::load::{LoadTable, PeerLoad};
+use kvroute_shared_state::mesh::{self, Accepted};
+use kvroute_shared_state::{Store, StoreError, LOAD_KEY};
+
+/// One endpoint's own in-flight sums, as this proxy tells them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OwnLoad {
+    pub slot: u16,
+    pub generation: u16,
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    pub requests: u32,
+}
+
+/// What the collector posts at one exchange.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MeshOutgoing {
+    /// Accepted decisions since the last exchange, oldest first.
+    pub decisions: Vec<Accepted>,
+    /// Decisions the outbox dropped at its bound, ever.
+    pub dropped: u64,
+    /// Every endpoint with a record in the load table.
+    pub load: Vec<OwnLoad>,
+}
+
+impl Engine {
+    /// The peers' load counts this long after it arrived (ms).
+    pub fn peer_ttl_ms(&self) -> u64 {
+        match self.config.mesh.peer_ttl_ms {
+            0 => self
+                .config
+                .collector
+                .metrics_poll_interval_ms
+                .saturating_mul(3),
+            t => t,
+        }
+    }
+
+    /// A server accepted the request: puts its decision in the outbox
+    /// (when the exchange is on and the decision inserted blocks). Returns
+    /// the CAS races lost.
+    pub fn note_accepted(&self, store: &dyn Store, p: &Provisional) -> Result<u32, StoreError> {
+        if !self.config.mesh.enabled {
+            return Ok(0);
+        }
+        let Some(from) = p.from_block.filter(|&f| f < p.hashes.len()) else {
+            return Ok(0);
+        };
+        // From the start of the index group holding the first new block:
+        // a group's shard is keyed by its own blocks only.
+        let start = from / GROUP_BLOCKS * GROUP_BLOCKS;
+        mesh::post(
+            store,
+            Accepted {
+                slot: p.undo.slot,
+                generation: p.undo.generation,
+                new_blocks: p.undo.new_blocks.min(u64::from(u32::MAX)) as u32,
+                hashes: p.hashes[start..].to_vec(),
+            },
+        )
+    }
+
+    /// What this proxy tells at an exchange: the outbox (emptied) and its
+    /// own in-flight sums per endpoint.
+    pub fn mesh_outgoing(&self, store: &dyn Store) -> Result<MeshOutgoing, StoreError> {
+        let taken = mesh::take(store)?;
+        let table = LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
+        let load = table
+            .records
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.generation != 0)
+            .map(|(slot, r)| OwnLoad {
+                slot: slot as u16,
+                generation: r.generation,
+                prompt_tokens: r.inflight_prompt_tokens(),
+                output_tokens: r.inflight_output_tokens(),
+                requests: r.inflight_requests().min(u64::from(u32::MAX)) as u32,
+            })
+            .collect();
+        Ok(MeshOutgoing {
+            decisions: taken.entries,
+            dropped: taken.dropped,
+            load,
+        })
+    }
+
+    /// Applies what the other proxies told about one endpoint: their
+    /// in-flight sum (`None`: keep the last one, which ages out) and their
+    /// accepted decisions there, oldest first (`(new_blocks, hashes)`,
+    /// hashes from the start of an index group). Returns the index writes.
+    pub fn apply_peer(
+        &self,
+        store: &dyn Store,
+        slot: u16,
+        generation: u16,
+        load: Option<PeerLoad>,
+        decisions: &[(u32, &[u64])],
+    ) -> Result<InsertStats, StoreError> {
+        let total_new: u64 = decisions.iter().map(|(n, _)| u64::from(*n)).sum();
+        if load.is_none() && total_new == 0 && decisions.is_empty() {
+            return Ok(InsertStats::default());
+        }
+        // Only a healthy endpoint this proxy knows: a stale or hostile
+        // slot must not grow the load table.
+        let known = self.tables(store, 0)?.0;
+        if !known
+            .iter()
+            .any(|e| e.slot == slot && e.generation == generation)
+        {
+            return Ok(InsertStats::default());
+        }
+        // One load-table write: the peers' load, and the eviction clock
+        // moved by every decision at once. The counter before is returned,
+        // so each decision's entries are recorded at its own point.
+        let before = update(
+            store,
+            LOAD_KEY,
+            LoadTable::decode,
+            LoadTable::encode,
+            |t: &mut LoadTable| {
+                let before = t.get(slot, generation).map_or(0, |r| r.insert_counter);
+                let ok = load.is_none_or(|p| t.set_peer_load(slot, generation, p))
+                    && t.advance_insert_counter(slot, generation, total_new);
+                ok.then_some(before)
+            },
+        )?
+        .result;
+        let Some(before) = before else {
+            return Ok(InsertStats::default());
+        };
+        if decisions.iter().all(|(_, h)| h.is_empty()) {
+            return Ok(InsertStats::default());
+        }
+        // Every endpoint's holder, to tell live entries from evicted ones.
+        let table = LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
+        let (endpoints, metrics) = self.tables(store, table.epoch)?;
+        let bs = self.config.prefix.blocks.block_size_tokens;
+        let holders: Vec<Holder> = endpoints
+            .iter()
+            .map(|e| Holder {
+                slot: e.slot,
+                generation: e.generation,
+                insert_counter: table
+                    .get(e.slot, e.generation)
+                    .map_or(0, |r| r.insert_counter),
+                capacity_blocks: self.capacity_blocks_in(metrics.get(e.slot, e.generation), bs),
+            })
+            .collect();
+        let Some(capacity_blocks) = holders
+            .iter()
+            .find(|h| h.slot == slot && h.generation == generation)
+            .map(|h| h.capacity_blocks)
+        else {
+            // Not a healthy endpoint here (yet): its clock moved, nothing
+            // is recorded for it.
+            return Ok(InsertStats::default());
+        };
+        let mut stats = InsertStats::default();
+        let mut counter = before;
+        for (new_blocks, hashes) in decisions {
+            counter = counter.saturating_add(u64::from(*new_blocks));
+            if hashes.is_empty() {
+                continue;
+            }
+            let me = Holder {
+                slot,
+                generation,
+                insert_counter: counter,
+                capacity_blocks,
+            };
+            let is_live = |s: u16, g: u16, recorded: u32| {
+                if s == slot {
+                    return me.holds(s, g, recorded);
+                }
+                holders
+                    .iter()
+                    .find(|h| h.slot == s)
+                    .is_some_and(|h| h.holds(s, g, recorded))
+            };
+            let st = index::insert(store, &self.geometry, hashes, 0, &me, &is_live)?;
+            stats.shard_writes += st.shard_writes;
+            stats.cas_retries += st.cas_retries;
+        }
+        Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::engine::{Outcome, Routed};
+    use crate::request::ApiKind;
+    use crate::scheduling::Rng;
+    use kvroute_shared_state::memory::MemoryStore;
+
+    fn engine(mesh: bool) -> Engine {
+        let doc = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2","127.0.0.1:3"]},
+            "plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":16}},
+                       {"type":"prefix-cache-affinity-filter","parameters":{"maxTTFTPenaltyMs":1000,"peakPrefillThroughput":1000}},
+                       {"type":"token-load-scorer"},{"type":"max-score-picker"}],
+            "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-affinity-filter"},{"pluginRef":"token-load-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
+        let mut c = Config::from_json(doc.as_bytes()).unwrap();
+        c.mesh.enabled = mesh;
+        Engine::new(c)
+    }
+
+    fn proxy(mesh: bool) -> (Engine, MemoryStore) {
+        let e = engine(mesh);
+        let s = MemoryStore::new();
+        e.collector_init(&s).unwrap();
+        (e, s)
+    }
+
+    fn chat(turns: usize) -> Vec<u8> {
+        // A long context and short turns: each turn's prompt is mostly the last one's.
+        let mut messages = vec![
+            serde_json::json!({"role":"system","content":"You are a careful agent. ".repeat(300)}),
+        ];
+        for t in 0..turns {
+            messages.push(serde_json::json!({"role":"user","content":format!("turn {t}: {}", "details ".repeat(20))}));
+            messages.push(serde_json::json!({"role":"assistant","content":format!("answer {t}: {}", "words ".repeat(20))}));
+        }
+        serde_json::json!({"model":"m","messages":messages})
+            .to_string()
+            .into_bytes()
+    }
+
+    fn route(e: &Engine, s: &MemoryStore, body: &[u8], now_ms: u64) -> Routed {
+        let facts = e.facts(ApiKind::ChatCompletions, body).unwrap();
+        match e.route(s, facts, now_ms, &mut Rng::new(7)) {
+            Outcome::Routed(r) => r,
+            other => panic!("expected Routed, got {other:?}"),
+        }
+    }
+
+    fn slot_of(e: &Engine, s: &MemoryStore, address: &str) -> (u16, u16) {
+        let t = e.endpoint_table(s).unwrap();
+        let x = t.endpoints.iter().find(|x| x.address == address).unwrap();
+        (x.slot, x.generation)
+    }
+
+    /// Proxy A's outgoing decisions, applied to proxy B endpoint by endpoint.
+    fn tell(a: &(Engine, MemoryStore), b: &(Engine, MemoryStore)) -> MeshOutgoing {
+        let out = a.0.mesh_outgoing(&a.1).unwrap();
+        for d in &out.decisions {
+            b.0.apply_peer(
+                &b.1,
+                d.slot,
+                d.generation,
+                None,
+                &[(d.new_blocks, &d.hashes)],
+            )
+            .unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn a_turn_through_another_proxy_finds_what_the_first_one_told() {
+        let a = proxy(true);
+        let b = proxy(true);
+        let first = route(&a.0, &a.1, &chat(1), 1);
+        let to = first.primary_address().to_owned();
+        // Not accepted yet: nothing to tell.
+        assert!(a.0.mesh_outgoing(&a.1).unwrap().decisions.is_empty());
+        a.0.note_accepted(&a.1, first.provisional.as_ref().unwrap())
+            .unwrap();
+        let out = tell(&a, &b);
+        assert_eq!(out.decisions.len(), 1);
+        assert_eq!(
+            (out.decisions[0].slot, out.decisions[0].generation),
+            slot_of(&a.0, &a.1, &to)
+        );
+        // The next turn through B: sticky to A's server, with a match.
+        let next = route(&b.0, &b.1, &chat(2), 2);
+        assert_eq!(next.primary_address(), to);
+        assert_eq!(next.decision.branch, crate::scheduling::Branch::Sticky);
+        // B's eviction clock for that server moved as A's did.
+        let (slot, generation) = slot_of(&b.0, &b.1, &to);
+        let load = |s: &MemoryStore| {
+            LoadTable::decode(s.get(LOAD_KEY).unwrap().as_ref().map(|(v, _)| v.as_slice()))
+        };
+        let a_clock = load(&a.1).get(slot, generation).unwrap().insert_counter;
+        assert!(a_clock > 0);
+        assert!(load(&b.1).get(slot, generation).unwrap().insert_counter >= a_clock);
+        // The outbox is empty once taken.
+        assert!(a.0.mesh_outgoing(&a.1).unwrap().decisions.is_empty());
+    }
+
+    #[test]
+    fn nothing_is_told_with_the_exchange_off_or_when_nothing_was_new() {
+        let off = proxy(false);
+        let r = route(&off.0, &off.1, &chat(1), 1);
+        off.0
+            .note_accepted(&off.1, r.provisional.as_ref().unwrap())
+            .unwrap();
+        assert!(off.0.mesh_outgoing(&off.1).unwrap().decisions.is_empty());
+
+        let on = proxy(true);
+        let r = route(&on.0, &on.1, &chat(1), 1);
+        on.0.note_accepted(&on.1, r.provisional.as_ref().unwrap())
+            .unwrap();
+        on.0.release_rest(&on.1, r.ticket.as_ref().unwrap(), false)
+            .unwrap();
+        // The same prompt again: the server holds all of it.
+        let again = route(&on.0, &on.1, &chat(1), 2);
+        assert_eq!(again.primary_address(), r.primary_address());
+        on.0.note_accepted(&on.1, again.provisional.as_ref().unwrap())
+            .unwrap();
+        assert_eq!(on.0.mesh_outgoing(&on.1).unwrap().decisions.len(), 1);
+    }
+
+    #[test]
+    fn peers_load_counts_while_recent() {
+        let (e, s) = proxy(true);
+        let (slot, generation) = slot_of(&e, &s, "127.0.0.1:2");
+        let peer = PeerLoad {
+            prompt_tokens: 5000,
+            output_tokens: 300,
+            requests: 4,
+            at_ms: 10_000,
+        };
+        e.apply_peer(&s, slot, generation, Some(peer), &[]).unwrap();
+        let facts = e.facts(ApiKind::ChatCompletions, &chat(1)).unwrap();
+        let at = |now| {
+            let snap = e.snapshot(&s, &facts, now).unwrap().unwrap();
+            let i = snap.endpoints.iter().position(|x| x.slot == slot).unwrap();
+            let c = &snap.candidates[i];
+            (
+                c.inflight_tokens,
+                c.inflight_requests,
+                c.inflight_prefill_tokens,
+            )
+        };
+        let ttl = e.peer_ttl_ms();
+        assert_eq!(at(10_000 + ttl), (5300, 4, 5000));
+        assert_eq!(at(10_001 + ttl), (0, 0, 0));
+        // A proxy with the exchange off ignores what it holds.
+        let off = engine(false);
+        let snap = off.snapshot(&s, &facts, 10_000).unwrap().unwrap();
+        assert!(snap.candidates.iter().all(|c| c.inflight_tokens == 0));
+    }
+
+    #[test]
+    fn hostile_peer_input_neither_panics_nor_leaks_state() {
+        let (e, s) = proxy(true);
+        let before = s.usage().0;
+        // An unknown slot, a clock jump at the bound, empty and long hash lists.
+        e.apply_peer(&s, 900, 3, None, &[(u32::MAX, &[1, 2, 3])])
+            .unwrap();
+        e.apply_peer(&s, 5000, 1, None, &[(1, &[])]).unwrap();
+        let (slot, generation) = slot_of(&e, &s, "127.0.0.1:1");
+        let long: Vec<u64> = (0..20_000).collect();
+        for _ in 0..3 {
+            e.apply_peer(&s, slot, generation, None, &[(u32::MAX, &long), (0, &[])])
+                .unwrap();
+        }
+        let t = LoadTable::decode(s.get(LOAD_KEY).unwrap().as_ref().map(|(v, _)| v.as_slice()));
+        assert_eq!(
+            t.get(slot, generation).unwrap().insert_counter,
+            3 * u64::from(u32::MAX)
+        );
+        // Shared data does not grow: the index's shards exist from the
+        // start, and the load table keeps its records.
+        let after = s.usage().0;
+        assert!(after <= before + 1024, "{before} -> {after}");
+        // Routing still works.
+        let r = route(&e, &s, &chat(1), 5);
+        assert!(!r.primary_address().is_empty());
+    }
+}
