@@ -14,6 +14,7 @@
 //! | `kvroute/ix/<n>` | workers | [`index::PrefixIndex`] shards: fixed-size tables of block entries |
 //! | `kvroute/held`, `kvroute/held/<slot>/<n>` | collector (`kvEvents`) | [`held`]: the vLLM block hashes each endpoint holds, from its KV events, with relay epoch/seq and freshness |
 //! | `kvroute/mesh/outbox` | workers (append), collector (take) | [`mesh::Outbox`]: accepted decisions the other proxies of a mesh have not been told of, bounded |
+//! | `kvroute/mesh/id` | collector (once) | [`mesh::proxy_id`]: this Envoy process's id on the relays |
 //! | `kvroute/collector/tick` | collector | [`collector_tick`]: when it last ticked, ms (workers publish the age) |
 //!
 //! The crate knows nothing of proxy-wasm: the [`Store`] trait is implemented

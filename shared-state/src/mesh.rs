@@ -179,6 +179,32 @@ pub fn take(store: &dyn Store) -> Result<Outbox, StoreError> {
     Ok(result.unwrap_or_default())
 }
 
+/// The key of this Envoy process's proxy id on the relays.
+pub const PROXY_ID_KEY: &str = "kvroute/mesh/id";
+
+/// This process's proxy id: the one stored, or `candidate` (made nonzero)
+/// stored now if there is none, so every collector VM of the process
+/// posts as one proxy.
+pub fn proxy_id(store: &dyn Store, candidate: u64) -> Result<u64, StoreError> {
+    let decode = |b: Option<&[u8]>| {
+        b.and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map_or(0, u64::from_le_bytes)
+    };
+    let Updated { result, .. } = update(
+        store,
+        PROXY_ID_KEY,
+        decode,
+        |v: &u64| v.to_le_bytes().to_vec(),
+        |v: &mut u64| {
+            if *v == 0 {
+                *v = candidate.max(1);
+            }
+            Some(*v)
+        },
+    )?;
+    Ok(result.unwrap_or(candidate.max(1)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,6 +247,15 @@ mod tests {
         // One entry's hashes are cut at the bound.
         post(&s, entry(1, MAX_ENTRY_HASHES + 10)).unwrap();
         assert_eq!(take(&s).unwrap().entries[0].hashes.len(), MAX_ENTRY_HASHES);
+    }
+
+    #[test]
+    fn the_proxy_id_is_made_once() {
+        let s = MemoryStore::new();
+        let a = proxy_id(&s, 42).unwrap();
+        assert_eq!(a, 42);
+        assert_eq!(proxy_id(&s, 7).unwrap(), 42);
+        assert_eq!(proxy_id(&MemoryStore::new(), 0).unwrap(), 1);
     }
 
     #[test]

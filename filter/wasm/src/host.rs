@@ -146,6 +146,23 @@ impl Host for SdkHost {
         .map_err(err("proxy_http_call"))
     }
 
+    fn http_post(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u32,
+    ) -> HostResult<u32> {
+        hostcalls::dispatch_http_call(
+            cluster,
+            headers.to_vec(),
+            Some(body),
+            Vec::new(),
+            Duration::from_millis(u64::from(timeout_ms)),
+        )
+        .map_err(err("proxy_http_call"))
+    }
+
     fn http_call_status(&self) -> HostResult<Option<String>> {
         hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
             .map(|v| v.map(|b| String::from_utf8_lossy(&b).into_owned()))

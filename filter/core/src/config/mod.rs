@@ -32,7 +32,7 @@ pub use sections::{
     CollectorConfig, CollectorMode, EndpointSource, FailureMode, KvEventsConfig, RoutingConfig,
     SharedStateConfig, ORIGINAL_DST_HOST_HEADER, RELAY_HOST_HEADER,
 };
-use sections::{RawCollector, RawEndpoints, RawKvEvents, RawRouting, RawSharedState};
+use sections::{RawCollector, RawEndpoints, RawKvEvents, RawMesh, RawRouting, RawSharedState};
 
 /// A configuration error: where, and what is wrong.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -71,16 +71,16 @@ pub struct Config {
     pub collector: CollectorConfig,
     pub kv_events: KvEventsConfig,
     pub shared_state: SharedStateConfig,
-    /// The mesh exchange between proxies (`engine` `mesh`): not read from
-    /// the JSON yet; the fleet simulator turns it on.
+    /// The mesh exchange between proxies (`mesh`; `engine` `mesh`).
     pub mesh: MeshConfig,
 }
 
 /// How this proxy shares its routing with the other proxies of a mesh.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct MeshConfig {
-    /// Accepted decisions go to the outbox, and the other proxies' load
-    /// counts in decisions.
+    /// `mesh.exchange` (default: on with `kvEvents`): accepted decisions
+    /// go to the outbox, the collector exchanges them through each
+    /// server's relay, and the other proxies' load counts in decisions.
     pub enabled: bool,
     /// ms; the other proxies' load counts this long after it arrived
     /// (0: three metrics poll intervals).
@@ -135,6 +135,8 @@ struct RawConfig {
     kv_events: RawKvEvents,
     #[serde(default)]
     shared_state: RawSharedState,
+    #[serde(default)]
+    mesh: RawMesh,
 }
 
 #[derive(Deserialize)]
@@ -442,6 +444,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     }
 
     let shared_state = sections::shared_state(raw.shared_state)?;
+    let mesh = sections::mesh(raw.mesh, &kv_events)?;
 
     Ok(Config {
         scheduler,
@@ -452,7 +455,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         collector,
         kv_events,
         shared_state,
-        mesh: MeshConfig::default(),
+        mesh,
     })
 }
 

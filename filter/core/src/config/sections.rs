@@ -3,7 +3,7 @@
 //! shapes (serde, unknown fields denied), defaults and ranges.
 
 use super::check::{err, range_u64};
-use super::ConfigError;
+use super::{ConfigError, MeshConfig};
 use serde::Deserialize;
 use std::net::SocketAddr;
 
@@ -208,6 +208,34 @@ pub(super) struct RawKvEvents {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct RawSharedState {
     index_budget_bytes: Option<u64>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub(super) struct RawMesh {
+    exchange: Option<bool>,
+    peer_ttl_ms: Option<u64>,
+}
+
+/// kvroute's `mesh` section: the exchange between proxies goes through
+/// the KV-event relays, so it is on wherever they are (`kvEvents`), unless
+/// turned off.
+pub(super) fn mesh(m: RawMesh, kv: &KvEventsConfig) -> Result<MeshConfig, ConfigError> {
+    let enabled = match m.exchange {
+        None => kv.enabled,
+        Some(true) if !kv.enabled => {
+            return Err(err(
+                "mesh.exchange",
+                "the mesh exchange goes through the KV-event relays beside the servers: enable the `kvEvents` section",
+            ))
+        }
+        Some(on) => on,
+    };
+    Ok(MeshConfig {
+        enabled,
+        peer_ttl_ms: range_u64("mesh.peerTtlMs", m.peer_ttl_ms, 0, 0, 600_000, "ms")?,
+        tie_salt: 0,
+    })
 }
 
 // ---------------------------------------------------------------------------

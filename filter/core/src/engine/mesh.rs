@@ -212,6 +212,63 @@ impl Engine {
     }
 }
 
+/// What one relay's mesh answer did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MeshApplied {
+    /// The cursor for the next post.
+    pub epoch: u64,
+    pub seq: u64,
+    /// The relay has more decisions after `seq`.
+    pub more: bool,
+    /// The relay could not continue from the cursor (restart, or the
+    /// cursor fell off its log): decisions were missed.
+    pub resync: bool,
+    /// Other proxies' decisions applied, and how many proxies the load
+    /// sum covers.
+    pub decisions: u32,
+    pub proxies: u32,
+}
+
+impl Engine {
+    /// Applies one relay's answer to a mesh post for an endpoint: the other
+    /// proxies' load there (stamped `now_ms`) and their decisions, each cut
+    /// to the outbox's bounds. Garbage changes nothing.
+    pub fn apply_mesh_answer(
+        &self,
+        store: &dyn Store,
+        slot: u16,
+        generation: u16,
+        body: &[u8],
+        now_ms: u64,
+    ) -> Result<MeshApplied, super::ApplyError> {
+        let a = crate::reports::mesh::parse_answer(body).map_err(super::ApplyError::Garbage)?;
+        let decisions: Vec<(u32, &[u64])> = a
+            .decisions
+            .iter()
+            .take(crate::reports::mesh::ANSWER_LIMIT as usize)
+            .map(|d| {
+                let n = d.hashes.len().min(mesh::MAX_ENTRY_HASHES);
+                (d.new_blocks, &d.hashes[..n])
+            })
+            .collect();
+        let peer = PeerLoad {
+            prompt_tokens: a.load.prompt,
+            output_tokens: a.load.output,
+            requests: a.load.requests,
+            at_ms: now_ms.max(1),
+        };
+        self.apply_peer(store, slot, generation, Some(peer), &decisions)?;
+        Ok(MeshApplied {
+            epoch: a.epoch,
+            seq: a.seq,
+            more: a.more,
+            resync: a.resync,
+            decisions: decisions.len() as u32,
+            proxies: a.load.proxies,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,7 @@
 //! the one holding the lease ([`super::lease`]) does this work each tick.
 
 use super::lease::{Lease, Schedule, Standing};
+use super::mesh_link::MeshLink;
 use super::telemetry::{self, CollectorStats};
 use super::{Counter, Counts, Host, Level};
 use crate::config::{CollectorMode, EndpointSource, ORIGINAL_DST_HOST_HEADER, RELAY_HOST_HEADER};
@@ -103,6 +104,13 @@ enum Pending {
         /// first of a run is logged as a warning.
         failures: u32,
     },
+    Mesh {
+        slot: u16,
+        generation: u16,
+        relay: String,
+        /// Decisions the post carried (lost if it fails).
+        decisions: u64,
+    },
 }
 
 pub struct Collector {
@@ -120,6 +128,10 @@ pub struct Collector {
     lease: Option<Lease>,
     /// The gauges (`telemetry`), published by the VM that collects.
     stats: CollectorStats,
+    /// `mesh.exchange`: this proxy's side of the exchange.
+    mesh: Option<MeshLink>,
+    /// Mesh posts that failed in a row (only the first is a warning).
+    mesh_failures: u32,
 }
 
 impl Collector {
@@ -140,7 +152,22 @@ impl Collector {
                 Some(lease)
             }
         };
+        let mesh = if engine.config.mesh.enabled {
+            let link = MeshLink::start(host)?;
+            host.log(
+                Level::Info,
+                &format!(
+                    "kvroute collector: mesh exchange on, through the KV-event relays, as proxy {}",
+                    link.proxy()
+                ),
+            );
+            Some(link)
+        } else {
+            None
+        };
         Ok(Collector {
+            mesh,
+            mesh_failures: 0,
             engine,
             counts: Counts::define(host, false),
             timers,
@@ -294,6 +321,7 @@ impl Collector {
             if now >= self.next_kv_events_ms {
                 self.next_kv_events_ms = now + every;
                 self.poll_relays(host, now);
+                self.exchange_mesh(host, now);
             }
         }
         if now >= self.next_reap_ms {
@@ -474,6 +502,80 @@ impl Collector {
         }
     }
 
+    /// One round of mesh posts (`mesh_link`): the outbox is shared out per
+    /// endpoint, then one post to each endpoint's relay with none in flight.
+    fn exchange_mesh(&mut self, host: &dyn Host, _now: u64) {
+        let Some(link) = self.mesh.as_mut() else {
+            return;
+        };
+        let own = match link.take_outbox(host, &self.engine, &self.counts) {
+            Ok(own) => own,
+            Err(e) => return self.host_error(host, "mesh exchange", e),
+        };
+        let table = match self.engine.endpoint_table(host.store()) {
+            Ok(t) => t,
+            Err(e) => return self.host_error(host, "reading endpoints", e),
+        };
+        let kv = &self.engine.config.kv_events;
+        // The others count this proxy's load for three rounds.
+        let ttl_ms = kv.poll_ms.saturating_mul(3);
+        for e in table.endpoints.iter().filter(|e| e.healthy) {
+            let busy = self
+                .pending
+                .values()
+                .any(|p| matches!(p, Pending::Mesh { slot, .. } if *slot == e.slot));
+            if busy {
+                continue;
+            }
+            let Some(relay) = kv.relay_for(&e.address) else {
+                continue;
+            };
+            let post = link.post_for(
+                e.slot,
+                e.generation,
+                own.get(&(e.slot, e.generation)).copied(),
+                ttl_ms,
+            );
+            let headers = [
+                (":method", "POST"),
+                (":path", "/mesh/exchange"),
+                (":authority", relay.as_str()),
+                ("content-type", "application/json"),
+                (RELAY_HOST_HEADER, relay.as_str()),
+            ];
+            match host.http_post(
+                &kv.cluster,
+                &headers,
+                &post.body,
+                self.timers.kv_events_timeout_ms,
+            ) {
+                Ok(token) => {
+                    self.counts
+                        .add(host, Counter::MeshDecisionsSent, post.decisions);
+                    self.pending.insert(
+                        token,
+                        Pending::Mesh {
+                            slot: e.slot,
+                            generation: e.generation,
+                            relay,
+                            decisions: post.decisions,
+                        },
+                    );
+                }
+                Err(err) => {
+                    self.counts.inc(host, Counter::MeshExchangeFailures);
+                    self.counts
+                        .add(host, Counter::MeshDecisionsDropped, post.decisions);
+                    host.log(
+                        first_of_run(self.mesh_failures),
+                        &format!("kvroute collector: mesh post to {relay}: {err}"),
+                    );
+                    self.mesh_failures = self.mesh_failures.saturating_add(1);
+                }
+            }
+        }
+    }
+
     fn relay_failed(&self, host: &dyn Host, slot: u16, generation: u16, now: u64) {
         // (Logged by the caller, at Warn only for the first of a run.)
         self.counts.inc(host, Counter::KvEventsPollFailures);
@@ -635,6 +737,44 @@ impl Collector {
                 body,
                 now,
             ),
+            Pending::Mesh {
+                slot,
+                generation,
+                relay,
+                decisions,
+            } => {
+                let Some(link) = self.mesh.as_mut() else {
+                    return;
+                };
+                match body {
+                    Some(b) => {
+                        self.mesh_failures = 0;
+                        link.on_answer(
+                            host,
+                            &self.engine,
+                            &self.counts,
+                            slot,
+                            generation,
+                            &relay,
+                            &b,
+                            now,
+                        )
+                    }
+                    None => {
+                        self.counts.inc(host, Counter::MeshExchangeFailures);
+                        self.counts
+                            .add(host, Counter::MeshDecisionsDropped, decisions);
+                        host.log(
+                            first_of_run(self.mesh_failures),
+                            &format!(
+                                "kvroute collector: mesh exchange with {relay} answered {}",
+                                status.as_deref().unwrap_or("nothing (timeout or reset)")
+                            ),
+                        );
+                        self.mesh_failures = self.mesh_failures.saturating_add(1);
+                    }
+                }
+            }
         }
     }
 }

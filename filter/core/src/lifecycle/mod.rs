@@ -16,6 +16,7 @@
 
 mod collector;
 pub mod lease;
+mod mesh_link;
 mod stream;
 pub mod telemetry;
 #[cfg(test)]
@@ -122,6 +123,15 @@ pub trait Host {
         headers: &[(&str, &str)],
         timeout_ms: u32,
     ) -> HostResult<u32>;
+    /// Dispatches an HTTP call with a body (a POST) to `cluster`; returns
+    /// its token. The answer comes as for [`Host::http_call`].
+    fn http_post(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u32,
+    ) -> HostResult<u32>;
     /// In `on_http_call_response`: the response's `:status`.
     fn http_call_status(&self) -> HostResult<Option<String>>;
     /// In `on_http_call_response`: the response body.
@@ -176,10 +186,24 @@ pub enum Counter {
     PreciseFallbackTokenize,
     PreciseFallbackUnsupported,
     PreciseFallbackNoHeldView,
+    /// Mesh exchange: posts to a relay that were answered.
+    MeshExchanges,
+    /// Mesh exchange: posts that failed (no relay, timeout, non-200,
+    /// garbage); their decisions are not told.
+    MeshExchangeFailures,
+    /// Mesh exchange: accepted decisions told to the relays.
+    MeshDecisionsSent,
+    /// Mesh exchange: other proxies' decisions applied.
+    MeshDecisionsReceived,
+    /// Mesh exchange: decisions dropped at a bound (the outbox, or the
+    /// unsent queue of an endpoint whose relay does not answer).
+    MeshDecisionsDropped,
+    /// Mesh exchange: a relay could not continue from this proxy's cursor.
+    MeshResyncs,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 29] = [
+    pub const ALL: [Counter; 35] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -209,6 +233,12 @@ impl Counter {
         Counter::PreciseFallbackTokenize,
         Counter::PreciseFallbackUnsupported,
         Counter::PreciseFallbackNoHeldView,
+        Counter::MeshExchanges,
+        Counter::MeshExchangeFailures,
+        Counter::MeshDecisionsSent,
+        Counter::MeshDecisionsReceived,
+        Counter::MeshDecisionsDropped,
+        Counter::MeshResyncs,
     ];
 
     pub fn name(self) -> &'static str {
@@ -242,6 +272,12 @@ impl Counter {
             Counter::PreciseFallbackTokenize => "kvroute_precise_fallback_tokenize",
             Counter::PreciseFallbackUnsupported => "kvroute_precise_fallback_unsupported",
             Counter::PreciseFallbackNoHeldView => "kvroute_precise_fallback_no_held_view",
+            Counter::MeshExchanges => "kvroute_mesh_exchanges",
+            Counter::MeshExchangeFailures => "kvroute_mesh_exchange_failures",
+            Counter::MeshDecisionsSent => "kvroute_mesh_decisions_sent",
+            Counter::MeshDecisionsReceived => "kvroute_mesh_decisions_received",
+            Counter::MeshDecisionsDropped => "kvroute_mesh_decisions_dropped",
+            Counter::MeshResyncs => "kvroute_mesh_resyncs",
         }
     }
 
@@ -302,7 +338,7 @@ impl Counts {
             .collect();
         Counts {
             ids,
-            pending: batched.then(Default::default),
+            pending: batched.then(|| std::array::from_fn(|_| Cell::new(0))),
         }
     }
 
@@ -574,6 +610,11 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
             }
         },
     };
+    // Mesh: this process's own tie salt (see `MeshConfig::tie_salt`).
+    let mut engine = engine;
+    if engine.config.mesh.enabled {
+        engine.config.mesh.tie_salt = crate::scheduling::Rng::derive(seed, 0x5A17).next_u64();
+    }
     // Counts go to Envoy on the tick; without a tick, at once. A lease
     // collector ticks at its own period when that is shorter.
     let tick_ms = collector

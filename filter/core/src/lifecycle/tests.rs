@@ -32,11 +32,20 @@ struct FakeHost {
     histograms: RefCell<HashMap<String, Vec<u64>>>,
     clock_reads: Cell<u32>,
     calls: RefCell<Vec<Call>>,
+    /// POSTs (the mesh exchange): cluster, headers, body; tokens from
+    /// [`POST_TOKENS`] on.
+    posts: RefCell<Vec<Post>>,
     call_status: RefCell<Option<String>>,
     call_body: RefCell<Option<Vec<u8>>>,
     tick_ms: Cell<Option<u32>>,
     failing: RefCell<HashSet<&'static str>>,
 }
+
+/// A POST: cluster, headers, body.
+type Post = (String, Vec<(String, String)>, Vec<u8>);
+
+/// The fake host's POST tokens start here (GET calls count from 1).
+const POST_TOKENS: u32 = 1_000_000;
 
 impl FakeHost {
     fn fail(&self, call: &'static str) -> HostResult<()> {
@@ -154,6 +163,25 @@ impl Host for FakeHost {
         self.fail("proxy_send_local_response")?;
         self.replies.borrow_mut().push((status, body.to_string()));
         Ok(())
+    }
+    fn http_post(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        _timeout_ms: u32,
+    ) -> HostResult<u32> {
+        self.fail("proxy_http_call")?;
+        let mut posts = self.posts.borrow_mut();
+        posts.push((
+            cluster.to_string(),
+            headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            body.to_vec(),
+        ));
+        Ok(POST_TOKENS + posts.len() as u32)
     }
     fn http_call(
         &self,
@@ -1541,6 +1569,122 @@ mod kv_events {
             0,
             "the approximate index no longer claims the prompt"
         );
+    }
+
+    /// The mesh exchange (on with `kvEvents`): each round posts every
+    /// relay this proxy's accepted decisions there and its own load, and
+    /// applies the answer: the other proxies' load and decisions.
+    #[test]
+    fn the_mesh_exchange_posts_each_relay_and_applies_the_answer() {
+        let (host, mut c) = kv_collector("");
+        let e = engine("");
+        assert!(e.config.mesh.enabled, "on with kvEvents");
+        // A worker routed a request and the server accepted it.
+        let body =
+            serde_json::json!({"model":"m","prompt":"the quick brown fox ".repeat(40)}).to_string();
+        let facts = e.facts(ApiKind::Completions, body.as_bytes()).unwrap();
+        let r = match e.route(
+            &host.store,
+            facts,
+            1000,
+            &mut crate::scheduling::Rng::new(1),
+        ) {
+            Outcome::Routed(r) => r,
+            other => panic!("{other:?}"),
+        };
+        e.note_accepted(&host.store, r.provisional.as_ref().unwrap())
+            .unwrap();
+        let to = r.primary_address().to_owned();
+        c.on_tick(&host);
+        let posts = host.posts.borrow().clone();
+        assert_eq!(posts.len(), 2, "one post per relay");
+        let mut sent = 0;
+        for (cluster, headers, body) in &posts {
+            let h = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+            assert_eq!(cluster, "kvroute_relays");
+            assert_eq!(h(":method").as_deref(), Some("POST"));
+            assert_eq!(h(":path").as_deref(), Some("/mesh/exchange"));
+            let v: serde_json::Value = serde_json::from_slice(body).unwrap();
+            assert_eq!(v["proxy"].as_str().unwrap().len(), 16);
+            assert!(v.get("epoch").is_none(), "no cursor yet");
+            let relay_of_to = if to == "127.0.0.1:1" {
+                "127.0.0.1:9157"
+            } else {
+                "10.9.9.9:7000"
+            };
+            if h("x-envoy-original-dst-host").as_deref() == Some(relay_of_to) {
+                assert_eq!(v["load"]["requests"], 1, "its own charge there");
+                assert_eq!(v["decisions"].as_array().unwrap().len(), 1);
+                sent += 1;
+            } else {
+                assert_eq!(v["load"]["requests"], 0);
+                assert_eq!(v["decisions"].as_array().unwrap().len(), 0);
+            }
+        }
+        assert_eq!(sent, 1);
+        assert_eq!(host.counter(Counter::MeshDecisionsSent), 1);
+        // The first relay answers with another proxy's decision and load.
+        answer(
+            &host,
+            &mut c,
+            POST_TOKENS + 1,
+            r#"{"epoch":5,"seq":3,"last":3,"resync":false,"more":false,
+                "load":{"prompt":700,"output":10,"requests":2,"proxies":1},
+                "decisions":[{"newBlocks":4,"hashes":[101,102,103,104]}]}"#,
+        );
+        assert_eq!(host.counter(Counter::MeshExchanges), 1);
+        assert_eq!(host.counter(Counter::MeshDecisionsReceived), 1);
+        let t = kvroute_shared_state::load::LoadTable::decode(
+            host.store
+                .get(kvroute_shared_state::LOAD_KEY)
+                .unwrap()
+                .as_ref()
+                .map(|(b, _)| b.as_slice()),
+        );
+        let peer = t.get(0, 1).unwrap().peer;
+        assert_eq!(
+            (peer.prompt_tokens, peer.output_tokens, peer.requests),
+            (700, 10, 2)
+        );
+        // The second fails: counted, and its relay is posted again next round.
+        *host.call_status.borrow_mut() = Some("503".into());
+        *host.call_body.borrow_mut() = None;
+        c.on_http_call_response(&host, POST_TOKENS + 2, 3, 0);
+        assert_eq!(host.counter(Counter::MeshExchangeFailures), 1);
+        host.now_ns.set(1_200_000_000);
+        c.on_tick(&host);
+        let posts = host.posts.borrow().clone();
+        assert_eq!(posts.len(), 4);
+        let cursors: Vec<serde_json::Value> = posts[2..]
+            .iter()
+            .map(|(_, _, b)| serde_json::from_slice::<serde_json::Value>(b).unwrap())
+            .collect();
+        assert!(
+            cursors.iter().any(|v| v["epoch"] == 5 && v["after"] == 3),
+            "the answered relay's cursor: {cursors:?}"
+        );
+        // Garbage is a failure, never a panic.
+        answer(&host, &mut c, POST_TOKENS + 3, "{not json");
+        assert_eq!(host.counter(Counter::MeshExchangeFailures), 2);
+    }
+
+    #[test]
+    fn the_mesh_exchange_follows_kv_events_unless_turned_off() {
+        let off = engine(r#"}, "mesh": {"exchange": false"#);
+        assert!(!off.config.mesh.enabled);
+        let json = format!(r#"{{{KV_BASE},"mesh":{{"exchange":true}}}}"#);
+        let e = crate::config::Config::from_json(json.as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("mesh.exchange"), "{e}");
+        let json = format!(r#"{{{KV_BASE}}}"#);
+        assert!(
+            !crate::config::Config::from_json(json.as_bytes())
+                .unwrap()
+                .mesh
+                .enabled
+        );
+        let (host, mut c) = kv_collector(r#"}, "mesh": {"exchange": false"#);
+        c.on_tick(&host);
+        assert!(host.posts.borrow().is_empty());
     }
 
     #[test]
