@@ -366,8 +366,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                         scorers.push((
                             Scorer::PrefixCache(PrefixCacheScorer {
                                 match_length_weight: 0.0,
-                                match_length_scale_tokens: 8192,
-                                sticky_only: false,
+                                ..PrefixCacheScorer::default()
                             }),
                             weight,
                         ))

@@ -712,8 +712,29 @@ fn prefix_cache_scorer_match_length() {
             match_length_weight: 0.3,
             match_length_scale_tokens: 4096,
             sticky_only: false,
+            skip_released: false,
         })
     );
+    let c = accept(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"skipReleased":true}"#,
+    ));
+    assert_eq!(
+        c.scheduler.scorers[0].0,
+        Scorer::PrefixCache(PrefixCacheScorer {
+            skip_released: true,
+            ..PrefixCacheScorer::default()
+        })
+    );
+    let e = Config::from_json(
+        one_plugin(
+            "prefix-cache-scorer",
+            r#"{"skipReleased":true,"stickyOnly":true}"#,
+        )
+        .as_bytes(),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("skipReleased"), "{e}");
     let c = accept(&one_plugin("prefix-cache-scorer", "{}"));
     assert_eq!(
         c.scheduler.scorers[0].0,
@@ -1001,7 +1022,7 @@ fn shipped_files_run_the_kvroute_default_profile() {
             s.scorers[2],
             (
                 Scorer::PrefixCache(PrefixCacheScorer {
-                    sticky_only: true,
+                    skip_released: true,
                     ..Default::default()
                 }),
                 0.5

@@ -35,6 +35,21 @@
 //! other five workloads as they were (`docs/benchmarks.md`; the figures
 //! once quoted here: `docs/lab/2026-12-06-measurements-from-code-comments.md`).
 
+//!
+//! ## `skipReleased` (kvroute's; the shipped `kvroute-default` sets it)
+//!
+//! Like `stickyOnly`, every candidate scores 1 for a request the gate
+//! released (or an exploration); unlike it, a request with no sticky
+//! endpoint is scored too. Where a group's system prompt is half of each
+//! prompt, a new question matches 0.5 on the group's holder, under the
+//! 0.8 threshold: with `stickyOnly`, load and `cache-balance-scorer` alone
+//! placed it, and spread each group over several servers. At weight 0.5
+//! a half match is worth 0.25 of score. In the regime grid
+//! (`sim/bench/regime_grid.py`) it took the shared-share-0.5 cells the
+//! shipped profile lost from 7 to none (the worst was 0.731 of the best
+//! arm), and the six workloads kept every knee (figures in
+//! `docs/benchmarks.md`).
+
 use super::{Candidate, RequestView};
 use crate::config::check::{err, range_f64, Params};
 use crate::config::ConfigError;
@@ -50,6 +65,10 @@ pub struct PrefixCacheScorer {
     /// kvroute's `stickyOnly`: score only requests the affinity filter kept
     /// on their sticky endpoints; every other request scores 1 everywhere.
     pub sticky_only: bool,
+    /// kvroute's `skipReleased`: every candidate scores 1 for a request the
+    /// gate released (or an exploration); sticky and no-affinity requests
+    /// are scored.
+    pub skip_released: bool,
 }
 
 impl Default for PrefixCacheScorer {
@@ -58,6 +77,7 @@ impl Default for PrefixCacheScorer {
             match_length_weight: 0.0,
             match_length_scale_tokens: 8192,
             sticky_only: false,
+            skip_released: false,
         }
     }
 }
@@ -91,6 +111,7 @@ struct PrefixScorerParams {
     match_length_weight: Option<f64>,
     match_length_scale_tokens: Option<i64>,
     sticky_only: Option<bool>,
+    skip_released: Option<bool>,
 }
 
 pub(crate) fn compile(p: &Params) -> Result<PrefixCacheScorer, ConfigError> {
@@ -134,10 +155,19 @@ pub(crate) fn compile(p: &Params) -> Result<PrefixCacheScorer, ConfigError> {
             format!("{scale} is out of range: must be > 0 tokens when matchLengthWeight > 0"),
         ));
     }
+    let sticky_only = q.sticky_only.unwrap_or(false);
+    let skip_released = q.skip_released.unwrap_or(false);
+    if sticky_only && skip_released {
+        return Err(err(
+            p.field("skipReleased"),
+            "and stickyOnly are two choices of what is scored: give one",
+        ));
+    }
     Ok(PrefixCacheScorer {
         match_length_weight: w,
         match_length_scale_tokens: scale.max(0) as u64,
-        sticky_only: q.sticky_only.unwrap_or(false),
+        sticky_only,
+        skip_released,
     })
 }
 

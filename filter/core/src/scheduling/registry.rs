@@ -88,7 +88,11 @@ impl Scorer {
             Scorer::ActiveRequest(s) => s.score(cands, passing, out),
             Scorer::Queue => queue::score(cands, passing, out),
             Scorer::KvCacheUtilization => kv_cache_utilization::score(cands, passing, out),
-            Scorer::PrefixCache(s) if s.sticky_only && x.branch != Branch::Sticky => {
+            Scorer::PrefixCache(s)
+                if (s.sticky_only && x.branch != Branch::Sticky)
+                    || (s.skip_released
+                        && matches!(x.branch, Branch::SaturationRelease | Branch::Exploration)) =>
+            {
                 out.iter_mut().for_each(|o| *o = 1.0)
             }
             Scorer::PrefixCache(s) => s.score(req, cands, passing, out),

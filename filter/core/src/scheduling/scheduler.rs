@@ -390,6 +390,54 @@ mod tests {
         assert_eq!(d.primary, 1);
     }
 
+    /// `skipReleased`: a request with no sticky endpoint is drawn to a
+    /// partial holder (half its prompt held: under the threshold), while a
+    /// gate-released one is placed by load alone.
+    #[test]
+    fn skip_released_prefix_scores_no_affinity_requests_too() {
+        let s = |skip_released, sticky_only| Scheduler {
+            scorers: vec![
+                (
+                    Scorer::TokenLoad(TokenLoadScorer {
+                        queue_threshold_tokens: 32_768.0,
+                    }),
+                    1.0,
+                ),
+                (
+                    Scorer::PrefixCache(PrefixCacheScorer {
+                        skip_released,
+                        sticky_only,
+                        ..Default::default()
+                    }),
+                    0.5,
+                ),
+            ],
+            ..Default::default()
+        };
+        // 6 of 12 blocks held on endpoint 1, a little more load there.
+        let c = [cand(0, 0, 0), cand(6, 1000, 1), cand(0, 0, 0)];
+        let d = s(true, false)
+            .schedule(&req(12), &c, &mut Rng::new(1))
+            .unwrap();
+        assert_eq!((d.primary, d.branch), (1, Branch::NoAffinity));
+        let d = s(false, true)
+            .schedule(&req(12), &c, &mut Rng::new(1))
+            .unwrap();
+        assert_ne!(d.primary, 1, "stickyOnly leaves it to load");
+        // Released: neutral, as with stickyOnly.
+        let c = [cand(10, 300_000, 3), cand(12, 300_000, 3), cand(0, 0, 0)];
+        let d = s(true, false)
+            .schedule(&req(12), &c, &mut Rng::new(1))
+            .unwrap();
+        assert_eq!((d.primary, d.branch), (2, Branch::SaturationRelease));
+        let parts: Vec<f64> = d.report.iter().map(|r| r.score.unwrap()).collect();
+        let e = s(false, true)
+            .schedule(&req(12), &c, &mut Rng::new(1))
+            .unwrap();
+        let same: Vec<f64> = e.report.iter().map(|r| r.score.unwrap()).collect();
+        assert_eq!(parts, same);
+    }
+
     #[test]
     fn sticky_only_prefix_scores_the_sticky_branch_alone() {
         let s = |sticky_only| Scheduler {
