@@ -437,11 +437,13 @@ impl MeshState {
             return;
         }
         if self.loads.len() >= self.limits.max_proxies {
-            // Full of unexpired entries: replace the one expiring soonest.
+            // Full of unexpired entries: replace the one expiring soonest
+            // (the smallest id among equals, so that the choice does not
+            // depend on the map's order).
             if let Some(k) = self
                 .loads
                 .iter()
-                .min_by_key(|(_, e)| e.expires)
+                .min_by(|(ka, a), (kb, b)| a.expires.cmp(&b.expires).then_with(|| ka.cmp(kb)))
                 .map(|(k, _)| k.clone())
             {
                 self.loads.remove(&k);
