@@ -33,7 +33,9 @@
 //! - [`envoy_clusters::run`]: admin `/clusters?format=json` →
 //!   `apply_admin_clusters` (the endpoint table);
 //! - [`relay_frames::run`]: vLLM's ZMQ frames → the relay's state machine,
-//!   and its answers back into the collector.
+//!   and its answers back into the collector;
+//! - [`relay_mesh::run`]: proxies' `POST /mesh/exchange` bodies → the
+//!   relay's request parser and mesh state, against a naive model.
 
 pub mod alloc_count;
 pub mod engine;
@@ -41,6 +43,7 @@ pub mod envoy_clusters;
 pub mod kv_events;
 pub mod parse_differential;
 pub mod relay_frames;
+pub mod relay_mesh;
 pub mod vllm_metrics;
 
 use kvroute_core::blocks::{estimate_tokens, prompt_blocks, text_blocks, BlockConfig};

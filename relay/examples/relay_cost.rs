@@ -15,7 +15,13 @@
 //!   batches (R per second, 0: as fast as it can), for a real relay to
 //!   subscribe to; the caller reads what the relay applied from `/metrics`.
 //!
-//! `relay/bench/cost.sh` runs both against the release relay with `wrk`.
+//! - `relay_cost mesh`: in-process, one thread: the parts of one
+//!   `POST /mesh/exchange` (issue 43) for the two cases of
+//!   `bench/mesh_cost.py`: `mesh::parse_request`, `MeshState::exchange` and
+//!   the answer's JSON, each timed alone.
+//!
+//! `relay/bench/cost.sh` runs the first two against the release relay with
+//! `wrk`; `relay/bench/mesh_cost.py` times the exchange over HTTP.
 
 use bytes::Bytes;
 use kvroute_kv_events::{frames, KvEvent, KvEventBatch, MEDIUM_GPU};
@@ -250,17 +256,85 @@ async fn pub_mode(args: &[String]) {
     );
 }
 
+/// The parts of one mesh exchange, in-process: 2048 filler decisions of 64
+/// hashes in the ring, then (a) a post of 8 decisions of 64 hashes from a
+/// cursor before the filler (256 answered), (b) a load-only post at the tip.
+fn mesh_mode() {
+    use kvroute_relay::mesh::{parse_request, Decision, ExchangeRequest, MeshLimits, MeshState};
+    let limits = MeshLimits::default();
+    let mut g = Gen::new(64, usize::MAX, 43);
+    let filler: Vec<Decision> = (0..2048)
+        .map(|_| Decision {
+            new_blocks: 64,
+            hashes: (0..64).map(|_| g.rand()).collect(),
+        })
+        .collect();
+    let now = Instant::now();
+    let fresh = || {
+        let mut m = MeshState::new(limits, 7);
+        m.exchange(
+            ExchangeRequest {
+                proxy: "filler".into(),
+                decisions: Some(filler.clone()),
+                ..ExchangeRequest::default()
+            },
+            now,
+        );
+        m
+    };
+    let own: Vec<String> = (0..8)
+        .map(|_| {
+            let list: Vec<String> = (0..64).map(|_| g.rand().to_string()).collect();
+            format!(r#"{{"newBlocks":64,"hashes":[{}]}}"#, list.join(","))
+        })
+        .collect();
+    let load = r#""load":{"prompt":12000,"output":3000,"requests":7},"ttlMs":2000"#;
+    let heavy = format!(
+        r#"{{"proxy":"gateway-a","epoch":7,"after":0,"limit":256,{load},"decisions":[{}]}}"#,
+        own.join(",")
+    );
+    let light = format!(r#"{{"proxy":"gateway-b","epoch":7,"after":2048,{load}}}"#);
+    println!("# in-process: one POST /mesh/exchange, by part (ring: 2048 decisions of 64 hashes)");
+    println!("case\treq_bytes\tanswer_bytes\tanswer_decisions\tparse_cpu_us\texchange_cpu_us\tanswer_json_cpu_us");
+    for (name, body, n) in [
+        ("a: 8x64 posted, 256x64 answered", &heavy, 1000),
+        ("b: load only, empty answer", &light, 20_000),
+    ] {
+        let req = parse_request(body.as_bytes(), &limits).unwrap();
+        let (parse_us, _) = time(n, || parse_request(body.as_bytes(), &limits));
+        // Exactly n exchanges on a fresh ring: (a)'s own decisions
+        // accumulate, and its cursor stays within the ring for 1,792.
+        let mut m = fresh();
+        let reqs: Vec<ExchangeRequest> = (0..n).map(|_| req.clone()).collect();
+        let c0 = thread_cpu_ns();
+        for r in reqs {
+            std::hint::black_box(m.exchange(r, now));
+        }
+        let exchange_us = (thread_cpu_ns() - c0) as f64 / 1e3 / n as f64;
+        let answer = m.exchange(req.clone(), now);
+        assert!(!answer.resync);
+        let (json_us, _) = time(n, || serde_json::to_vec(&answer).unwrap());
+        let bytes = serde_json::to_vec(&answer).unwrap().len();
+        println!(
+            "{name}\t{}\t{bytes}\t{}\t{parse_us:.2}\t{exchange_us:.2}\t{json_us:.2}",
+            body.len(),
+            answer.decisions.len()
+        );
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("state") => state_mode(&args),
+        Some("mesh") => mesh_mode(),
         Some("pub") => tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap()
             .block_on(pub_mode(&args)),
         _ => {
-            eprintln!("usage: relay_cost state [--batches N] | relay_cost pub --endpoint E --batches N --hashes H --held K [--rate R]");
+            eprintln!("usage: relay_cost state [--batches N] | relay_cost mesh | relay_cost pub --endpoint E --batches N --hashes H --held K [--rate R]");
             std::process::exit(2);
         }
     }

@@ -1,6 +1,7 @@
-//! The HTTP side (hyper 1, HTTP/1.1): `/kv/events`, `/kv/snapshot`,
-//! `/healthz`, `/metrics`. Answers are built by `state::Relay` under a short
-//! lock; nothing here blocks on the ZMQ side.
+//! The HTTP side (hyper 1, HTTP/1.1): `GET /kv/events`, `/kv/snapshot`,
+//! `/healthz`, `/metrics`, and `POST /mesh/exchange`. Answers are built by
+//! `state::Relay` and `mesh::MeshState` under a short lock each; nothing
+//! here blocks on the ZMQ side.
 //!
 //! The relay is a network service, so every connection is bounded
 //! ([`ServeLimits`]):
@@ -14,18 +15,23 @@
 //!   makes no progress this long fails the connection (a client that stops
 //!   reading an answer, or stalls a request body);
 //! - at most `max_in_flight` answers held at once, from the request to the
-//!   last chunk handed to hyper; past it the answer is `503 busy` at once.
+//!   last chunk handed to hyper; past it the answer is `503 busy` at once;
+//! - a `/mesh/exchange` body is read only up to `--mesh-max-body-bytes`
+//!   (past it, 413), and must be complete within `header_timeout` of the
+//!   request head (else 408), so a slow body holds its slot no longer.
 
-use crate::Shared;
+use crate::mesh::{self, MeshLimits, MeshState, RequestError};
+use crate::{Shared, SharedMesh};
 use bytes::Bytes;
+use futures_util::future::Either;
 use futures_util::StreamExt;
-use http_body_util::{combinators::BoxBody, BodyExt, StreamBody};
+use http_body_util::{combinators::BoxBody, BodyExt, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -119,7 +125,8 @@ impl HttpStats {
 /// hyper has taken the last one (or dropped the body).
 type Body = BoxBody<Bytes, Infallible>;
 
-/// Serves until the task is dropped.
+/// Serves until the task is dropped (the mesh exchange with its default
+/// bounds).
 pub async fn serve(listener: TcpListener, state: Shared, limits: ServeLimits) {
     serve_with_stats(listener, state, limits, Arc::new(HttpStats::default())).await
 }
@@ -131,6 +138,22 @@ pub async fn serve_with_stats(
     limits: ServeLimits,
     stats: Arc<HttpStats>,
 ) {
+    let mesh = Arc::new(Mutex::new(MeshState::new(
+        MeshLimits::default(),
+        crate::new_mesh_epoch(),
+    )));
+    serve_with_mesh(listener, state, mesh, limits, stats).await
+}
+
+/// [`serve_with_stats`], with the mesh exchange's state given.
+pub async fn serve_with_mesh(
+    listener: TcpListener,
+    state: Shared,
+    mesh: SharedMesh,
+    limits: ServeLimits,
+    stats: Arc<HttpStats>,
+) {
+    let mesh_limits = *lock_mesh(&mesh).limits();
     let connections = Arc::new(Semaphore::new(
         limits.max_connections.clamp(1, Semaphore::MAX_PERMITS),
     ));
@@ -156,16 +179,17 @@ pub async fn serve_with_stats(
         let mut io = TimeoutStream::new(stream);
         io.set_read_timeout(Some(limits.idle_timeout));
         io.set_write_timeout(Some(limits.idle_timeout));
-        let (state, in_flight, stats) = (state.clone(), in_flight.clone(), stats.clone());
+        let (state, mesh, in_flight, stats) = (
+            state.clone(),
+            mesh.clone(),
+            in_flight.clone(),
+            stats.clone(),
+        );
         tokio::spawn(async move {
             let svc_stats = stats.clone();
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let answer = match in_flight.clone().try_acquire_owned() {
-                    Ok(permit) => {
-                        let (status, content_type, body) =
-                            respond(&state, &req, &limits, &svc_stats);
-                        reply(status, content_type, body, Some(permit))
-                    }
+                let permit = match in_flight.clone().try_acquire_owned() {
+                    Ok(permit) => permit,
                     Err(_) => {
                         svc_stats.busy.fetch_add(1, Ordering::Relaxed);
                         let mut r = reply(
@@ -178,10 +202,26 @@ pub async fn serve_with_stats(
                             hyper::header::RETRY_AFTER,
                             hyper::header::HeaderValue::from_static("1"),
                         );
-                        r
+                        return Either::Left(std::future::ready(Ok::<_, Infallible>(r)));
                     }
                 };
-                async move { Ok::<_, Infallible>(answer) }
+                if req.uri().path() == MESH_PATH && req.method() == Method::POST {
+                    // The body is read first: the only answer that awaits.
+                    let mesh = mesh.clone();
+                    return Either::Right(async move {
+                        let (status, content_type, body) =
+                            exchange(&mesh, req, &mesh_limits, limits.header_timeout).await;
+                        Ok(reply(status, content_type, body, Some(permit)))
+                    });
+                }
+                let (status, content_type, body) =
+                    respond(&state, &mesh, &req, &limits, &svc_stats);
+                Either::Left(std::future::ready(Ok(reply(
+                    status,
+                    content_type,
+                    body,
+                    Some(permit),
+                ))))
             });
             let served = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -285,12 +325,83 @@ pub fn parse_events_query(query: &str) -> Result<(u64, usize, Option<u64>), Stri
     Ok((after, limit, epoch))
 }
 
+/// The mesh exchange's path: POST only.
+pub const MESH_PATH: &str = "/mesh/exchange";
+
+fn lock_mesh(mesh: &SharedMesh) -> std::sync::MutexGuard<'_, MeshState> {
+    mesh.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn json_error(status: StatusCode, message: &str) -> Answer {
+    let body = serde_json::json!({ "error": message }).to_string() + "\n";
+    (status, "application/json", body.into())
+}
+
+/// `POST /mesh/exchange`: the body (at most `max_body_bytes`, complete
+/// within `deadline`), parsed, then one call to the state under its lock.
+async fn exchange(
+    mesh: &SharedMesh,
+    req: Request<Incoming>,
+    limits: &MeshLimits,
+    deadline: Duration,
+) -> Answer {
+    let refuse = |status: StatusCode, message: &str| {
+        lock_mesh(mesh).note_bad_request();
+        json_error(status, message)
+    };
+    let max = limits.max_body_bytes;
+    let declared = req
+        .headers()
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("body over the bound of {max} bytes (--mesh-max-body-bytes)"),
+        );
+    }
+    let read = tokio::time::timeout(deadline, Limited::new(req.into_body(), max).collect());
+    let body = match read.await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return refuse(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("body over the bound of {max} bytes (--mesh-max-body-bytes)"),
+            )
+        }
+        Ok(Err(e)) => return refuse(StatusCode::BAD_REQUEST, &format!("reading the body: {e}")),
+        Err(_) => {
+            return refuse(
+                StatusCode::REQUEST_TIMEOUT,
+                &format!(
+                    "body not complete within {} ms (--header-timeout-ms)",
+                    deadline.as_millis()
+                ),
+            )
+        }
+    };
+    let parsed = match mesh::parse_request(&body, limits) {
+        Ok(r) => r,
+        Err(e @ RequestError::TooLarge { .. }) => {
+            return refuse(StatusCode::PAYLOAD_TOO_LARGE, &e.to_string())
+        }
+        Err(e) => return refuse(StatusCode::BAD_REQUEST, &e.to_string()),
+    };
+    let answer = lock_mesh(mesh).exchange(parsed, Instant::now());
+    json(&answer)
+}
+
 fn respond(
     state: &Shared,
+    mesh: &SharedMesh,
     req: &Request<Incoming>,
     limits: &ServeLimits,
     stats: &HttpStats,
 ) -> Answer {
+    if req.uri().path() == MESH_PATH {
+        // POST went to `exchange`.
+        return json_error(StatusCode::METHOD_NOT_ALLOWED, "POST only");
+    }
     if req.method() != Method::GET {
         return text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
     }
@@ -308,12 +419,13 @@ fn respond(
         "/metrics" => {
             let mut m = st.metrics(crate::unix_now_s());
             drop(st);
+            m.push_str(&lock_mesh(mesh).metrics(Instant::now()));
             m.push_str(&stats.metrics(limits));
             (StatusCode::OK, "text/plain; version=0.0.4", m.into())
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found (try /kv/events?after=SEQ, /kv/snapshot, /healthz, /metrics)\n",
+            "not found (try /kv/events?after=SEQ, /kv/snapshot, /healthz, /metrics, POST /mesh/exchange)\n",
         ),
     }
 }

@@ -1,15 +1,17 @@
 //! `kvroute-relay`: the binary. Flags, then the ZMQ task and the HTTP server.
 
 use kvroute_relay::http::ServeLimits;
+use kvroute_relay::mesh::{MeshLimits, MeshState};
 use kvroute_relay::state::{HealthPolicy, Limits, Relay};
 use kvroute_relay::subscriber::SubConfig;
-use kvroute_relay::{http, new_epoch, subscriber, Shared};
+use kvroute_relay::{http, new_epoch, new_mesh_epoch, subscriber, Shared, SharedMesh};
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const USAGE: &str = "\
-kvroute-relay: re-serves one vLLM server's ZMQ KV events over HTTP.
+kvroute-relay: re-serves one vLLM server's ZMQ KV events over HTTP, and carries the mesh
+exchange between the proxies in front of the fleet (POST /mesh/exchange).
 
 USAGE: kvroute-relay --sub ipc:///run/kvroute/kv-events.sock --listen $POD_IP:9157 [options]
 
@@ -30,6 +32,10 @@ USAGE: kvroute-relay --sub ipc:///run/kvroute/kv-events.sock --listen $POD_IP:91
   --health-grace-ms N      /healthz stays 200 for N ms after the publisher disconnects (default 5000)
   --health-max-silence-ms N  /healthz is 503 after N ms without a message even while connected
                            (default 0: off; vLLM publishes only when blocks change)
+  --mesh-ring-decisions N  decisions kept for POST /mesh/exchange (default 16384)
+  --mesh-ring-hashes N     hashes kept across those decisions (default 1048576)
+  --mesh-max-proxies N     proxies' load entries kept at most (default 4096)
+  --mesh-max-body-bytes N  largest /mesh/exchange request body; larger: 413 (default 1048576)
   -h, --help               this text
 ";
 
@@ -42,6 +48,7 @@ struct Args {
     limits: Limits,
     serve: ServeLimits,
     health: HealthPolicy,
+    mesh: MeshLimits,
 }
 
 fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
@@ -53,6 +60,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
     let mut limits = Limits::default();
     let mut serve = ServeLimits::default();
     let mut health = HealthPolicy::default();
+    let mut mesh = MeshLimits::default();
     while let Some(flag) = it.next() {
         if flag == "-h" || flag == "--help" {
             return Ok(None);
@@ -115,6 +123,10 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
                     })?;
                 health.max_silence = (n > 0).then(|| Duration::from_millis(n));
             }
+            "--mesh-ring-decisions" => mesh.ring_decisions = count(value()?)?,
+            "--mesh-ring-hashes" => mesh.ring_hashes = count(value()?)?,
+            "--mesh-max-proxies" => mesh.max_proxies = count(value()?)?,
+            "--mesh-max-body-bytes" => mesh.max_body_bytes = count(value()?)?,
             other => return Err(format!("unknown flag {other:?} (see --help)")),
         }
     }
@@ -130,6 +142,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Option<Args>, String> {
         limits,
         serve,
         health,
+        mesh,
     }))
 }
 
@@ -162,8 +175,15 @@ async fn main() -> ExitCode {
     let mut relay = Relay::new(args.limits, new_epoch());
     relay.set_health_policy(args.health);
     let state: Shared = Arc::new(Mutex::new(relay));
+    let mesh: SharedMesh = Arc::new(Mutex::new(MeshState::new(args.mesh, new_mesh_epoch())));
     let zmq = tokio::spawn(subscriber::run(args.sub, state.clone()));
-    let web = tokio::spawn(http::serve(listener, state, args.serve));
+    let web = tokio::spawn(http::serve_with_mesh(
+        listener,
+        state,
+        mesh,
+        args.serve,
+        Arc::new(http::HttpStats::default()),
+    ));
     let _ = tokio::signal::ctrl_c().await;
     zmq.abort();
     web.abort();

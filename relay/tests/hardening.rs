@@ -1,15 +1,17 @@
 //! The relay as a network service, on loopback: slow and silent clients and
 //! more connections than the bound, while a real ZMQ PUB keeps publishing
-//! and a well-behaved keep-alive client keeps polling; and `/healthz`
-//! following the subscription. Every client here has its own deadline and
+//! and a well-behaved keep-alive client keeps polling; `/healthz`
+//! following the subscription; and hostile `POST /mesh/exchange` bodies
+//! (slow, oversized, garbage). Every client here has its own deadline and
 //! the whole test has one, so nothing waits forever.
 
 use bytes::Bytes;
 use kvroute_kv_events::{KvEvent, KvEventBatch};
 use kvroute_relay::http::{self, HttpStats, ServeLimits};
+use kvroute_relay::mesh::{MeshLimits, MeshState};
 use kvroute_relay::state::{HealthPolicy, Limits, Relay};
 use kvroute_relay::subscriber::{self, SubConfig};
-use kvroute_relay::Shared;
+use kvroute_relay::{Shared, SharedMesh};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -599,4 +601,172 @@ async fn healthz_silence() {
     for t in tasks {
         t.abort();
     }
+}
+
+/// Reads one whole answer (the relay sends `Content-Length`): (status, body).
+async fn read_answer(stream: &mut BufReader<TcpStream>) -> (u16, String) {
+    let mut line = String::new();
+    stream.read_line(&mut line).await.unwrap();
+    let status: u16 = line
+        .split(' ')
+        .nth(1)
+        .unwrap_or_else(|| panic!("no status line: {line:?}"))
+        .parse()
+        .unwrap();
+    let mut len = 0usize;
+    loop {
+        line.clear();
+        stream.read_line(&mut line).await.unwrap();
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = line.split_once(':') {
+            if k.eq_ignore_ascii_case("content-length") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body).await.unwrap();
+    (status, String::from_utf8(body).unwrap())
+}
+
+/// One request with `head` (request line and headers, without the blank
+/// line) and `body`, on its own connection.
+async fn send(addr: SocketAddr, head: &str, body: &[u8]) -> (u16, String) {
+    let mut s = BufReader::new(TcpStream::connect(addr).await.unwrap());
+    let req = format!("{head}\r\nHost: relay\r\nConnection: close\r\n\r\n");
+    s.get_mut().write_all(req.as_bytes()).await.unwrap();
+    // A refused body may meet a closed connection: the answer still counts.
+    let _ = s.get_mut().write_all(body).await;
+    timeout(Duration::from_secs(10), read_answer(&mut s))
+        .await
+        .expect("an answer within 10 s")
+}
+
+fn post_exchange(body: &[u8]) -> String {
+    format!(
+        "POST /mesh/exchange HTTP/1.1\r\nContent-Length: {}",
+        body.len()
+    )
+}
+
+/// `POST /mesh/exchange` bodies from hostile clients: one sent a byte every
+/// 100 ms holds its in-flight slot only until the body deadline (the header
+/// timeout), a declared or chunked body over the bound is refused with 413,
+/// and garbage with 400; none of them changes the mesh state.
+#[tokio::test(flavor = "current_thread")]
+async fn slow_oversized_and_garbage_mesh_bodies_are_cut_off_and_change_nothing() {
+    timeout(Duration::from_secs(60), mesh_bodies())
+        .await
+        .expect("the test's own deadline");
+}
+
+async fn mesh_bodies() {
+    let limits = ServeLimits {
+        header_timeout: Duration::from_millis(1000),
+        // Longer than the test: only the body deadline may end the slow body.
+        idle_timeout: Duration::from_secs(50),
+        max_connections: 16,
+        max_in_flight: 1,
+    };
+    let mesh_limits = MeshLimits {
+        max_body_bytes: 16 * 1024,
+        ..MeshLimits::default()
+    };
+    let mesh: SharedMesh = Arc::new(Mutex::new(MeshState::new(mesh_limits, 5)));
+    let state: Shared = Arc::new(Mutex::new(Relay::new(Limits::default(), 1)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let web = tokio::spawn(http::serve_with_mesh(
+        listener,
+        state,
+        mesh.clone(),
+        limits,
+        Arc::new(HttpStats::default()),
+    ));
+
+    // The slow body: 1,000 bytes declared, one sent every 100 ms (100 s).
+    let (read, mut write) = TcpStream::connect(addr).await.unwrap().into_split();
+    write
+        .write_all(b"POST /mesh/exchange HTTP/1.1\r\nHost: relay\r\nContent-Length: 1000\r\n\r\n")
+        .await
+        .unwrap();
+    let trickle = tokio::spawn(async move {
+        for _ in 0..200 {
+            if write.write_all(b" ").await.is_err() {
+                return;
+            }
+            sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let started = Instant::now();
+    let slow = tokio::spawn(async move {
+        let mut r = BufReader::new(read);
+        let mut line = String::new();
+        timeout(Duration::from_secs(20), r.read_line(&mut line))
+            .await
+            .ok()
+            .map(|_| (line, started.elapsed()))
+    });
+    // While it trickles, its request holds the only slot.
+    sleep(Duration::from_millis(300)).await;
+    let (status, body) = send(addr, "GET /kv/events?after=0 HTTP/1.1", b"").await;
+    assert_eq!(status, 503, "the slow body did not hold its slot: {body}");
+    let (status_line, held) = slow
+        .await
+        .unwrap()
+        .expect("the slow body was still being read after 20 s");
+    assert!(status_line.starts_with("HTTP/1.1 408"), "{status_line:?}");
+    assert!(held < Duration::from_secs(5), "held for {held:?}");
+    trickle.abort();
+    // The slot is free again.
+    let (status, body) = send(addr, "GET /kv/events?after=0 HTTP/1.1", b"").await;
+    assert_eq!(status, 200, "{body}");
+
+    // A declared body over the bound: 413 before any body byte.
+    let (status, body) = send(
+        addr,
+        "POST /mesh/exchange HTTP/1.1\r\nContent-Length: 10000000",
+        b"",
+    )
+    .await;
+    assert_eq!(status, 413, "{body}");
+    // A chunked body that grows past the bound: 413.
+    let chunk = format!("{:x}\r\n{}\r\n", 8192, " ".repeat(8192));
+    let chunked = format!("1\r\n{{\r\n{}", chunk.repeat(3));
+    let (status, body) = send(
+        addr,
+        "POST /mesh/exchange HTTP/1.1\r\nTransfer-Encoding: chunked",
+        chunked.as_bytes(),
+    )
+    .await;
+    assert_eq!(status, 413, "{body}");
+    // Garbage, deep nesting, huge numbers, an id too long: 400.
+    let deep = "[".repeat(10_000);
+    let long_id = format!(r#"{{"proxy":"{}"}}"#, "x".repeat(65));
+    let bad_bodies: [&[u8]; 5] = [
+        b"\xff\xfe\x00garbage",
+        deep.as_bytes(),
+        br#"{"proxy":"a","after":1e400}"#,
+        long_id.as_bytes(),
+        br#"{"proxy":"a","decisions":[{"newBlocks":1,"hashes":[1,2,"x"]}]}"#,
+    ];
+    for b in bad_bodies {
+        let (status, body) = send(addr, &post_exchange(b), b).await;
+        assert_eq!(status, 400, "{body}");
+        assert!(body.starts_with("{\"error\":"), "{body}");
+    }
+    {
+        let m = mesh.lock().unwrap();
+        assert_eq!(m.counts.bad_requests, 8);
+        assert_eq!((m.counts.posts, m.counts.decisions, m.last()), (0, 0, 0));
+        assert_eq!((m.ring_len(), m.load_entries()), (0, 0));
+    }
+    // A good exchange after all that is answered.
+    let good = br#"{"proxy":"a","decisions":[{"newBlocks":1,"hashes":[1]}]}"#;
+    let (status, body) = send(addr, &post_exchange(good), good).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(mesh.lock().unwrap().last(), 1);
+    web.abort();
 }
