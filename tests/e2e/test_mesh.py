@@ -1,0 +1,79 @@
+"""Many proxies route as one (issue 43), in real Envoy, approximate mode.
+
+Two and four Envoy processes, each with its own kvroute shared data and
+collector, route text prompts to the same three emulated servers with the
+shipped profile (approximate index, no tokenizer). A conversation's turns
+alternate between the gateways, so the gateway routing turn k never routed
+turn k-1, and its own index has never seen that turn's blocks. Only the mesh
+exchange tells it: every gateway posts its accepted decisions to each
+server's relay (`POST /mesh/exchange`) and takes the others'.
+"""
+
+import pytest
+
+from conftest import MODEL, post, text, wait_until
+from test_kv_events import kv_config, relay_binary, servers, stat  # noqa: F401
+
+
+def received(g):
+    return stat(g, "wasmcustom.kvroute_mesh_decisions_received")
+
+
+@pytest.mark.parametrize("n_gateways", [2, 4])
+def test_gateways_keep_a_conversation_on_one_server_while_its_turns_alternate(envoy, servers, n_gateways):  # noqa: F811
+    srvs = servers(3)
+    addrs = [s.address for s in srvs]
+    cfg = kv_config(srvs)
+    gws = [envoy(cfg, endpoints=addrs) for _ in range(n_gateways)]
+    for g in gws:
+        wait_until(lambda: all(x["kvEvents"].get("fresh") for x in g.state()["endpoints"]),
+                   timeout=10, what="relays polled")
+
+    conversations, turns = 6, 4
+    placed = {}
+    told = [0] * n_gateways  # decisions each gateway should have received
+    for c in range(conversations):
+        prompt = text(f"mesh-conversation-{c}", 4000)
+        for k in range(turns):
+            prompt = prompt + " " + text(f"mesh-turn-{c}-{k}", 600)
+            i = (c + k) % n_gateways
+            g = gws[i]
+            r = post(g.port, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+            assert r.status == 200, r
+            d = r.decision
+            if k == 0:
+                placed[c] = d["endpoint"]
+            else:
+                # This gateway never routed this conversation's last turn:
+                # only the exchange can have told it where that went.
+                assert d["endpoint"] == placed[c], (c, k, d)
+                assert float(d["affinity"]) > 0.5, (c, k, d)
+            # Think time: every other gateway takes this turn's decision.
+            for j in range(n_gateways):
+                if j != i:
+                    told[j] += 1
+            for j, other in enumerate(gws):
+                wait_until(lambda: received(other) >= told[j], timeout=10,
+                           what=f"gateway {j} told {told[j]} decisions (has {received(other)})")
+    assert len(set(placed.values())) >= 2, placed
+    for g in gws:
+        assert stat(g, "wasmcustom.kvroute_mesh_exchange_failures") == 0
+        assert stat(g, "wasmcustom.kvroute_mesh_decisions_dropped") == 0
+        assert g.wasm_failures() == {}
+
+
+def test_a_gateway_that_cannot_reach_the_exchange_routes_alone_and_counts_it(envoy, servers):  # noqa: F811
+    srvs = servers(2)
+    addrs = [s.address for s in srvs]
+    cfg = kv_config(srvs)
+    # Its relays point nowhere: every exchange fails, routing goes on.
+    cfg["kvEvents"]["relays"] = {a: "127.0.0.1:9" for a in addrs}
+    g = envoy(cfg, endpoints=addrs)
+    for k in range(3):
+        r = post(g.port, "/v1/completions", {"model": MODEL, "prompt": text(f"alone-{k}", 2000), "max_tokens": 2})
+        assert r.status == 200, r
+        assert r.decision["endpoint"] in addrs
+    wait_until(lambda: stat(g, "wasmcustom.kvroute_mesh_exchange_failures") > 0, timeout=10,
+               what="counted exchange failures")
+    assert received(g) == 0
+    assert g.wasm_failures() == {}
