@@ -49,7 +49,8 @@ pub mod vllm_metrics;
 use kvroute_core::blocks::{estimate_tokens, prompt_blocks, text_blocks, BlockConfig};
 use kvroute_core::config::{Config, EndpointSource};
 use kvroute_core::request::{
-    parse_request, ApiKind, InferenceRequest, ParseError, ParseLimits, Prompt,
+    parse_request, parse_request_for_template, ApiKind, InferenceRequest, ParseError, ParseLimits,
+    Prompt,
 };
 use serde_json::Value;
 use std::sync::OnceLock;
@@ -118,6 +119,16 @@ pub fn check_parse(body: &[u8]) {
         let base = alloc_count::start();
         let parsed = parse_request(kind, body, &limits);
         check_alloc("parse_request", body.len(), alloc_count::peak_since(base));
+        if kind == ApiKind::ChatCompletions {
+            // Precise mode's parse, which also takes what a chat template
+            // reads, gives the same request or error.
+            let once = parse_request_for_template(kind, body, &limits).map(|(r, _)| r);
+            assert_eq!(
+                once.as_ref(),
+                parsed.as_ref(),
+                "parse_request_for_template differs"
+            );
+        }
         match parsed {
             Ok(req) => {
                 assert_eq!(

@@ -11,7 +11,7 @@
 //! vLLM's event form), or `{"fallback":"REASON"}` and exits 3.
 
 use kvroute_core::config::Config;
-use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
+use kvroute_core::request::{parse_request_for_template, ApiKind, ParseLimits};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -30,8 +30,9 @@ fn main() {
         k => panic!("unknown API {k}"),
     };
     let body = read(&args[3]);
-    let req = parse_request(kind, &body, &ParseLimits::default()).expect("the body parses");
-    match precise.token_ids(&req, &body) {
+    let (req, chat) =
+        parse_request_for_template(kind, &body, &ParseLimits::default()).expect("the body parses");
+    match precise.token_ids(&req, &body, chat.as_ref()) {
         Ok(ids) => {
             let hashes = precise.hasher.block_hashes_u64(
                 &ids,

@@ -8,6 +8,12 @@
 //! Everything the routing core does not read (sampling parameters,
 //! logprobs, …) is skipped without being materialised.
 //!
+//! Precise mode with a tokenizer renders the model's chat template too:
+//! [`parse_request_for_template`] hands what the template reads (messages,
+//! `tools`, its flags and arguments) to `template` in the same pass, so the
+//! body is not read again (`ChatTemplateInputs`). Without it nothing is
+//! captured (the capture is a type parameter that compiles away).
+//!
 //! The *rendered prompt* is a byte string that stands in for what the model
 //! server will tokenize. It need not equal the chat template's output; it must
 //! only be stable (same request → same bytes) and prefix-preserving (a request
@@ -28,6 +34,17 @@ use std::fmt;
 
 mod json;
 mod render;
+#[cfg(feature = "tokenizer")]
+mod template;
+
+#[cfg(feature = "tokenizer")]
+pub use template::{ChatTemplateInputs, TemplateMessage};
+
+/// What a chat template reads from a body: none in a build without the
+/// `tokenizer` feature (no value).
+#[cfg(not(feature = "tokenizer"))]
+#[derive(Debug)]
+pub enum ChatTemplateInputs {}
 
 /// Which OpenAI-compatible API a request targets, chosen by path suffix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -260,6 +277,33 @@ pub fn parse_request(
     body: &[u8],
     limits: &ParseLimits,
 ) -> Result<InferenceRequest, ParseError> {
+    parse(kind, body, limits, &mut render::NoCapture)
+}
+
+/// [`parse_request`], and for a chat body what its chat template reads
+/// (precise mode with a tokenizer), taken in the same pass: the body is
+/// read once. `None` for other bodies, and always in a build without the
+/// `tokenizer` feature. Same result and errors as [`parse_request`].
+pub fn parse_request_for_template(
+    kind: ApiKind,
+    body: &[u8],
+    limits: &ParseLimits,
+) -> Result<(InferenceRequest, Option<ChatTemplateInputs>), ParseError> {
+    #[cfg(feature = "tokenizer")]
+    if kind == ApiKind::ChatCompletions {
+        let mut cap = template::Capturing::default();
+        let req = parse(kind, body, limits, &mut cap)?;
+        return Ok((req, Some(cap.finish())));
+    }
+    parse_request(kind, body, limits).map(|r| (r, None))
+}
+
+fn parse<C: render::Capture>(
+    kind: ApiKind,
+    body: &[u8],
+    limits: &ParseLimits,
+    cap: &mut C,
+) -> Result<InferenceRequest, ParseError> {
     if body.is_empty() {
         return Err(ParseError::Empty);
     }
@@ -277,7 +321,7 @@ pub fn parse_request(
     let mut batch_rest = BatchRest::default();
     let (common, prompt) = match kind {
         ApiKind::ChatCompletions => {
-            let p = render::parse(render::Body::Chat, body)?;
+            let p = render::parse(render::Body::Chat, body, cap)?;
             if p.messages.unwrap_or(0) == 0 {
                 return Err(ParseError::MissingPrompt);
             }
@@ -296,7 +340,7 @@ pub fn parse_request(
             (b.common(), prompt)
         }
         ApiKind::Responses => {
-            let p = render::parse(render::Body::Responses, body)?;
+            let p = render::parse(render::Body::Responses, body, &mut render::NoCapture)?;
             (p.common, Prompt::Text(p.prompt))
         }
         ApiKind::Embeddings => {

@@ -5,7 +5,7 @@
 use super::{Engine, Unrouted};
 use crate::blocks::prompt_blocks;
 use crate::precise::Fallback;
-use crate::request::{parse_request, ApiKind, Prompt};
+use crate::request::{parse_request, parse_request_for_template, ApiKind, Prompt};
 use crate::scheduling::charge::Work;
 
 /// One request as the engine sees it: its prompt cut into blocks, and what
@@ -66,15 +66,20 @@ impl Engine {
     /// cut it into kvroute's blocks. A body that does not parse is
     /// `Unrouted::BadBody` (give it to [`Engine::fail_for`]).
     pub fn facts(&self, kind: ApiKind, body: &[u8]) -> Result<RequestFacts, Unrouted> {
-        let req = parse_request(kind, body, &self.limits).map_err(Unrouted::BadBody)?;
+        let precise = self.config.precise.as_ref();
+        // With a tokenizer, the one parse also takes what a chat template
+        // reads (the body is not read again to render it).
+        let (req, chat) = match precise {
+            Some(p) if p.reads_chat_templates() => {
+                parse_request_for_template(kind, body, &self.limits)
+            }
+            _ => parse_request(kind, body, &self.limits).map(|r| (r, None)),
+        }
+        .map_err(Unrouted::BadBody)?;
         // Precise mode: vLLM's own hashes of the prompt, matched against the
         // blocks the servers hold (`kvEvents`); or, when they cannot be had,
         // the reason the approximate index decides instead.
-        let precise = self
-            .config
-            .precise
-            .as_ref()
-            .map(|p| p.request_hashes(&req, body));
+        let precise = precise.map(|p| p.request_hashes(&req, body, chat.as_ref()));
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
         let text_bytes = match &req.prompt {
             Prompt::Text(t) => Some(t.len() as u64),

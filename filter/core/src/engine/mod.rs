@@ -27,7 +27,8 @@
 //!
 //! # The request path in detail
 //!
-//! [`Engine::facts`]: parse → (precise mode: `PreciseConfig::request_hashes`,
+//! [`Engine::facts`]: parse (with a tokenizer, in the same pass what a chat
+//! template reads) → (precise mode: `PreciseConfig::request_hashes`,
 //! token IDs → vLLM hashes) → `prompt_blocks`; then [`Engine::route`]:
 //! [`Engine::snapshot`] → `Scheduler::schedule` → charge → index insert; the
 //! lifecycle then writes the destination header (`ARCHITECTURE.md`, "The

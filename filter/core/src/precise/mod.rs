@@ -21,7 +21,7 @@ pub mod tokenizer;
 pub mod tokenizer;
 pub mod vllm_hash;
 
-use crate::request::{ApiKind, InferenceRequest, Prompt};
+use crate::request::{ApiKind, ChatTemplateInputs, InferenceRequest, Prompt};
 use std::sync::Arc;
 use tokenizer::ModelTokenizer;
 use vllm_hash::VllmBlockHasher;
@@ -157,12 +157,21 @@ impl PreciseConfig {
         t.tokenizer.as_deref().ok_or(Fallback::NoTokenizer)
     }
 
+    /// Whether a chat template may be rendered (a tokenizer is loaded):
+    /// then the request parser also takes what the template reads
+    /// (`request::parse_request_for_template`).
+    pub fn reads_chat_templates(&self) -> bool {
+        self.tokenizers.iter().any(|t| t.tokenizer.is_some())
+    }
+
     /// The request's prompt as vLLM token IDs (a token-ID prompt is
-    /// borrowed, not copied).
+    /// borrowed, not copied). A chat prompt is rendered from `chat`, what
+    /// the request parser took of the body, or else read from `body`.
     pub fn token_ids<'r>(
         &self,
         req: &'r InferenceRequest,
         body: &[u8],
+        chat: Option<&ChatTemplateInputs>,
     ) -> Result<std::borrow::Cow<'r, [u32]>, Fallback> {
         use std::borrow::Cow;
         match (&req.prompt, req.kind) {
@@ -174,20 +183,25 @@ impl PreciseConfig {
             }
             (Prompt::Text(_), ApiKind::ChatCompletions) => {
                 let tok = self.tokenizer_for(&req.model)?;
-                Ok(Cow::Owned(tok.chat_ids(body)?))
+                Ok(Cow::Owned(match chat {
+                    Some(chat) => tok.chat_ids_from(chat)?,
+                    None => tok.chat_ids(body)?,
+                }))
             }
             (Prompt::Text(_), _) => Err(Fallback::Unsupported),
         }
     }
 
     /// vLLM's 64-bit block hashes of the request's prompt (full blocks
-    /// only, at most `max_blocks`), and its token count.
+    /// only, at most `max_blocks`), and its token count (`chat`: as for
+    /// [`PreciseConfig::token_ids`]).
     pub fn request_hashes(
         &self,
         req: &InferenceRequest,
         body: &[u8],
+        chat: Option<&ChatTemplateInputs>,
     ) -> Result<(Vec<u64>, u64), Fallback> {
-        let ids = self.token_ids(req, body)?;
+        let ids = self.token_ids(req, body, chat)?;
         let hashes = self.hasher.block_hashes_u64(
             &ids,
             self.block_size,

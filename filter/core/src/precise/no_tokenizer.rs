@@ -7,6 +7,7 @@
 //! token-ID prompts are hashed exactly as in the full build.
 
 pub use super::TokenizeError;
+use crate::request::ChatTemplateInputs;
 
 /// A tokenizer this build cannot load (no values).
 #[derive(Debug)]
@@ -34,6 +35,11 @@ impl ModelTokenizer {
 
     /// Token IDs of a chat body (no value can call it).
     pub fn chat_ids(&self, _body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+        match *self {}
+    }
+
+    /// Token IDs of a parsed chat body (no value can call it).
+    pub fn chat_ids_from(&self, _chat: &ChatTemplateInputs) -> Result<Vec<u32>, TokenizeError> {
         match *self {}
     }
 }

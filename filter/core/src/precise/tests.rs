@@ -1,5 +1,5 @@
 use super::*;
-use crate::request::{parse_request, ParseLimits};
+use crate::request::{parse_request, parse_request_for_template, ParseLimits};
 
 /// The real-engine tier's tokenizer (byte-level BPE, vocabulary 4096) and
 /// its chat template (`tests/real/vllm_tier.py`).
@@ -28,8 +28,17 @@ fn req(kind: ApiKind, body: &str) -> InferenceRequest {
     parse_request(kind, body.as_bytes(), &ParseLimits::default()).unwrap()
 }
 
+/// Precise hashes as the engine computes them (one parse), checked
+/// against those from reading the body again.
 fn hashes(c: &PreciseConfig, kind: ApiKind, body: &str) -> Result<(Vec<u64>, u64), Fallback> {
-    c.request_hashes(&req(kind, body), body.as_bytes())
+    let (r, chat) =
+        parse_request_for_template(kind, body.as_bytes(), &ParseLimits::default()).unwrap();
+    let once = c.request_hashes(&r, body.as_bytes(), chat.as_ref());
+    assert_eq!(
+        once,
+        c.request_hashes(&req(kind, body), body.as_bytes(), None)
+    );
+    once
 }
 
 #[test]
@@ -151,4 +160,92 @@ fn text_completion_tokenizes_with_the_requests_special_token_flag() {
     let (h, n) = hashes(&c, ApiKind::Completions, body).unwrap();
     assert_eq!(n as usize, a.len());
     assert_eq!(h, c.hasher.block_hashes_u64(&a, 4, None, 1000));
+}
+
+/// Rendering from what the one parse took (`render_inputs`) gives the
+/// text and errors of reading the body again (`render_chat`), with a
+/// template that prints every value, including where serde_json's nesting
+/// limit falls (counted from the body's top) in each place a value can be.
+#[test]
+fn the_one_parse_renders_like_reading_the_body_again() {
+    let template = "{{ messages|tojson }}|{% if tools is defined %}{{ tools|tojson }}{% endif %}\
+                    |{{ add_generation_prompt }}|{{ kw|default('-')|tojson }}\
+                    {% for m in messages %}{% for k in m %}<{{ k }}>{% endfor %}{% endfor %}";
+    let tok = ModelTokenizer::load(TINY_TOKENIZER, None, Some(template)).unwrap();
+    let nest = |k: usize| format!("{}1{}", "[".repeat(k), "]".repeat(k));
+    let mut bodies: Vec<String> = [
+        r#"{"model":"m","messages":[{"role":"user","content":"a\u00e9\n","x":{"b":1,"a":[2.5,-3,1e300]},"x":7}]}"#,
+        r#"{"model":"m","messages":[{"content":[{"type":"text","text":"a"},{"text":"b","type":"input_text","extra":null}],"role":"user"}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":null}]}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":["bare"]}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":[["text","x"]]}]}"#,
+        r#"{"model":"m","messages":[["user",null,"array form",null]]}"#,
+        r#"{"model":"m","messages":[{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_calls":null}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x","name":"n"}],"tools":[{"type":"function"}]}"#,
+        r#"{"model":"m","tools":null,"messages":[{"role":"user","content":"x"}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x","big":1e999}]}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":1e999}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":false,"chat_template_kwargs":{"kw":[1,"x"]}}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_generation_prompt":1}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"chat_template_kwargs":null,"chat_template_kwargs":{}}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"continue_final_message":true}"#,
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"add_special_tokens":true}"#,
+    ]
+    .iter()
+    .map(|b| b.to_string())
+    .collect();
+    for k in 118..130 {
+        let n = nest(k);
+        bodies.push(format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x","deep":{n}}}]}}"#
+        ));
+        bodies.push(format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"t","deep":{n}}}]}}]}}"#
+        ));
+        bodies.push(format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{n}]}}]}}"#
+        ));
+        bodies.push(format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"tools":{n}}}"#
+        ));
+        bodies.push(format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"chat_template_kwargs":{{"kw":{n}}}}}"#
+        ));
+        bodies.push(format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x","tool_calls":{n}}}]}}"#
+        ));
+    }
+    let mut rendered = 0;
+    for body in &bodies {
+        let limits = ParseLimits::default();
+        let kind = ApiKind::ChatCompletions;
+        let (r, chat) = match parse_request_for_template(kind, body.as_bytes(), &limits) {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                assert_eq!(Err(e), parse_request(kind, body.as_bytes(), &limits));
+                continue;
+            }
+        };
+        assert_eq!(r, req(kind, body), "{body}");
+        let chat = chat.unwrap();
+        let once = tok.render_inputs(&chat).map_err(Fallback::from);
+        assert_eq!(
+            once,
+            tok.render_chat(body.as_bytes()).map_err(Fallback::from),
+            "{body}"
+        );
+        rendered += usize::from(once.is_ok());
+        // Each message keeps its slice of the body.
+        for m in &chat.messages {
+            let raw: serde_json::Value = serde_json::from_slice(&body.as_bytes()[m.raw.clone()])
+                .unwrap_or(serde_json::Value::Null);
+            assert!(raw.is_object() || raw.is_array() || raw.is_null(), "{body}");
+        }
+    }
+    assert!(
+        rendered > 20 && rendered < bodies.len(),
+        "{rendered} of {}",
+        bodies.len()
+    );
 }

@@ -17,8 +17,15 @@
 //!
 //! Rendering is bounded by minijinja's fuel, so a template cannot loop for
 //! ever on a request.
+//!
+//! The router renders from what its one parse of the body took
+//! (`request::ChatTemplateInputs`, [`ModelTokenizer::render_inputs`]); the
+//! emulator, which has no such parse, from the body
+//! ([`ModelTokenizer::render_chat`], serde_json). Both give the same text
+//! and errors (`precise/tests.rs`, the differential test).
 
 pub use super::TokenizeError;
+use crate::request::ChatTemplateInputs;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -130,7 +137,9 @@ impl ModelTokenizer {
         self.encode(prompt, flags.add_special_tokens.unwrap_or(true))
     }
 
-    /// The chat template's text for a `/v1/chat/completions` body.
+    /// The chat template's text for a `/v1/chat/completions` body, read
+    /// here with serde_json (the emulator's path; the router's reads the
+    /// body once: [`ModelTokenizer::render_inputs`]).
     pub fn render_chat(&self, body: &[u8]) -> Result<(String, bool), TokenizeError> {
         #[derive(Deserialize)]
         struct Chat {
@@ -146,48 +155,106 @@ impl ModelTokenizer {
             #[serde(default)]
             chat_template_kwargs: Option<BTreeMap<String, Value>>,
         }
-        let Some(env) = &self.env else {
-            return Err(TokenizeError::Template(
-                "the model has no chat template".into(),
-            ));
-        };
+        let env = self.template_env()?;
         let chat: Chat = serde_json::from_slice(body)
             .map_err(|e| TokenizeError::Template(format!("messages: {e}")))?;
-        if chat.continue_final_message == Some(true) {
+        let flags = (
+            chat.continue_final_message,
+            chat.add_generation_prompt,
+            chat.add_special_tokens,
+        );
+        let text = self.render(
+            env,
+            chat.messages.iter(),
+            chat.tools,
+            flags,
+            chat.chat_template_kwargs,
+        )?;
+        Ok((text, chat.add_special_tokens.unwrap_or(false)))
+    }
+
+    /// The chat template's text for a chat body from what the request
+    /// parser took of it (`request::parse_request_for_template`): the same
+    /// text and errors as [`ModelTokenizer::render_chat`] of that body.
+    pub fn render_inputs(
+        &self,
+        chat: &ChatTemplateInputs,
+    ) -> Result<(String, bool), TokenizeError> {
+        let env = self.template_env()?;
+        if let Some(e) = &chat.error {
+            return Err(TokenizeError::Template(format!("messages: {e}")));
+        }
+        let flags = (
+            chat.continue_final_message,
+            chat.add_generation_prompt,
+            chat.add_special_tokens,
+        );
+        let text = self.render(
+            env,
+            chat.messages.iter().map(|m| &m.value),
+            chat.tools.clone(),
+            flags,
+            chat.chat_template_kwargs.clone(),
+        )?;
+        Ok((text, chat.add_special_tokens.unwrap_or(false)))
+    }
+
+    fn template_env(&self) -> Result<&Environment<'static>, TokenizeError> {
+        self.env
+            .as_ref()
+            .ok_or_else(|| TokenizeError::Template("the model has no chat template".into()))
+    }
+
+    /// Renders the chat template over `messages`; `flags` are the request's
+    /// `continue_final_message`, `add_generation_prompt` and
+    /// `add_special_tokens`.
+    fn render<'v>(
+        &self,
+        env: &Environment<'static>,
+        messages: impl Iterator<Item = &'v Value>,
+        tools: Option<Value>,
+        flags: (Option<bool>, Option<bool>, Option<bool>),
+        kwargs: Option<BTreeMap<String, Value>>,
+    ) -> Result<String, TokenizeError> {
+        let (continue_final_message, add_generation_prompt, _) = flags;
+        if continue_final_message == Some(true) {
             return Err(TokenizeError::Unsupported("continue_final_message"));
         }
-        let messages = chat
-            .messages
-            .iter()
+        let messages = messages
             .map(string_content)
             .collect::<Result<Vec<Value>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         for (k, v) in &self.special {
             ctx.insert(k.clone(), Value::from(v.as_str()));
         }
-        if let Some(kw) = chat.chat_template_kwargs {
+        if let Some(kw) = kwargs {
             ctx.extend(kw);
         }
         ctx.insert("messages".into(), Value::from(messages));
         ctx.insert(
             "add_generation_prompt".into(),
-            Value::from(chat.add_generation_prompt.unwrap_or(true)),
+            Value::from(add_generation_prompt.unwrap_or(true)),
         );
-        if let Some(t) = chat.tools.filter(|t| !t.is_none()) {
+        if let Some(t) = tools.filter(|t| !t.is_none()) {
             ctx.insert("tools".into(), t);
         }
         let tmpl = env
             .get_template("chat")
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let text = tmpl
-            .render(Value::from(ctx))
-            .map_err(|e| TokenizeError::Template(e.to_string()))?;
-        Ok((text, chat.add_special_tokens.unwrap_or(false)))
+        tmpl.render(Value::from(ctx))
+            .map_err(|e| TokenizeError::Template(e.to_string()))
     }
 
     /// Token IDs of a `/v1/chat/completions` body, as vLLM computes them.
     pub fn chat_ids(&self, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
         let (text, add_special) = self.render_chat(body)?;
+        self.encode(&text, add_special)
+    }
+
+    /// [`ModelTokenizer::chat_ids`] from what the request parser took of
+    /// the body.
+    pub fn chat_ids_from(&self, chat: &ChatTemplateInputs) -> Result<Vec<u32>, TokenizeError> {
+        let (text, add_special) = self.render_inputs(chat)?;
         self.encode(&text, add_special)
     }
 }

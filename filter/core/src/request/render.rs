@@ -32,6 +32,54 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 use xxhash_rust::xxh3::xxh3_64;
 
+/// What precise mode's chat template reads from a chat body, handed over
+/// while the body is read (`template.rs` builds the template's values), so
+/// the body is read once. [`NoCapture`] (every other request) does nothing:
+/// with `ON` false, the calls and what they are given compile away.
+///
+/// Names are the template's keys; raw values are JSON slices of the body.
+pub(super) trait Capture {
+    const ON: bool;
+    /// A top-level key routing does not read: whether its raw value is
+    /// wanted (given to [`Capture::top_value`]).
+    fn top_key(&mut self, _key: &[u8]) -> bool {
+        false
+    }
+    fn top_value(&mut self, _raw: &[u8]) {}
+    /// `tools` (`None`: null).
+    fn tools(&mut self, _raw: Option<&str>) {}
+    /// A message object starts at body byte `_at`, or ends before byte `_end`.
+    fn message_start(&mut self, _at: usize) {}
+    fn message_end(&mut self, _end: usize) {}
+    /// A message that is not an object, starting at body byte `_at`.
+    fn raw_message(&mut self, _at: usize, _raw: &[u8]) {}
+    /// The key of the next [`Capture::raw_field`] (of a message or a part).
+    fn key(&mut self, _key: &[u8]) {}
+    fn raw_field(&mut self, _raw: &[u8]) {}
+    fn str_field(&mut self, _name: &'static str, _value: Option<&str>) {}
+    /// A string field's decoded text (UTF-8, checked by the reader).
+    fn text_field(&mut self, _name: &'static str, _text: &[u8]) {}
+    /// `content` is a list: its parts follow, then [`Capture::parts_end`].
+    fn parts_start(&mut self) {}
+    fn parts_end(&mut self) {}
+    /// A part object: its fields follow, then [`Capture::part_end`].
+    fn part_start(&mut self) {}
+    fn part_end(&mut self) {}
+    /// A part that is a bare string (decoded), or neither string nor object.
+    fn text_part(&mut self, _text: &[u8]) {}
+    fn raw_part(&mut self, _raw: &[u8]) {}
+    /// A value the reader took in a way the template cannot follow (never,
+    /// for a body that parses).
+    fn lost(&mut self, _what: &'static str) {}
+}
+
+/// No capture: routing's own parse.
+pub(super) struct NoCapture;
+
+impl Capture for NoCapture {
+    const ON: bool = false;
+}
+
 /// Which body is read.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Body {
@@ -61,6 +109,8 @@ enum Field {
     Input,
     N,
     BestOf,
+    /// A key the capture asked for ([`Capture::top_key`]).
+    Captured,
     Other,
 }
 
@@ -96,8 +146,13 @@ fn once(cur: &Cursor<'_>, seen: &mut bool, name: &str) -> Result<(), ParseError>
     }
 }
 
-/// Parses a chat or Responses body (whose first non-whitespace byte is `{`).
-pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
+/// Parses a chat or Responses body (whose first non-whitespace byte is `{`),
+/// telling `cap` what a chat template reads.
+pub(super) fn parse<'a, C: Capture>(
+    body: Body,
+    src: &'a [u8],
+    cap: &mut C,
+) -> Result<Parsed<'a>, ParseError> {
     let mut cur = Cursor::new(src);
     let mut out = Out::for_body(src.len());
     let mut scratch = Vec::new();
@@ -120,7 +175,10 @@ pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
     }
     cur.bump();
     let mut first = true;
-    while let Some(f) = cur.next_key(&mut first, &mut scratch, |k| field(body, k))? {
+    while let Some(f) = cur.next_key(&mut first, &mut scratch, |k| match field(body, k) {
+        Field::Other if C::ON && cap.top_key(k) => Field::Captured,
+        f => f,
+    })? {
         match f {
             Field::Model => {
                 once(&cur, &mut seen[0], "model")?;
@@ -154,7 +212,7 @@ pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
                         cur.null()?;
                         None
                     }
-                    Some(b'[') => Some(message_list(&mut cur, &mut out, &mut scratch)?),
+                    Some(b'[') => Some(message_list(&mut cur, &mut out, &mut scratch, cap)?),
                     _ => {
                         // Not a list: serde_json's error for it.
                         cur.value::<Option<Vec<IgnoredAny>>>()?;
@@ -164,7 +222,11 @@ pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
             }
             Field::Tools => {
                 once(&cur, &mut seen[7], "tools")?;
-                if let Some(tools) = cur.value::<Option<&RawValue>>()? {
+                let tools = cur.value::<Option<&RawValue>>()?;
+                if C::ON {
+                    cap.tools(tools.map(RawValue::get));
+                }
+                if let Some(tools) = tools {
                     let block = [b"<|tools|>", tools.get().as_bytes(), b"\n"];
                     front(&mut out, body_rendered, &block);
                 }
@@ -210,7 +272,7 @@ pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
                         out.put_byte(b'\n');
                     }
                     Some(b'[') => {
-                        message_list(&mut cur, &mut out, &mut scratch)?;
+                        message_list(&mut cur, &mut out, &mut scratch, &mut NoCapture)?;
                     }
                     _ => match cur.value::<Option<ResponsesInput<'_>>>()? {
                         Some(ResponsesInput::Text(t)) => {
@@ -226,6 +288,11 @@ pub(super) fn parse(body: Body, src: &[u8]) -> Result<Parsed<'_>, ParseError> {
                         None => {}
                     },
                 }
+            }
+            Field::Captured => {
+                let s = cur.pos();
+                cur.value::<IgnoredAny>()?;
+                cap.top_value(cur.since(s));
             }
             Field::Other => {
                 cur.value::<IgnoredAny>()?;
@@ -256,10 +323,11 @@ fn front(out: &mut Out, in_front: bool, parts: &[&[u8]]) {
 
 /// Renders the messages (or Responses input items) of the list at the
 /// cursor; returns how many there were.
-fn message_list<'a>(
+fn message_list<'a, C: Capture>(
     cur: &mut Cursor<'a>,
     out: &mut Out,
     scratch: &mut Vec<u8>,
+    cap: &mut C,
 ) -> Result<usize, ParseError> {
     cur.bump();
     let mut first = true;
@@ -267,10 +335,14 @@ fn message_list<'a>(
     while cur.next_element(&mut first)? {
         out.at(cur.pos());
         if cur.peek() == Some(b'{') {
-            message(cur, out, scratch)?;
+            message(cur, out, scratch, cap)?;
         } else {
             // `[role, name, content, tool_calls]`, or not a message at all.
+            let at = cur.pos();
             let m: Message<'a> = cur.value()?;
+            if C::ON {
+                cap.raw_message(at, cur.since(at));
+            }
             render_message(out, &m, scratch)?;
         }
         n += 1;
@@ -288,11 +360,15 @@ enum MessageField {
 
 /// Renders the message object at the cursor:
 /// `<|role|>` [`<|name:NAME|>`] `\n` content `\n` [`<|tool_calls|>` raw `\n`].
-fn message<'a>(
+fn message<'a, C: Capture>(
     cur: &mut Cursor<'a>,
     out: &mut Out,
     scratch: &mut Vec<u8>,
+    cap: &mut C,
 ) -> Result<(), ParseError> {
+    if C::ON {
+        cap.message_start(cur.pos());
+    }
     cur.bump();
     let start = out.len();
     let mut role: Option<Cow<'a, str>> = None;
@@ -307,7 +383,12 @@ fn message<'a>(
         b"name" => MessageField::Name,
         b"content" => MessageField::Content,
         b"tool_calls" => MessageField::ToolCalls,
-        _ => MessageField::Other,
+        _ => {
+            if C::ON {
+                cap.key(k);
+            }
+            MessageField::Other
+        }
     })? {
         match f {
             MessageField::Role | MessageField::Name => {
@@ -319,6 +400,14 @@ fn message<'a>(
                     &mut name
                 };
                 *slot = opt_str(cur, scratch)?;
+                if C::ON {
+                    let name = if matches!(f, MessageField::Role) {
+                        "role"
+                    } else {
+                        "name"
+                    };
+                    cap.str_field(name, slot.as_deref());
+                }
                 if let Some(len) = header {
                     // After the content: rewrite the header.
                     header = Some(with_header(role.as_deref(), name.as_deref(), |h| {
@@ -333,16 +422,28 @@ fn message<'a>(
                 if header.is_none() && seen[0] {
                     header = Some(write_header(out, role.as_deref(), name.as_deref()));
                 }
-                content(cur, out, scratch)?;
+                content(cur, out, scratch, cap)?;
             }
             MessageField::ToolCalls => {
                 once(cur, &mut seen[3], "tool_calls")?;
+                let s = cur.pos();
                 tool_calls = cur.value()?;
+                if C::ON {
+                    cap.key(b"tool_calls");
+                    cap.raw_field(cur.since(s));
+                }
             }
             MessageField::Other => {
+                let s = cur.pos();
                 cur.value::<IgnoredAny>()?;
+                if C::ON {
+                    cap.raw_field(cur.since(s));
+                }
             }
         }
+    }
+    if C::ON {
+        cap.message_end(cur.pos());
     }
     if header.is_none() {
         if out.len() == start {
@@ -424,36 +525,61 @@ fn opt_str<'a>(
 
 /// Renders the `content` value at the cursor: a string, a list of parts,
 /// or null.
-fn content<'a>(
+fn content<'a, C: Capture>(
     cur: &mut Cursor<'a>,
     out: &mut Out,
     scratch: &mut Vec<u8>,
+    cap: &mut C,
 ) -> Result<(), ParseError> {
     match cur.peek() {
-        Some(b'"') => cur.string_into(out),
-        Some(b'[') => {
-            cur.bump();
-            let mut first = true;
-            while cur.next_element(&mut first)? {
-                out.at(cur.pos());
-                part(cur, out, scratch)?;
+        Some(b'"') => {
+            let start = out.len();
+            cur.string_into(out)?;
+            if C::ON {
+                cap.text_field("content", out.written_since(start));
             }
             Ok(())
         }
-        Some(b'n') => cur.null(),
+        Some(b'[') => {
+            cur.bump();
+            if C::ON {
+                cap.parts_start();
+            }
+            let mut first = true;
+            while cur.next_element(&mut first)? {
+                out.at(cur.pos());
+                part(cur, out, scratch, cap)?;
+            }
+            if C::ON {
+                cap.parts_end();
+            }
+            Ok(())
+        }
+        Some(b'n') => {
+            cur.null()?;
+            if C::ON {
+                cap.str_field("content", None);
+            }
+            Ok(())
+        }
         // Anything else: serde_json's verdict (an error).
         _ => match cur.value::<Option<Content<'a>>>()? {
             Some(Content::Text(t)) => {
+                cap.lost("content");
                 out.put(t.as_bytes());
                 Ok(())
             }
             Some(Content::Parts(parts)) => {
+                cap.lost("content");
                 for raw in parts {
                     raw_part(out, raw, scratch)?;
                 }
                 Ok(())
             }
-            Some(Content::Null) | None => Ok(()),
+            Some(Content::Null) | None => {
+                cap.lost("content");
+                Ok(())
+            }
         },
     }
 }
@@ -465,7 +591,7 @@ pub(super) fn raw_part(
     scratch: &mut Vec<u8>,
 ) -> Result<(), ParseError> {
     let mut cur = Cursor::new(raw.get().as_bytes());
-    part(&mut cur, out, scratch)
+    part(&mut cur, out, scratch, &mut NoCapture)
 }
 
 enum PartField {
@@ -477,13 +603,28 @@ enum PartField {
 /// Renders the content part at the cursor: a bare string is text; an
 /// object is its `text` if its `type` is a text type (or absent), else the
 /// placeholder `<|TYPE:HASH|>` (HASH: xxh3-64 of its raw JSON).
-fn part<'a>(cur: &mut Cursor<'a>, out: &mut Out, scratch: &mut Vec<u8>) -> Result<(), ParseError> {
+fn part<'a, C: Capture>(
+    cur: &mut Cursor<'a>,
+    out: &mut Out,
+    scratch: &mut Vec<u8>,
+    cap: &mut C,
+) -> Result<(), ParseError> {
     match cur.peek() {
-        Some(b'"') => return cur.string_into(out),
+        Some(b'"') => {
+            let start = out.len();
+            cur.string_into(out)?;
+            if C::ON {
+                cap.text_part(out.written_since(start));
+            }
+            return Ok(());
+        }
         Some(b'{') => {}
         _ => {
             // `[type, text]`, or not a part at all: serde's verdict.
             let raw: &'a RawValue = cur.value()?;
+            if C::ON {
+                cap.raw_part(raw.get().as_bytes());
+            }
             let p: Part<'_> = serde_json::from_str(raw.get())
                 .map_err(|e| ParseError::Json(format!("{e}, in a content part")))?;
             let text_kind = p.text.as_deref().map(|t| (t, p.kind.as_deref()));
@@ -501,6 +642,9 @@ fn part<'a>(cur: &mut Cursor<'a>, out: &mut Out, scratch: &mut Vec<u8>) -> Resul
     }
     let raw_start = cur.pos();
     cur.bump();
+    if C::ON {
+        cap.part_start();
+    }
     let start = out.len();
     let mut kind: Option<Cow<'a, str>> = None;
     let mut has_text = false;
@@ -509,23 +653,44 @@ fn part<'a>(cur: &mut Cursor<'a>, out: &mut Out, scratch: &mut Vec<u8>) -> Resul
     while let Some(f) = cur.next_key(&mut first, scratch, |k| match k {
         b"type" => PartField::Type,
         b"text" => PartField::Text,
-        _ => PartField::Other,
+        _ => {
+            if C::ON {
+                cap.key(k);
+            }
+            PartField::Other
+        }
     })? {
         match f {
             PartField::Type => {
                 once(cur, &mut seen_type, "type")?;
                 kind = opt_str(cur, scratch)?;
+                if C::ON {
+                    cap.str_field("type", kind.as_deref());
+                }
             }
             PartField::Text => {
                 once(cur, &mut seen_text, "text")?;
                 match cur.peek() {
                     Some(b'"') => {
+                        let text_start = out.len();
                         cur.string_into(out)?;
+                        if C::ON {
+                            cap.text_field("text", out.written_since(text_start));
+                        }
                         has_text = true;
                     }
-                    Some(b'n') => cur.null()?,
+                    Some(b'n') => {
+                        cur.null()?;
+                        if C::ON {
+                            cap.str_field("text", None);
+                        }
+                    }
                     _ => {
-                        if let Some(t) = cur.value::<Option<Cow<'_, str>>>()? {
+                        let t = cur.value::<Option<Cow<'_, str>>>()?;
+                        if C::ON {
+                            cap.str_field("text", t.as_deref());
+                        }
+                        if let Some(t) = t {
                             out.put(t.as_bytes());
                             has_text = true;
                         }
@@ -540,8 +705,14 @@ fn part<'a>(cur: &mut Cursor<'a>, out: &mut Out, scratch: &mut Vec<u8>) -> Resul
                 if std::str::from_utf8(cur.since(s)).is_err() {
                     return Err(cur.error("invalid unicode code point"));
                 }
+                if C::ON {
+                    cap.raw_field(cur.since(s));
+                }
             }
         }
+    }
+    if C::ON {
+        cap.part_end();
     }
     let kind = kind.as_deref().unwrap_or("");
     if !(has_text && is_text(kind)) {

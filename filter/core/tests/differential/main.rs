@@ -391,7 +391,72 @@ fn mutate(g: &mut Gen, body: &[u8]) -> Vec<u8> {
     b
 }
 
+/// A tokenizer whose chat template prints every value it is given, so that
+/// two renders are equal only if the values are.
+#[cfg(feature = "tokenizer")]
+fn dump_tokenizer() -> &'static kvroute_core::precise::tokenizer::ModelTokenizer {
+    use kvroute_core::precise::tokenizer::ModelTokenizer;
+    static TOK: std::sync::OnceLock<ModelTokenizer> = std::sync::OnceLock::new();
+    TOK.get_or_init(|| {
+        let json = include_bytes!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
+        let template =
+            "{{ messages|tojson }}|{% if tools is defined %}{{ tools|tojson }}{% endif %}\
+                        |{{ add_generation_prompt }}|{{ kw|default('-')|tojson }}\
+                        {% for m in messages %}{% for k in m %}<{{ k }}>{% endfor %}{% endfor %}";
+        ModelTokenizer::load(json, None, Some(template)).expect("the dump template loads")
+    })
+}
+
+/// The one parse that also takes what a chat template reads
+/// (`parse_request_for_template`) gives the same request or error as
+/// `parse_request`, and the template renders the same from it as from the
+/// body read again (`render_chat`, serde_json), or fails the same way; the
+/// same with flags and template arguments put in front of the body.
+#[cfg(feature = "tokenizer")]
+fn check_template(body: &[u8]) {
+    use kvroute_core::precise::Fallback;
+    use kvroute_core::request::{parse_request, parse_request_for_template};
+    let limits = ParseLimits::default();
+    let tok = dump_tokenizer();
+    let kind = ApiKind::ChatCompletions;
+    let mut variants = vec![body.to_vec()];
+    let start = body.iter().position(|b| !b.is_ascii_whitespace());
+    if let Some(at) = start.filter(|&i| body[i] == b'{') {
+        let rest = &body[at + 1..];
+        if rest.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'}') {
+            for front in [
+                r#""add_generation_prompt":false,"#,
+                r#""add_generation_prompt":"yes","#,
+                r#""continue_final_message":true,"#,
+                r#""continue_final_message":null,"add_special_tokens":true,"#,
+                r#""add_special_tokens":true,"add_special_tokens":null,"#,
+                r#""chat_template_kwargs":{"kw":{"a":[1,2.5,"xé",null]}},"#,
+                r#""chat_template_kwargs":7,"#,
+            ] {
+                variants.push([&body[..=at], front.as_bytes(), rest].concat());
+            }
+        }
+    }
+    for b in &variants {
+        let once = parse_request_for_template(kind, b, &limits);
+        let plain = parse_request(kind, b, &limits);
+        match (&once, &plain) {
+            (Ok((r, chat)), Ok(p)) => {
+                assert_eq!(r, p, "{}", String::from_utf8_lossy(b));
+                let chat = chat.as_ref().expect("a chat body's template inputs");
+                let from_inputs = tok.render_inputs(chat).map_err(Fallback::from);
+                let from_body = tok.render_chat(b).map_err(Fallback::from);
+                assert_eq!(from_inputs, from_body, "{}", String::from_utf8_lossy(b));
+            }
+            (Err(a), Err(b2)) => assert_eq!(a, b2),
+            _ => panic!("{once:?} vs {plain:?}: {}", String::from_utf8_lossy(b)),
+        }
+    }
+}
+
 fn check(body: &[u8], stats: &mut [usize; 2]) {
+    #[cfg(feature = "tokenizer")]
+    check_template(body);
     let limits = ParseLimits::default();
     for kind in [
         ApiKind::ChatCompletions,
