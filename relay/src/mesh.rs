@@ -375,9 +375,9 @@ impl MeshState {
         let mut seq = start;
         let mut more = false;
         // Ring seqs are consecutive: the first after `start` is at a known
-        // offset.
+        // offset (at most the ring's length: `start` ≤ `last`).
         let skip = (start + 1 - oldest) as usize;
-        for e in self.ring.iter().skip(skip) {
+        for e in self.ring.range(skip..) {
             if e.proxy == proxy {
                 // The asker's own: considered, not returned.
                 seq = e.seq;
