@@ -208,9 +208,10 @@ pub async fn serve_with_mesh(
                 if req.uri().path() == MESH_PATH && req.method() == Method::POST {
                     // The body is read first: the only answer that awaits.
                     let mesh = mesh.clone();
+                    let state = state.clone();
                     return Either::Right(async move {
                         let (status, content_type, body) =
-                            exchange(&mesh, req, &mesh_limits, limits.header_timeout).await;
+                            exchange(&state, &mesh, req, &mesh_limits, limits.header_timeout).await;
                         Ok(reply(status, content_type, body, Some(permit)))
                     });
                 }
@@ -340,6 +341,7 @@ fn json_error(status: StatusCode, message: &str) -> Answer {
 /// `POST /mesh/exchange`: the body (at most `max_body_bytes`, complete
 /// within `deadline`), parsed, then one call to the state under its lock.
 async fn exchange(
+    state: &Shared,
     mesh: &SharedMesh,
     req: Request<Incoming>,
     limits: &MeshLimits,
@@ -387,7 +389,15 @@ async fn exchange(
         }
         Err(e) => return refuse(StatusCode::BAD_REQUEST, &e.to_string()),
     };
-    let answer = lock_mesh(mesh).exchange(parsed, Instant::now());
+    let losses = state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .cache_losses();
+    let answer = {
+        let mut m = lock_mesh(mesh);
+        m.note_cache_losses(losses);
+        m.exchange(parsed, Instant::now())
+    };
     json(&answer)
 }
 

@@ -258,6 +258,8 @@ pub struct MeshCounts {
     pub decisions_dropped: u64,
     /// Answers with `resync`.
     pub resyncs: u64,
+    /// Decisions dropped because the server lost its cache.
+    pub decisions_voided: u64,
 }
 
 /// The mesh exchange's whole state.
@@ -270,6 +272,8 @@ pub struct MeshState {
     ring: VecDeque<Entry>,
     ring_hashes: usize,
     loads: HashMap<Arc<str>, LoadEntry>,
+    /// The relay's cache-loss count when last seen.
+    cache_losses: u64,
     pub counts: MeshCounts,
 }
 
@@ -289,6 +293,7 @@ impl MeshState {
             ring: VecDeque::new(),
             ring_hashes: 0,
             loads: HashMap::new(),
+            cache_losses: 0,
             counts: MeshCounts::default(),
         }
     }
@@ -327,6 +332,18 @@ impl MeshState {
     /// Unexpired load entries at `now`.
     pub fn proxies(&self, now: Instant) -> usize {
         self.loads.values().filter(|e| e.expires > now).count()
+    }
+
+    /// The server's cache-loss count (`Relay::cache_losses`): when it moved,
+    /// every decision held is void (the blocks they placed are gone) and is
+    /// dropped, so no proxy learns them from the backlog. Seqs go on.
+    pub fn note_cache_losses(&mut self, losses: u64) {
+        if losses != self.cache_losses {
+            self.cache_losses = losses;
+            self.counts.decisions_voided += self.ring.len() as u64;
+            self.ring.clear();
+            self.ring_hashes = 0;
+        }
     }
 
     /// A request refused before it reached the state.
@@ -488,6 +505,12 @@ impl MeshState {
             c.decisions_dropped,
         );
         line(
+            "kvroute_relay_mesh_decisions_voided_total",
+            "counter",
+            "Decisions dropped from the mesh ring because the server lost its cache.",
+            c.decisions_voided,
+        );
+        line(
             "kvroute_relay_mesh_resyncs_total",
             "counter",
             "Mesh exchange answers with resync.",
@@ -614,6 +637,33 @@ mod tests {
         assert_eq!(b3.seq, 4);
         assert_eq!(m.counts.decisions, 4);
         assert_eq!(m.counts.posts, 6);
+    }
+
+    /// A server that lost its cache voids every decision held: a proxy
+    /// new after the loss learns none of them; cursors carry on.
+    #[test]
+    fn a_lost_cache_voids_the_decisions_held() {
+        let mut m = state(MeshLimits::default());
+        let t = Instant::now();
+        m.note_cache_losses(0);
+        let a1 = m.exchange(posting(req("a"), vec![d(4, &[1, 2]), d(1, &[3])]), t);
+        assert_eq!(a1.seq, 2);
+        m.note_cache_losses(0);
+        assert_eq!(m.ring_len(), 2, "no loss: kept");
+        m.note_cache_losses(1);
+        assert_eq!((m.ring_len(), m.ring_hash_count()), (0, 0));
+        assert_eq!(m.counts.decisions_voided, 2);
+        let b = m.exchange(req("b"), t);
+        assert!(b.decisions.is_empty(), "{b:?}");
+        // A posts on from its cursor; B's cursor sees only the new one.
+        let a2 = m.exchange(posting(at("a", a1.seq), vec![d(2, &[9])]), t);
+        assert_eq!((a2.seq, a2.resync), (3, false));
+        let b2 = m.exchange(at("b", b.seq), t);
+        assert_eq!(hashes(&b2), vec![vec![9]]);
+        assert!(!b2.resync);
+        assert!(m
+            .metrics(t)
+            .contains("kvroute_relay_mesh_decisions_voided_total 2"));
     }
 
     #[test]

@@ -241,6 +241,13 @@ pub struct Snapshot {
 }
 
 impl Relay {
+    /// How often the server lost its cache so far (an `AllBlocksCleared`,
+    /// or a publisher restart): the mesh exchange drops the decisions it
+    /// holds when this moves (`mesh::MeshState::note_cache_losses`).
+    pub fn cache_losses(&self) -> u64 {
+        self.counts.events_cleared + self.counts.restarts
+    }
+
     pub fn new(limits: Limits, epoch: u64) -> Relay {
         let limits = Limits {
             max_blocks: limits.max_blocks.max(1),
