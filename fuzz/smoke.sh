@@ -17,6 +17,7 @@
 #   envoy_clusters  admin /clusters JSON  seeds: fuzz/seeds/envoy_clusters/
 #   relay_frames    vLLM ZMQ KV frames    seeds: fuzz/seeds/relay_frames/ (the real capture)
 #   relay_mesh      relay /mesh/exchange bodies, against a model  seeds: fuzz/seeds/relay_mesh/
+#   mesh_answer     relay answers to the collector's mesh posts    seeds: fuzz/seeds/mesh_answer/
 # The four before relay_mesh are what the collector and the relay parse from servers,
 # relays and Envoy, each driven through the real path into shared data.
 #
@@ -55,7 +56,7 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions \
 -Cllvm-args=-simplifycfg-branch-fold-threshold=0 -Cllvm-args=-sanitizer-coverage-stack-depth"
-all=(parse_request parse_differential config engine vllm_metrics kv_events envoy_clusters relay_frames relay_mesh)
+all=(parse_request parse_differential config engine vllm_metrics kv_events envoy_clusters relay_frames relay_mesh mesh_answer)
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${all[@]}")
 bins=()
@@ -105,6 +106,7 @@ run kv_events "$fuzz_dir/seeds/kv_events" "$fuzz_dir/dicts/kv_events.dict" 8192
 run envoy_clusters "$fuzz_dir/seeds/envoy_clusters" "$fuzz_dir/dicts/envoy_clusters.dict" 16384
 run relay_frames "$fuzz_dir/seeds/relay_frames" "$fuzz_dir/dicts/relay_frames.dict" 65536
 run relay_mesh "$fuzz_dir/seeds/relay_mesh" "$fuzz_dir/dicts/relay_mesh.dict" 16384
+run mesh_answer "$fuzz_dir/seeds/mesh_answer" "$fuzz_dir/dicts/mesh_answer.dict" 16384
 
 shopt -s nullglob
 known=(../testdata/requests/crash-*)

@@ -101,7 +101,7 @@ fi
 CARGO_TARGET_WASM32_WASIP1_RUNNER="$runner" cargo test --target wasm32-wasip1 -p kvroute-core
 done_step
 
-step "fuzz smoke (bash fuzz/smoke.sh: parse_request, parse_differential, config, engine, vllm_metrics, kv_events, envoy_clusters, relay_frames, relay_mesh; 10 s each)"
+step "fuzz smoke (bash fuzz/smoke.sh: parse_request, parse_differential, config, engine, vllm_metrics, kv_events, envoy_clusters, relay_frames, relay_mesh, mesh_answer; 10 s each)"
 bash fuzz/smoke.sh
 done_step
 

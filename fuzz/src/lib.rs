@@ -32,6 +32,9 @@
 //!   `apply_relay_answer` (the held-block sets);
 //! - [`envoy_clusters::run`]: admin `/clusters?format=json` →
 //!   `apply_admin_clusters` (the endpoint table);
+//! - [`mesh_answer::run`]: relay answers to the collector's mesh posts →
+//!   `apply_mesh_answer` (peer load, the index and eviction clocks), with
+//!   the outbox filled and taken in between;
 //! - [`relay_frames::run`]: vLLM's ZMQ frames → the relay's state machine,
 //!   and its answers back into the collector;
 //! - [`relay_mesh::run`]: proxies' `POST /mesh/exchange` bodies → the
@@ -41,6 +44,7 @@ pub mod alloc_count;
 pub mod engine;
 pub mod envoy_clusters;
 pub mod kv_events;
+pub mod mesh_answer;
 pub mod parse_differential;
 pub mod relay_frames;
 pub mod relay_mesh;

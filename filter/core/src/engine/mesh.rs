@@ -449,6 +449,19 @@ mod tests {
         // start, and the load table keeps its records.
         let after = s.usage().0;
         assert!(after <= before + 1024, "{before} -> {after}");
+        // A peer sum at the bound saturates the endpoint's load (the
+        // fuzz target `mesh_answer` found the overflow).
+        let huge = PeerLoad {
+            prompt_tokens: u64::MAX,
+            output_tokens: u64::MAX,
+            requests: u32::MAX,
+            at_ms: 5,
+        };
+        e.apply_peer(&s, slot, generation, Some(huge), &[]).unwrap();
+        let facts = e.facts(ApiKind::ChatCompletions, &chat(1)).unwrap();
+        let snap = e.snapshot(&s, &facts, 5).unwrap().unwrap();
+        let i = snap.endpoints.iter().position(|x| x.slot == slot).unwrap();
+        assert_eq!(snap.candidates[i].inflight_tokens, u64::MAX);
         // Routing still works.
         let r = route(&e, &s, &chat(1), 5);
         assert!(!r.primary_address().is_empty());

@@ -141,15 +141,20 @@ impl Engine {
                 Candidate {
                     matched_blocks: matched,
                     unresolved_blocks: index::unresolved_after(matched, hashes.len()),
-                    inflight_tokens: rec.map_or(0, |r| r.inflight_tokens())
-                        + peer.prompt_tokens
-                        + peer.output_tokens,
-                    inflight_requests: rec.map_or(0, |r| r.inflight_requests())
-                        + u64::from(peer.requests),
-                    inflight_prefill_tokens: rec.map_or(0, |r| r.inflight_prompt_tokens())
-                        + peer.prompt_tokens,
-                    inflight_held_tokens: rec.map_or(0, |r| r.inflight_output_tokens())
-                        + peer.output_tokens,
+                    // (Saturating: a relay's sums are not to be trusted.)
+                    inflight_tokens: rec
+                        .map_or(0, |r| r.inflight_tokens())
+                        .saturating_add(peer.prompt_tokens)
+                        .saturating_add(peer.output_tokens),
+                    inflight_requests: rec
+                        .map_or(0, |r| r.inflight_requests())
+                        .saturating_add(u64::from(peer.requests)),
+                    inflight_prefill_tokens: rec
+                        .map_or(0, |r| r.inflight_prompt_tokens())
+                        .saturating_add(peer.prompt_tokens),
+                    inflight_held_tokens: rec
+                        .map_or(0, |r| r.inflight_output_tokens())
+                        .saturating_add(peer.output_tokens),
                     inserted_blocks: h.insert_counter,
                     capacity_blocks: h.capacity_blocks,
                     metrics: m.map(|m| EndpointMetrics {
