@@ -1,30 +1,47 @@
 #!/usr/bin/env python3
-"""Gateway replicas in front of one emulated fleet (issue 17, part 5).
+"""Gateway replicas in front of one emulated fleet (issues 17 and 43).
 
-    python3 sim/bench/replicas.py                     # full: G = 1, 2, 4 x every arm x 3 seeds
+    python3 sim/bench/replicas.py                     # full: G = 1, 2, 4, 8 x every arm x 3 seeds, rotate
+    python3 sim/bench/replicas.py --shape sidecar     # the same, each conversation through one gateway
     python3 sim/bench/replicas.py --smoke             # CI: G = 2, every arm, one short seed
-    python3 sim/bench/replicas.py --gateways 2 --arms approx,precise --seeds 1
+    python3 sim/bench/replicas.py --gateways 2 --arms approx-mesh,precise --seeds 1
 
 What it measures: several Envoy processes, each with its own kvroute (its own
-shared data, its own collector), route to the same emulated vLLM fleet. A
-multi-turn workload sends turn k of conversation c through gateway
-(c + k) mod G, so consecutive turns of one conversation alternate between
-gateways, and each gateway has routed only some of a conversation's turns.
-Reported per arm: the fleet's prefix-cache hit ratio (the emulators' own
+shared data, its own collector, its own random seed), route to the same
+emulated vLLM fleet. Shapes (`--shape`):
+
+  rotate    turn k of conversation c goes through gateway (c + k) mod G, so
+            consecutive turns alternate between gateways and each gateway
+            has routed only some of a conversation's turns
+  sidecar   conversation c always goes through gateway c mod G (each client
+            has its own proxy); every conversation shares the system prompt
+
+Reported per cell: the fleet's prefix-cache hit ratio (the emulators' own
 `vllm:prefix_cache_hits` / `vllm:prefix_cache_queries` deltas, not kvroute's
-view), its ceiling for this workload, TTFT p50/p90 (model time), and how often
-a conversation's turn landed on the endpoint that served its previous turn.
+view) and its share of the workload's ceiling, TTFT p50/p90 (model time), how
+often a turn landed on the endpoint that served its conversation's previous
+turn, input (prompt) tokens per model second over the run, and for G > 1 the
+ratio of hit ratio and input tok/s to G = 1 of the same arm and seed. For the
+mesh arms, each gateway's `kvroute_mesh_exchange_failures` and
+`kvroute_mesh_decisions_received` (total, and during the workload: the relays
+outlive a cell, so a new gateway first takes earlier cells' decisions); a mesh
+arm with exchange failures, or a gateway that received nothing during the
+workload at G > 1, fails the run (as a precise arm that fell back).
 
-Arms (kvroute's shipped profile: affinity filter, token-load scorer,
-max-score picker with `tieBreak: prefix`; 16-token blocks everywhere):
+Arms. The kvroute arms run the shipped profile (`envoy/kvroute-config.json`)
+with only what this fleet needs changed: 16-token blocks, the fleet's
+`peakPrefillThroughput`, and `routing.statePath` (the script reads the state):
 
-  round-robin     Envoy without kvroute, for reference
-  approx          the approximate index, learnt from each gateway's own routing
-  approx-events   the same, with the collector reading each server's relay
-                  (`kvEvents`): restarts and clears drop the server's entries
-  precise         `precise-prefix-cache-producer`: vLLM's own block hashes of the
-                  token-ID prompt, matched against the blocks each server's KV
-                  events say it holds (every gateway reads the same relays)
+  round-robin      Envoy without kvroute, for reference
+  approx           the approximate index, no `kvEvents`: each gateway alone
+  approx-mesh      the same with `kvEvents` (the server relays), so the mesh
+                   exchange is on (the default): each gateway also learns the
+                   others' accepted decisions and load. This replaces the
+                   former `approx-events` arm (kvEvents without an exchange).
+  precise          `precise-prefix-cache-producer`: vLLM's own block hashes of
+                   the token-ID prompt, matched against the blocks each
+                   server's KV events say it holds; exchange on (the default)
+  precise-no-mesh  the same with `"mesh": {"exchange": false}`
 
 Prompts are token IDs (`/v1/completions`, `prompt: [ids]`), so the emulator
 hashes them with vLLM's sha256_cbor and precise mode needs no tokenizer.
@@ -43,6 +60,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import copy
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,7 +70,11 @@ import fleet  # noqa: E402  (Procs, free_port, http_req, wait_until, start_emula
 import kvbench  # noqa: E402  (sim/bench/kvbench.py)
 
 SECTION = "## Gateway replicas"
-ALL_ARMS = ["round-robin", "approx", "approx-events", "precise"]
+ALL_ARMS = ["round-robin", "approx", "approx-mesh", "precise", "precise-no-mesh"]
+MESH_ARMS = ("approx-mesh", "precise")
+EVENT_ARMS = ("approx-mesh", "precise", "precise-no-mesh")
+SHAPES = ("rotate", "sidecar")
+SHIPPED = os.path.join(REPO, "envoy", "kvroute-config.json")
 
 FLEET = {
     "endpoints": 4,
@@ -201,32 +223,29 @@ class Bench:
         return relays
 
     def plugin_config(self, arm, endpoints, relay_ports):
+        """The shipped profile, with only what this fleet needs changed."""
+        with open(SHIPPED) as f:
+            cfg = json.load(f)
         block = FLEET["block_size"]
-        if arm == "precise":
-            producer = {"type": "precise-prefix-cache-producer",
-                        "parameters": {"tokenProcessorConfig": {"blockSize": block,
-                                                                "hashSeed": FLEET["hash_seed"]}}}
-        else:
-            producer = {"type": "approx-prefix-cache-producer", "parameters": {"blockSizeTokens": block}}
-        cfg = {
-            "plugins": [
-                producer,
-                {"type": "inflight-load-producer"},
-                {"type": "prefix-cache-affinity-filter",
-                 "parameters": {"affinityThreshold": 0.8, "maxTTFTPenaltyMs": 18000,
-                                "peakPrefillThroughput": FLEET["prefill_tps"]}},
-                {"type": "token-load-scorer"},
-                {"type": "max-score-picker", "parameters": {"tieBreak": "prefix"}},
-            ],
-            "schedulingProfiles": [{"name": "default", "plugins": [
-                {"pluginRef": "prefix-cache-affinity-filter"}, {"pluginRef": "token-load-scorer"},
-                {"pluginRef": "max-score-picker"}]}],
-            "routing": {"failureMode": "open", "statePath": "/kvroute/state", "seed": 1},
-            "collector": {"metricsCluster": "vllm", "metricsPollIntervalMs": 500, "metricsTimeoutMs": 300},
-        }
-        if arm in ("approx-events", "precise"):
+        for i, pl in enumerate(cfg["plugins"]):
+            if pl["type"] == "approx-prefix-cache-producer":
+                if arm.startswith("precise"):
+                    cfg["plugins"][i] = {"type": "precise-prefix-cache-producer",
+                                         "parameters": {"tokenProcessorConfig": {"blockSize": block,
+                                                                                 "hashSeed": FLEET["hash_seed"]}}}
+                else:
+                    # token-ID prompts are hashed in blockSizeTokens-token blocks
+                    pl["parameters"]["blockSizeTokens"] = block
+            elif pl["type"] == "prefix-cache-affinity-filter":
+                pl["parameters"]["peakPrefillThroughput"] = FLEET["prefill_tps"]
+        # no routing.seed: each Envoy process draws its own (the exchange salts ties per process)
+        assert "seed" not in cfg["routing"]
+        cfg["routing"]["statePath"] = "/kvroute/state"
+        if arm in EVENT_ARMS:
             cfg["kvEvents"] = events_section(endpoints, relay_ports)
-        return cfg
+        if arm == "precise-no-mesh":
+            cfg["mesh"] = {"exchange": False}
+        return copy.deepcopy(cfg)
 
     def start_envoy(self, tag, arm, endpoints, relay_ports):
         listen, admin = fleet.free_port(), fleet.free_port()
@@ -254,8 +273,7 @@ class Bench:
             eps = json.loads(body).get("endpoints", [])
             return len(eps) == len(endpoints) and all((e.get("metrics") or {}).get("fresh") for e in eps)
 
-        fleet.wait_until(f"envoy {tag}", ready, 60, p)
-        return p, listen, admin
+        return p, listen, admin, (lambda: fleet.wait_until(f"envoy {tag}", ready, 60, p))
 
     # -- measurement ---------------------------------------------------------
     def fleet_counters(self, endpoints):
@@ -275,7 +293,7 @@ class Bench:
             if st != 200:
                 raise RuntimeError(f"reset {e}: {st}")
 
-    def run_workload(self, w, seed, ports):
+    def run_workload(self, w, seed, ports, shape):
         rng = random.Random(seed)
         system = [rng.randrange(1000, 50000) for _ in range(w["system_tokens"])]
         convs = [Conversation(c, w, random.Random(seed * 1000 + c), system) for c in range(w["conversations"])]
@@ -288,7 +306,7 @@ class Bench:
             time.sleep(conv.start_s / scale)
             prev = None
             for k in range(w["turns"]):
-                g = (conv.cid + k) % len(ports)
+                g = (conv.cid + k) % len(ports) if shape == "rotate" else conv.cid % len(ports)
                 body = json.dumps({"model": "tiny", "prompt": conv.turn_prompt(k), "max_tokens": w["answer_tokens"],
                                    "stream": True, "ignore_eos": True})
                 ttft, total, served, status = post_stream(ports[g], body, self.args.request_timeout_s)
@@ -308,24 +326,37 @@ class Bench:
             t.join()
         return results, time.time() - t_start
 
-    def run_arm(self, arm, g, seed, w, endpoints, relay_ports):
-        tag = f"{arm}.g{g}.s{seed}"
-        gws = [self.start_envoy(f"{tag}.gw{i}", arm, endpoints, relay_ports) for i in range(g)]
+    def run_arm(self, arm, g, seed, w, endpoints, relay_ports, shape):
+        tag = f"{shape}.{arm}.g{g}.s{seed}"
+        gws = []
         try:
+            # start every gateway, then wait for each: startup overlaps
+            for i in range(g):
+                gws.append(self.start_envoy(f"{tag}.gw{i}", arm, endpoints, relay_ports))
+            for gw in gws:
+                gw[3]()
             self.reset_fleet(endpoints)
             time.sleep(1.0)  # the reset's AllBlocksCleared reaches the relays and collectors
             h0, q0 = self.fleet_counters(endpoints)
-            res, wall = self.run_workload(w, seed, [p[1] for p in gws])
+            # the relays outlive a cell: a new gateway first takes the earlier cells'
+            # decisions from their logs, so the mesh counters count from here
+            before = [envoy_counters(admin) for _, _, admin, _ in gws]
+            res, wall = self.run_workload(w, seed, [p[1] for p in gws], shape)
             h1, q1 = self.fleet_counters(endpoints)
-            stats = {}
-            for p, _, admin in gws:
+            if arm in MESH_ARMS:
+                time.sleep(0.5)  # the last decisions' posts
+            stats, per_gw = {}, []
+            for (p, _, admin, _), c0 in zip(gws, before):
                 if p.poll() is not None:
                     raise RuntimeError(f"{tag}: an Envoy exited; see {p._kv_log}")
-                for k, v in envoy_counters(admin).items():
+                c = envoy_counters(admin)
+                c["mesh_received_in_run"] = c.get("mesh_decisions_received", 0) - c0.get("mesh_decisions_received", 0)
+                per_gw.append(c)
+                for k, v in c.items():
                     stats[k] = stats.get(k, 0) + v
         finally:
-            for p, _, _ in gws:
-                self.procs.stop(p)
+            for gw in gws:
+                self.procs.stop(gw[0])
         ok = [r for r in res if r["status"] == 200 and r["ttft_s"] is not None]
         ttfts = sorted(r["ttft_s"] for r in ok)
         follow = [r["same_as_prev"] for r in ok if r["same_as_prev"] is not None]
@@ -337,10 +368,45 @@ class Bench:
         return {"requests": len(res), "ok": len(ok), "errors": len(res) - len(ok),
                 "precise_matched": stats.get("precise_matched", 0), "precise_fallback": fallback,
                 "kv_events_polls": stats.get("kv_events_polls", 0),
+                "mesh_exchange_failures": [c.get("mesh_exchange_failures", 0) for c in per_gw],
+                "mesh_decisions_received": [c.get("mesh_decisions_received", 0) for c in per_gw],
+                "mesh_received_in_run": [c["mesh_received_in_run"] for c in per_gw],
+                "mesh_decisions_dropped": [c.get("mesh_decisions_dropped", 0) for c in per_gw],
                 "hit_ratio": (h1 - h0) / (q1 - q0) if q1 > q0 else None,
+                "prompt_tokens": q1 - q0,
+                "input_tok_s": (q1 - q0) / (wall * w["time_scale"]) if wall > 0 else None,
                 "ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9),
                 "followed_prev_turn": (sum(follow) / len(follow)) if follow else None,
                 "wall_s": wall}
+
+    def cell(self, shape, g, arm, seed, w, endpoints, relay_ports, out, failures):
+        name = f"{shape} G={g} {arm} seed {seed}"
+        log(name)
+        try:
+            r = self.run_arm(arm, g, seed, w, endpoints, relay_ports, shape)
+        except Exception as e:  # noqa: BLE001 -- reported, the rest run
+            failures.append(f"{name}: {e}")
+            log(f"FAILED: {e}")
+            return
+        r.update({"shape": shape, "gateways": g, "arm": arm, "seed": seed})
+        out["runs"].append(r)
+        log(f"  hit {fmt(r['hit_ratio'], '.3f')} (ceiling {out['ceiling']:.3f}), "
+            f"TTFT p90 {fmt(r['ttft_p90_s'], '.3f')} s, followed {fmt(r['followed_prev_turn'], '.2f')}, "
+            f"input {fmt(r['input_tok_s'], '.0f')} tok/s, errors {r['errors']}, "
+            f"precise matched/fallback {r['precise_matched']}/{r['precise_fallback']}"
+            + (f", mesh failures {r['mesh_exchange_failures']} received {r['mesh_decisions_received']}"
+               f" (in the workload {r['mesh_received_in_run']})"
+               if arm in MESH_ARMS else ""))
+        if r["errors"] or r["ok"] == 0:
+            failures.append(f"{name}: {r['errors']} errors")
+        if arm.startswith("precise") and r["precise_matched"] < r["ok"] // 2:
+            failures.append(f"{name}: only {r['precise_matched']} of {r['ok']} "
+                            f"requests matched on held blocks ({r['precise_fallback']} fallbacks)")
+        if arm in MESH_ARMS:
+            if any(r["mesh_exchange_failures"]):
+                failures.append(f"{name}: mesh exchange failures per gateway {r['mesh_exchange_failures']}")
+            if g > 1 and not all(r["mesh_received_in_run"]):
+                failures.append(f"{name}: a gateway received no decisions in the workload {r['mesh_received_in_run']}")
 
     def run(self):
         a = self.args
@@ -349,35 +415,22 @@ class Bench:
             w.update(SMOKE)
         out = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": kvbench.git_commit(),
                "fleet": FLEET, "workload": w, "ceiling": ceiling(w, FLEET["block_size"]),
-               "command": "python3 sim/bench/replicas.py " + " ".join(sys.argv[1:]), "runs": []}
+               "command": "python3 sim/bench/replicas.py " + " ".join(sys.argv[1:]),
+               "shipped_profile": SHIPPED, "runs": []}
         failures = []
         try:
             _emulator, endpoints, kv_ports = self.start_fleet("fleet", w)
             relays = self.start_relays("fleet", kv_ports)
             relay_ports = [r[1] for r in relays]
-            for g in a.gateways:
-                for arm in a.arms:
-                    for seed in a.seeds:
-                        log(f"G={g} arm={arm} seed={seed}")
-                        try:
-                            r = self.run_arm(arm, g, seed, w, endpoints, relay_ports)
-                        except Exception as e:  # noqa: BLE001 -- reported, the rest run
-                            failures.append(f"G={g} {arm} seed {seed}: {e}")
-                            log(f"FAILED: {e}")
-                            continue
-                        r.update({"gateways": g, "arm": arm, "seed": seed})
-                        out["runs"].append(r)
-                        log(f"  hit {fmt(r['hit_ratio'], '.3f')} (ceiling {out['ceiling']:.3f}), "
-                            f"TTFT p90 {fmt(r['ttft_p90_s'], '.3f')} s, followed {fmt(r['followed_prev_turn'], '.2f')}, "
-                            f"errors {r['errors']}, precise matched/fallback {r['precise_matched']}/{r['precise_fallback']}")
-                        if r["errors"] or r["ok"] == 0:
-                            failures.append(f"G={g} {arm} seed {seed}: {r['errors']} errors")
-                        if arm == "precise" and r["precise_matched"] < r["ok"] // 2:
-                            failures.append(f"G={g} precise seed {seed}: only {r['precise_matched']} of {r['ok']} "
-                                            f"requests matched on held blocks ({r['precise_fallback']} fallbacks)")
+            for shape in a.shapes:
+                for g in a.gateways:
+                    for arm in a.arms:
+                        for seed in a.seeds:
+                            self.cell(shape, g, arm, seed, w, endpoints, relay_ports, out, failures)
         finally:
             self.procs.stop_all()
         out["failures"] = failures
+        add_ratios(out)
         with open(os.path.join(self.work, "replicas.json"), "w") as f:
             json.dump(out, f, indent=1)
         return out, failures
@@ -405,28 +458,55 @@ def fmt(v, spec):
     return "–" if v is None else format(v, spec)
 
 
+def add_ratios(out):
+    """Each G > 1 run's hit ratio and input tok/s over G = 1's, same shape, arm and seed."""
+    base = {(r["shape"], r["arm"], r["seed"]): r for r in out["runs"] if r["gateways"] == 1}
+    for r in out["runs"]:
+        b = base.get((r["shape"], r["arm"], r["seed"]))
+        r["hit_vs_g1"] = r["hit_ratio"] / b["hit_ratio"] if b and b["hit_ratio"] and r["hit_ratio"] is not None else None
+        r["tok_s_vs_g1"] = (r["input_tok_s"] / b["input_tok_s"]
+                            if b and b["input_tok_s"] and r["input_tok_s"] is not None else None)
+
+
 def markdown(out):
     rows = {}
     for r in out["runs"]:
-        rows.setdefault((r["gateways"], r["arm"]), []).append(r)
-    lines = [f"Ceiling of the hit ratio for this workload: {out['ceiling']:.3f}.", "",
-             "| gateways | arm | hit ratio, median (worst) | TTFT p90 s, median (worst) | turn followed its previous turn | seeds |",
-             "|---|---|---|---|---|---|"]
-    for (g, arm), rs in sorted(rows.items(), key=lambda kv: (kv[0][0], ALL_ARMS.index(kv[0][1]))):
+        rows.setdefault((r["shape"], r["gateways"], r["arm"]), []).append(r)
+    ceil = out["ceiling"]
+    lines = [f"Ceiling of the hit ratio for this workload: {ceil:.3f}.", "",
+             "| shape | G | arm | hit ratio, median (worst) | of ceiling | TTFT p90 s, median (worst) "
+             "| turn follow | input tok/s | hit vs G=1, worst | tok/s vs G=1, worst | mesh failures / min received in workload | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
+    for (shape, g, arm), rs in sorted(rows.items(), key=lambda kv: (SHAPES.index(kv[0][0]), kv[0][1],
+                                                                      ALL_ARMS.index(kv[0][2]))):
         hit = [r["hit_ratio"] for r in rs if r["hit_ratio"] is not None]
         p90 = [r["ttft_p90_s"] for r in rs if r["ttft_p90_s"] is not None]
         fol = [r["followed_prev_turn"] for r in rs if r["followed_prev_turn"] is not None]
-        lines.append(f"| {g} | {arm} | {fmt(statistics.median(hit) if hit else None, '.3f')} "
-                     f"({fmt(min(hit) if hit else None, '.3f')}) | "
-                     f"{fmt(statistics.median(p90) if p90 else None, '.3f')} ({fmt(max(p90) if p90 else None, '.3f')}) | "
-                     f"{fmt(statistics.median(fol) if fol else None, '.2f')} | {len(rs)} |")
+        tps = [r["input_tok_s"] for r in rs if r.get("input_tok_s") is not None]
+        hv = [r["hit_vs_g1"] for r in rs if r.get("hit_vs_g1") is not None]
+        tv = [r["tok_s_vs_g1"] for r in rs if r.get("tok_s_vs_g1") is not None]
+        mesh = "–"
+        if arm in MESH_ARMS:
+            mesh = (f"{sum(sum(r['mesh_exchange_failures']) for r in rs)} / "
+                    f"{min(min(r['mesh_received_in_run']) for r in rs)}")
+        lines.append(f"| {shape} | {g} | {arm} | {fmt(med(hit), '.3f')} ({fmt(min(hit) if hit else None, '.3f')}) | "
+                     f"{fmt(med(hit) / ceil if hit else None, '.0%')} | "
+                     f"{fmt(med(p90), '.3f')} ({fmt(max(p90) if p90 else None, '.3f')}) | "
+                     f"{fmt(med(fol), '.2f')} | {fmt(med(tps), '.0f')} | "
+                     f"{fmt(min(hv) if hv and g > 1 else None, '.3f')} | {fmt(min(tv) if tv and g > 1 else None, '.3f')} | "
+                     f"{mesh} | {len(rs)} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="one short seed at G=2, every arm; exit 1 on failure")
-    ap.add_argument("--gateways", default=None, help="comma list of gateway counts [1,2,4; smoke: 2]")
+    ap.add_argument("--gateways", default=None, help="comma list of gateway counts [1,2,4,8; smoke: 2]")
+    ap.add_argument("--shape", default="rotate", help=f"comma list of {','.join(SHAPES)} [rotate]")
     ap.add_argument("--arms", default=",".join(ALL_ARMS))
     ap.add_argument("--seeds", default=None, help="comma list [1,2,3; smoke: 1]")
     ap.add_argument("--target-dir", default=os.path.join(REPO, "target"))
@@ -435,9 +515,13 @@ def main(argv=None):
     ap.add_argument("--request-timeout-s", type=float, default=120)
     ap.add_argument("--no-build", action="store_true")
     a = ap.parse_args(argv)
-    a.gateways = [int(x) for x in (a.gateways or ("2" if a.smoke else "1,2,4")).split(",")]
+    a.gateways = [int(x) for x in (a.gateways or ("2" if a.smoke else "1,2,4,8")).split(",")]
     a.seeds = [int(x) for x in (a.seeds or ("1" if a.smoke else "1,2,3")).split(",")]
     a.arms = [x for x in a.arms.split(",") if x]
+    a.shapes = [x for x in a.shape.split(",") if x]
+    for shape in a.shapes:
+        if shape not in SHAPES:
+            ap.error(f"unknown shape {shape}; shapes: {','.join(SHAPES)}")
     for arm in a.arms:
         if arm not in ALL_ARMS:
             ap.error(f"unknown arm {arm}; arms: {','.join(ALL_ARMS)}")
