@@ -124,13 +124,14 @@ impl Engine {
         decisions: &[(u32, &[u64])],
     ) -> Result<InsertStats, StoreError> {
         let total_new: u64 = decisions.iter().map(|(n, _)| u64::from(*n)).sum();
-        if load.is_none() && total_new == 0 && decisions.is_empty() {
+        if load.is_none() && decisions.is_empty() {
             return Ok(InsertStats::default());
         }
         // Only a healthy endpoint this proxy knows: a stale or hostile
-        // slot must not grow the load table.
-        let known = self.tables(store, 0)?.0;
-        if !known
+        // slot must not grow the load table. (Read once: the tables are
+        // the collector's, which is who calls this.)
+        let (endpoints, metrics) = self.tables(store, 0)?;
+        if !endpoints
             .iter()
             .any(|e| e.slot == slot && e.generation == generation)
         {
@@ -160,7 +161,6 @@ impl Engine {
         }
         // Every endpoint's holder, to tell live entries from evicted ones.
         let table = LoadTable::decode(store.get(LOAD_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
-        let (endpoints, metrics) = self.tables(store, table.epoch)?;
         let bs = self.config.prefix.blocks.block_size_tokens;
         let holders: Vec<Holder> = endpoints
             .iter()
