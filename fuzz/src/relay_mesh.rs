@@ -177,6 +177,7 @@ impl Model {
                 .into_iter()
                 .map(|d| kvroute_relay::mesh::AnswerDecision {
                     new_blocks: d.new_blocks,
+                    prompt_bytes: d.prompt_bytes,
                     hashes: d.hashes.into(),
                 })
                 .collect(),
@@ -250,8 +251,15 @@ fn structured(r: &mut Reader, cursors: &HashMap<String, u64>) -> (ExchangeReques
         .map(|_| {
             let new_blocks = u32::from(r.u8());
             let h = r.u8() % 40;
+            // Often 0 (left out of the JSON), sometimes at the bound.
+            let prompt_bytes = match r.u8() % 4 {
+                0 | 1 => 0,
+                2 => u32::from(r.u16()),
+                _ => u32::MAX,
+            };
             Decision {
                 new_blocks,
+                prompt_bytes,
                 hashes: (0..h).map(|_| r.u64()).collect(),
             }
         })
@@ -291,7 +299,13 @@ fn structured(r: &mut Reader, cursors: &HashMap<String, u64>) -> (ExchangeReques
     if let Some(ds) = &req.decisions {
         let ds: Vec<serde_json::Value> = ds
             .iter()
-            .map(|d| serde_json::json!({"newBlocks": d.new_blocks, "hashes": d.hashes}))
+            .map(|d| {
+                let mut v = serde_json::json!({"newBlocks": d.new_blocks, "hashes": d.hashes});
+                if d.prompt_bytes != 0 {
+                    v["promptBytes"] = d.prompt_bytes.into();
+                }
+                v
+            })
             .collect();
         set(&mut doc, "decisions", ds.into());
     }

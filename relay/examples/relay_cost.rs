@@ -266,6 +266,7 @@ fn mesh_mode() {
     let filler: Vec<Decision> = (0..2048)
         .map(|_| Decision {
             new_blocks: 64,
+            prompt_bytes: 16_384,
             hashes: (0..64).map(|_| g.rand()).collect(),
         })
         .collect();

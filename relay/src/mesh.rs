@@ -80,11 +80,15 @@ pub struct Load {
 }
 
 /// One accepted decision: the blocks it advanced the server's eviction
-/// clock by, and its block hashes (from the start of an index group).
+/// clock by, the text prompt bytes it routed here (absent: 0), and its
+/// block hashes (from the start of an index group; none when nothing was
+/// new).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Decision {
     pub new_blocks: u32,
+    #[serde(default)]
+    pub prompt_bytes: u32,
     pub hashes: Vec<u64>,
 }
 
@@ -129,8 +133,14 @@ pub struct LoadSum {
 #[serde(rename_all = "camelCase")]
 pub struct AnswerDecision {
     pub new_blocks: u32,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub prompt_bytes: u32,
     #[serde(serialize_with = "hash_list")]
     pub hashes: Arc<[u64]>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 fn hash_list<S: Serializer>(h: &Arc<[u64]>, s: S) -> Result<S::Ok, S::Error> {
@@ -235,6 +245,7 @@ struct Entry {
     seq: u64,
     proxy: Arc<str>,
     new_blocks: u32,
+    prompt_bytes: u32,
     hashes: Arc<[u64]>,
 }
 
@@ -410,6 +421,7 @@ impl MeshState {
             seq = e.seq;
             decisions.push(AnswerDecision {
                 new_blocks: e.new_blocks,
+                prompt_bytes: e.prompt_bytes,
                 hashes: e.hashes.clone(),
             });
         }
@@ -433,6 +445,7 @@ impl MeshState {
             seq: self.last,
             proxy: proxy.clone(),
             new_blocks: d.new_blocks,
+            prompt_bytes: d.prompt_bytes,
             hashes: d.hashes.into(),
         });
         while self.ring.len() > self.limits.ring_decisions
@@ -568,6 +581,7 @@ mod tests {
     fn d(new_blocks: u32, hashes: &[u64]) -> Decision {
         Decision {
             new_blocks,
+            prompt_bytes: 0,
             hashes: hashes.to_vec(),
         }
     }
@@ -603,6 +617,31 @@ mod tests {
             output,
             requests,
         }
+    }
+
+    #[test]
+    fn a_decisions_prompt_bytes_reach_the_others_also_without_hashes() {
+        let mut m = state(MeshLimits::default());
+        let t = Instant::now();
+        let bytes_only = Decision {
+            new_blocks: 0,
+            prompt_bytes: 9000,
+            hashes: vec![],
+        };
+        m.exchange(posting(req("a"), vec![bytes_only, d(2, &[5])]), t);
+        let b = m.exchange(req("b"), t);
+        let got: Vec<(u32, u32, usize)> = b
+            .decisions
+            .iter()
+            .map(|d| (d.new_blocks, d.prompt_bytes, d.hashes.len()))
+            .collect();
+        assert_eq!(got, vec![(0, 9000, 0), (2, 0, 1)]);
+        let json = serde_json::to_string(&b).unwrap();
+        assert!(
+            json.contains(r#"{"newBlocks":0,"promptBytes":9000,"hashes":[]}"#),
+            "{json}"
+        );
+        assert!(json.contains(r#"{"newBlocks":2,"hashes":[5]}"#), "{json}");
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //!
 //! A worker appends one [`Accepted`] when a server accepts a request (a 2xx
 //! answer): the endpoint, the blocks the decision moved its eviction clock
-//! by, and the prompt's approximate block hashes from the index group that
+//! by, the text prompt bytes it routed there (the bytes-per-token learner
+//! divides the bytes every proxy routed by the tokens the server counted),
+//! and the prompt's approximate block hashes from the index group that
 //! holds its first new block on (an index group is keyed by its own blocks
 //! only, so a receiver can insert them without the prefix before). The
 //! collector takes the whole outbox on each exchange and posts it.
@@ -25,9 +27,9 @@ pub const MAX_OUTBOX_BYTES: usize = 64 * 1024;
 /// Most hashes one entry carries (32 KiB; 2,048 blocks).
 pub const MAX_ENTRY_HASHES: usize = 4096;
 
-const MAGIC: u8 = 0x4d;
+const MAGIC: u8 = 0x4e;
 const HEADER_BYTES: usize = 1 + 8 + 4;
-const ENTRY_HEAD_BYTES: usize = 2 + 2 + 4 + 2;
+const ENTRY_HEAD_BYTES: usize = 2 + 2 + 4 + 4 + 2;
 
 /// One accepted decision, as the exchange tells it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -36,6 +38,8 @@ pub struct Accepted {
     pub generation: u16,
     /// Blocks the decision advanced the endpoint's eviction clock by.
     pub new_blocks: u32,
+    /// Text prompt bytes routed (0 for a token-ID prompt).
+    pub prompt_bytes: u32,
     /// Approximate block hashes from the start of an index group on.
     pub hashes: Vec<u64>,
 }
@@ -71,6 +75,7 @@ impl Outbox {
             w.u16(e.slot);
             w.u16(e.generation);
             w.u32(e.new_blocks);
+            w.u32(e.prompt_bytes);
             w.u16(e.hashes.len() as u16);
             for &h in &e.hashes {
                 w.u64(h);
@@ -99,6 +104,7 @@ impl Outbox {
             let slot = r.u16()?;
             let generation = r.u16()?;
             let new_blocks = r.u32()?;
+            let prompt_bytes = r.u32()?;
             let len = usize::from(r.u16()?);
             if len > MAX_ENTRY_HASHES {
                 return None;
@@ -111,6 +117,7 @@ impl Outbox {
                 slot,
                 generation,
                 new_blocks,
+                prompt_bytes,
                 hashes,
             });
         }
@@ -215,6 +222,7 @@ mod tests {
             slot,
             generation: 1,
             new_blocks: n as u32,
+            prompt_bytes: 40 * n as u32 + 1,
             hashes: (0..n as u64).map(|h| h * 7 + u64::from(slot)).collect(),
         }
     }
@@ -239,7 +247,7 @@ mod tests {
             assert!(bytes.len() <= MAX_OUTBOX_BYTES, "{}", bytes.len());
         }
         let o = take(&s).unwrap();
-        // 4,810 bytes per entry: 13 fit in 64 KiB.
+        // 4,814 bytes per entry: 13 fit in 64 KiB.
         assert_eq!(o.entries.len(), 13);
         assert_eq!(o.dropped, 200 - 13);
         // The newest are kept.
@@ -262,8 +270,8 @@ mod tests {
     fn garbage_decodes_as_empty() {
         for bad in [
             &b""[..],
-            b"\x4d",
-            b"\x4d\0\0\0\0\0\0\0\0\xff\xff\xff\xff",
+            b"\x4e",
+            b"\x4e\0\0\0\0\0\0\0\0\xff\xff\xff\xff",
             b"xyz",
         ] {
             assert_eq!(Outbox::decode(Some(bad)), Outbox::default());

@@ -5,6 +5,7 @@ worst seed. A benchmark, not a test: it prints figures and never fails on them.
 
     python3 sim/bench/default_sweep.py [--sim PATH] [--seeds 1,2,3] [--arms a,b] [--workloads w,x] [--segments]
                                        [--rates 1,2,3] [--peaks-from sim/bench/results/quality.json]
+                                       [--sim-args "--proxies 4 --proxy-assign random --mesh-exchange"]
 
 The fleet, workloads, ramps, SLO and knee rule are quality.py's own (imported
 from it). `kvroute-default` is the shipped plugin JSON (envoy/kvroute-config.json)
@@ -78,7 +79,7 @@ def router_args(arm, peak, work):
     return ["--arm", arm, "--tau", "2000"]
 
 
-def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
+def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True, extra=()):
     rates = w["rates"]
     stages = "rate:" + ",".join(f"{r:g}" for r in rates) + f"@{w['stage_s']}s"
     out = os.path.join(work, f"{wname}-{arm}-{seed}.json")
@@ -91,7 +92,7 @@ def run(sim, wname, w, arm, seed, peak, work, slo_s, stop_factor, exact=True):
         # modelled server tokenizes them (the segments form gives the router
         # exact token counts, which flatters fixed-estimate arms).
         cmd.append("--exact-prompts")
-    cmd += router_args(arm, peak, work)
+    cmd += (router_args(arm, peak, work) if "--config" not in extra else []) + list(extra)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(out) as f:
         rep = json.load(f)
@@ -124,6 +125,9 @@ def main():
     p.add_argument("--rates", default=None,
                    help="the ramp's offered rates (req/s, comma list) for every workload run, instead of "
                         "quality.py's; for a finer grid around a knee")
+    p.add_argument("--sim-args", default="",
+                   help="more kvroute-simulate flags for every run, e.g. \"--proxies 4 --proxy-assign random "
+                        "--mesh-exchange\" (issue 43's knees with G proxies)")
     a = p.parse_args()
     seeds = [int(s) for s in a.seeds.split(",")]
     arms = a.arms.split(",")
@@ -146,7 +150,8 @@ def main():
         for arm in arms:
             results[wname][arm] = {}
             for seed in seeds:
-                k, _ = run(a.sim, wname, w, arm, seed, peak, work, a.slo_s, 4.0, exact=not a.segments)
+                k, _ = run(a.sim, wname, w, arm, seed, peak, work, a.slo_s, 4.0, exact=not a.segments,
+                           extra=a.sim_args.split())
                 results[wname][arm][seed] = k
     print("Knee throughput over round robin's (same seed), median [worst] of seeds " + a.seeds + ":\n")
     print("| workload | " + " | ".join(x for x in arms if x != "round-robin") + " |")

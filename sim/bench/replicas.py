@@ -100,6 +100,31 @@ WORKLOAD = {
 }
 SMOKE = {"conversations": 8, "turns": 3, "context_tokens": 512, "start_spread_s": 4.0, "think_s": 1.0}
 
+# `--fleet real`: the real-engine tier's two vLLM 0.32 servers (CPU, tiny
+# model: tests/real/README.md), 256 blocks of 32 tokens = 8,192 tokens each.
+# Six conversations reach ~2,200 tokens (~69 blocks) each: split three per
+# server they fit (~210 of 256 blocks), but not if every server holds every
+# conversation (~415 blocks), which is what routing without affinity does.
+REAL_FLEET = {
+    "endpoints": 2,
+    "block_size": 32,
+    "num_gpu_blocks": 256,
+    "hash_seed": "0",           # the tier's PYTHONHASHSEED
+    "prefill_tps": None,        # the shipped profile's own figure
+}
+REAL_WORKLOAD = {
+    "conversations": 6,
+    "turns": 6,
+    "system_tokens": 256,
+    "context_tokens": 1024,
+    "user_tokens": 128,
+    "answer_tokens": 32,
+    "think_s": 1.0,             # wall seconds: no time scale on a real engine
+    "start_spread_s": 4.0,
+    "time_scale": 1.0,
+    "token_ids": [100, 4000],   # below the tiny model's 4,096-token vocabulary
+}
+
 
 def log(msg):
     print(f"[replicas {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -109,21 +134,25 @@ def log(msg):
 # The workload: token-ID conversations
 # ---------------------------------------------------------------------------
 
+def token_ids(rng, w, n):
+    lo, hi = w.get("token_ids", (1000, 50000))
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
 class Conversation:
     def __init__(self, cid, w, rng, system):
         self.cid = cid
         self.w = w
-        self.ids = list(system) + [rng.randrange(1000, 50000) for _ in range(w["context_tokens"])]
+        self.ids = list(system) + token_ids(rng, w, w["context_tokens"])
         self.rng = rng
         self.start_s = rng.uniform(0, w["start_spread_s"])
 
     def turn_prompt(self, k):
         if k > 0:
             # the previous answer (replayed) and a new user turn
-            self.ids += [self.rng.randrange(1000, 50000)
-                         for _ in range(self.w["answer_tokens"] + self.w["user_tokens"])]
+            self.ids += token_ids(self.rng, self.w, self.w["answer_tokens"] + self.w["user_tokens"])
         else:
-            self.ids += [self.rng.randrange(1000, 50000) for _ in range(self.w["user_tokens"])]
+            self.ids += token_ids(self.rng, self.w, self.w["user_tokens"])
         return list(self.ids)
 
 
@@ -181,8 +210,13 @@ class Bench:
         self.relay = os.path.join(td, args.bin_profile, "kvroute-relay")
         self.wasm = os.path.join(td, "wasm32-wasip1", "release", "kvroute_wasm.wasm")
         self.envoy = kvbench.find_envoy()
+        self.real = args.fleet == "real"
+        self.fc = REAL_FLEET if self.real else FLEET
+        self.vllm = None
 
     def start_fleet(self, tag, w):
+        if self.real:
+            return self.start_real_fleet(tag)
         n = FLEET["endpoints"]
         kv_base = self.free_range(n)
         extra = ["--accept-any-model", "--kv-events-port-base", str(kv_base),
@@ -191,6 +225,22 @@ class Bench:
                                              os.path.join(self.work, f"{tag}.emulator.log"),
                                              w["time_scale"], 8, extra)
         return p, endpoints, [kv_base + i for i in range(n)]
+
+    def start_real_fleet(self, tag):
+        """The real tier's servers (tests/real/vllm_tier.py), each binding its
+        KV-event PUB on a local socket file that its relay connects to. Dev
+        mode only for `POST /reset_prefix_cache` between cells."""
+        sys.path.insert(0, os.path.join(REPO, "tests", "real"))
+        import vllm_tier  # noqa: E402  (standard library only)
+        vllm_tier.ensure_setup()
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+        n = REAL_FLEET["endpoints"]
+        ipc = tempfile.mkdtemp(prefix="kvr-ev-", dir=self.work)
+        events = [f"ipc://{ipc}/vllm{i}.sock" for i in range(n)]
+        # started in run(), once the relays listen: they see every batch from seq 0
+        self.vllm = vllm_tier.Fleet(n, log_dir=os.path.join(self.work, f"{tag}.vllm"),
+                                    blocks=REAL_FLEET["num_gpu_blocks"], event_ports=events)
+        return None, self.vllm.addresses, events
 
     def free_range(self, n):
         """A base port P with P..P+n-1 free (best effort, loopback)."""
@@ -215,8 +265,9 @@ class Bench:
         relays = []
         for i, kp in enumerate(kv_ports):
             port = fleet.free_port()
-            argv = [self.relay, "--sub", f"tcp://127.0.0.1:{kp}", "--listen", f"127.0.0.1:{port}",
-                    "--max-blocks", str(FLEET["num_gpu_blocks"])]
+            sub = ["--sub", kp, "--topic", f"kv@real{i}"] if self.real else ["--sub", f"tcp://127.0.0.1:{kp}"]
+            argv = [self.relay] + sub + ["--listen", f"127.0.0.1:{port}",
+                                         "--max-blocks", str(self.fc["num_gpu_blocks"])]
             p = self.procs.start(f"relay {i}", argv, os.path.join(self.work, f"{tag}.relay{i}.log"))
             fleet.wait_until(f"relay {i}", lambda: fleet.http_req("GET", port, "/healthz")[0] == 200, 20, p)
             relays.append((p, port))
@@ -226,21 +277,24 @@ class Bench:
         """The shipped profile, with only what this fleet needs changed."""
         with open(SHIPPED) as f:
             cfg = json.load(f)
-        block = FLEET["block_size"]
+        block = self.fc["block_size"]
         for i, pl in enumerate(cfg["plugins"]):
             if pl["type"] == "approx-prefix-cache-producer":
                 if arm.startswith("precise"):
                     cfg["plugins"][i] = {"type": "precise-prefix-cache-producer",
                                          "parameters": {"tokenProcessorConfig": {"blockSize": block,
-                                                                                 "hashSeed": FLEET["hash_seed"]}}}
+                                                                                 "hashSeed": self.fc["hash_seed"]}}}
                 else:
                     # token-ID prompts are hashed in blockSizeTokens-token blocks
                     pl["parameters"]["blockSizeTokens"] = block
-            elif pl["type"] == "prefix-cache-affinity-filter":
-                pl["parameters"]["peakPrefillThroughput"] = FLEET["prefill_tps"]
+            elif pl["type"] == "prefix-cache-affinity-filter" and self.fc["prefill_tps"]:
+                pl["parameters"]["peakPrefillThroughput"] = self.fc["prefill_tps"]
         # no routing.seed: each Envoy process draws its own (the exchange salts ties per process)
         assert "seed" not in cfg["routing"]
         cfg["routing"]["statePath"] = "/kvroute/state"
+        if self.real:
+            # a loaded 2-core machine can take a while to answer /metrics
+            cfg["collector"].update({"metricsTimeoutMs": 3000, "metricsStaleAfterMs": 10000})
         if arm in EVENT_ARMS:
             cfg["kvEvents"] = events_section(endpoints, relay_ports)
         if arm == "precise-no-mesh":
@@ -288,14 +342,15 @@ class Bench:
         return hits, queries
 
     def reset_fleet(self, endpoints):
+        path = "/reset_prefix_cache" if self.real else "/emulator/reset"
         for e in endpoints:
-            st, _ = fleet.http_req("POST", int(e.rsplit(":", 1)[1]), "/emulator/reset")
+            st, _ = fleet.http_req("POST", int(e.rsplit(":", 1)[1]), path)
             if st != 200:
                 raise RuntimeError(f"reset {e}: {st}")
 
     def run_workload(self, w, seed, ports, shape):
         rng = random.Random(seed)
-        system = [rng.randrange(1000, 50000) for _ in range(w["system_tokens"])]
+        system = token_ids(rng, w, w["system_tokens"])
         convs = [Conversation(c, w, random.Random(seed * 1000 + c), system) for c in range(w["conversations"])]
         scale = w["time_scale"]
         results = []
@@ -330,16 +385,19 @@ class Bench:
         tag = f"{shape}.{arm}.g{g}.s{seed}"
         gws = []
         try:
+            # An empty fleet before the gateways start: the reset's
+            # AllBlocksCleared makes each relay drop the decisions it holds
+            # (the relays outlive a cell), so no gateway takes the earlier
+            # cells' decisions, from dead processes, into its index and clock.
+            self.reset_fleet(endpoints)
+            time.sleep(1.0)
             # start every gateway, then wait for each: startup overlaps
             for i in range(g):
                 gws.append(self.start_envoy(f"{tag}.gw{i}", arm, endpoints, relay_ports))
             for gw in gws:
                 gw[3]()
-            self.reset_fleet(endpoints)
-            time.sleep(1.0)  # the reset's AllBlocksCleared reaches the relays and collectors
             h0, q0 = self.fleet_counters(endpoints)
-            # the relays outlive a cell: a new gateway first takes the earlier cells'
-            # decisions from their logs, so the mesh counters count from here
+            # the mesh counters count from here
             before = [envoy_counters(admin) for _, _, admin, _ in gws]
             res, wall = self.run_workload(w, seed, [p[1] for p in gws], shape)
             h1, q1 = self.fleet_counters(endpoints)
@@ -410,11 +468,11 @@ class Bench:
 
     def run(self):
         a = self.args
-        w = dict(WORKLOAD)
+        w = dict(REAL_WORKLOAD if self.real else WORKLOAD)
         if a.smoke:
-            w.update(SMOKE)
+            w.update({k: v for k, v in SMOKE.items() if k != "context_tokens" or not self.real})
         out = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": kvbench.git_commit(),
-               "fleet": FLEET, "workload": w, "ceiling": ceiling(w, FLEET["block_size"]),
+               "fleet": self.fc, "fleet_kind": a.fleet, "workload": w, "ceiling": ceiling(w, self.fc["block_size"]),
                "command": "python3 sim/bench/replicas.py " + " ".join(sys.argv[1:]),
                "shipped_profile": SHIPPED, "runs": []}
         failures = []
@@ -422,6 +480,8 @@ class Bench:
             _emulator, endpoints, kv_ports = self.start_fleet("fleet", w)
             relays = self.start_relays("fleet", kv_ports)
             relay_ports = [r[1] for r in relays]
+            if self.vllm is not None:
+                self.vllm.start(timeout=900)
             for shape in a.shapes:
                 for g in a.gateways:
                     for arm in a.arms:
@@ -429,6 +489,8 @@ class Bench:
                             self.cell(shape, g, arm, seed, w, endpoints, relay_ports, out, failures)
         finally:
             self.procs.stop_all()
+            if self.vllm is not None:
+                self.vllm.stop()
         out["failures"] = failures
         add_ratios(out)
         with open(os.path.join(self.work, "replicas.json"), "w") as f:
@@ -505,6 +567,8 @@ def markdown(out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="one short seed at G=2, every arm; exit 1 on failure")
+    ap.add_argument("--fleet", default="emulated", choices=["emulated", "real"],
+                    help="emulated: 4 kvroute-emulator servers; real: the real-engine tier's 2 vLLM servers")
     ap.add_argument("--gateways", default=None, help="comma list of gateway counts [1,2,4,8; smoke: 2]")
     ap.add_argument("--shape", default="rotate", help=f"comma list of {','.join(SHAPES)} [rotate]")
     ap.add_argument("--arms", default=",".join(ALL_ARMS))

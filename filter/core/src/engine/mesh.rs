@@ -5,7 +5,8 @@
 //! traffic. With the exchange on:
 //!
 //! - **Told.** A request a server accepted (2xx) goes to the outbox
-//!   ([`Engine::note_accepted`]: `kvroute_shared_state::mesh`); at each
+//!   ([`Engine::note_accepted`]: `kvroute_shared_state::mesh`) with the
+//!   blocks it inserted and its text prompt bytes; at each
 //!   exchange the collector takes it, with this proxy's own in-flight sums
 //!   per endpoint ([`Engine::mesh_outgoing`]). Rejected requests are never
 //!   told: only accepted work changes another proxy's state.
@@ -14,7 +15,12 @@
 //!   are inserted into this proxy's index for the endpoint and advance its
 //!   eviction clock by what they advanced the teller's, so the index holds
 //!   what the whole mesh routed there, and the clock (and so
-//!   `cache-balance-scorer`) counts the whole mesh's new cache. The load
+//!   `cache-balance-scorer`) counts the whole mesh's new cache. Their
+//!   text bytes are added to the endpoint's routed bytes, so the
+//!   bytes-per-token learner (`charsPerToken: "auto"`) divides the bytes
+//!   the whole mesh routed by the tokens the server counted (with only its
+//!   own bytes, a proxy of G learnt 1/G of the model's figure and counted
+//!   every text prompt G times over). The load
 //!   sum is kept beside the endpoint's own charges and counts in decisions
 //!   while it is younger than `mesh.peerTtlMs` (`engine::snapshot`).
 //!
@@ -36,6 +42,17 @@ pub struct OwnLoad {
     pub prompt_tokens: u64,
     pub output_tokens: u64,
     pub requests: u32,
+}
+
+/// One of the other proxies' accepted decisions on an endpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerDecision<'a> {
+    /// Blocks it advanced the teller's eviction clock by.
+    pub new_blocks: u32,
+    /// Text prompt bytes it routed there.
+    pub prompt_bytes: u32,
+    /// Approximate block hashes from the start of an index group on.
+    pub hashes: &'a [u64],
 }
 
 /// What the collector posts at one exchange.
@@ -63,25 +80,29 @@ impl Engine {
     }
 
     /// A server accepted the request: puts its decision in the outbox
-    /// (when the exchange is on and the decision inserted blocks). Returns
-    /// the CAS races lost.
+    /// (when the exchange is on, and the decision inserted blocks or
+    /// routed text bytes). Returns the CAS races lost.
     pub fn note_accepted(&self, store: &dyn Store, p: &Provisional) -> Result<u32, StoreError> {
         if !self.config.mesh.enabled {
             return Ok(0);
         }
-        let Some(from) = p.from_block.filter(|&f| f < p.hashes.len()) else {
+        let from = p.from_block.filter(|&f| f < p.hashes.len());
+        if from.is_none() && p.undo.routed_bytes == 0 {
             return Ok(0);
-        };
+        }
         // From the start of the index group holding the first new block:
         // a group's shard is keyed by its own blocks only.
-        let start = from / GROUP_BLOCKS * GROUP_BLOCKS;
+        let hashes = from.map_or_else(Vec::new, |f| {
+            p.hashes[f / GROUP_BLOCKS * GROUP_BLOCKS..].to_vec()
+        });
         mesh::post(
             store,
             Accepted {
                 slot: p.undo.slot,
                 generation: p.undo.generation,
                 new_blocks: p.undo.new_blocks.min(u64::from(u32::MAX)) as u32,
-                hashes: p.hashes[start..].to_vec(),
+                prompt_bytes: p.undo.routed_bytes.min(u64::from(u32::MAX)) as u32,
+                hashes,
             },
         )
     }
@@ -121,9 +142,10 @@ impl Engine {
         slot: u16,
         generation: u16,
         load: Option<PeerLoad>,
-        decisions: &[(u32, &[u64])],
+        decisions: &[PeerDecision<'_>],
     ) -> Result<InsertStats, StoreError> {
-        let total_new: u64 = decisions.iter().map(|(n, _)| u64::from(*n)).sum();
+        let total_new: u64 = decisions.iter().map(|d| u64::from(d.new_blocks)).sum();
+        let total_bytes: u64 = decisions.iter().map(|d| u64::from(d.prompt_bytes)).sum();
         if load.is_none() && decisions.is_empty() {
             return Ok(InsertStats::default());
         }
@@ -137,9 +159,10 @@ impl Engine {
         {
             return Ok(InsertStats::default());
         }
-        // One load-table write: the peers' load, and the eviction clock
-        // moved by every decision at once. The counter before is returned,
-        // so each decision's entries are recorded at its own point.
+        // One load-table write: the peers' load, their routed bytes, and
+        // the eviction clock moved by every decision at once. The counter
+        // before is returned, so each decision's entries are recorded at
+        // its own point.
         let before = update(
             store,
             LOAD_KEY,
@@ -148,7 +171,8 @@ impl Engine {
             |t: &mut LoadTable| {
                 let before = t.get(slot, generation).map_or(0, |r| r.insert_counter);
                 let ok = load.is_none_or(|p| t.set_peer_load(slot, generation, p))
-                    && t.advance_insert_counter(slot, generation, total_new);
+                    && t.advance_insert_counter(slot, generation, total_new)
+                    && t.add_routed_bytes(slot, generation, total_bytes);
                 ok.then_some(before)
             },
         )?
@@ -156,7 +180,7 @@ impl Engine {
         let Some(before) = before else {
             return Ok(InsertStats::default());
         };
-        if decisions.iter().all(|(_, h)| h.is_empty()) {
+        if decisions.iter().all(|d| d.hashes.is_empty()) {
             return Ok(InsertStats::default());
         }
         // Every endpoint's holder, to tell live entries from evicted ones.
@@ -184,9 +208,9 @@ impl Engine {
         };
         let mut stats = InsertStats::default();
         let mut counter = before;
-        for (new_blocks, hashes) in decisions {
-            counter = counter.saturating_add(u64::from(*new_blocks));
-            if hashes.is_empty() {
+        for d in decisions {
+            counter = counter.saturating_add(u64::from(d.new_blocks));
+            if d.hashes.is_empty() {
                 continue;
             }
             let me = Holder {
@@ -204,7 +228,7 @@ impl Engine {
                     .find(|h| h.slot == s)
                     .is_some_and(|h| h.holds(s, g, recorded))
             };
-            let st = index::insert(store, &self.geometry, hashes, 0, &me, &is_live)?;
+            let st = index::insert(store, &self.geometry, d.hashes, 0, &me, &is_live)?;
             stats.shard_writes += st.shard_writes;
             stats.cas_retries += st.cas_retries;
         }
@@ -242,13 +266,14 @@ impl Engine {
         now_ms: u64,
     ) -> Result<MeshApplied, super::ApplyError> {
         let a = crate::reports::mesh::parse_answer(body).map_err(super::ApplyError::Garbage)?;
-        let decisions: Vec<(u32, &[u64])> = a
+        let decisions: Vec<PeerDecision<'_>> = a
             .decisions
             .iter()
             .take(crate::reports::mesh::ANSWER_LIMIT as usize)
-            .map(|d| {
-                let n = d.hashes.len().min(mesh::MAX_ENTRY_HASHES);
-                (d.new_blocks, &d.hashes[..n])
+            .map(|d| PeerDecision {
+                new_blocks: d.new_blocks,
+                prompt_bytes: d.prompt_bytes,
+                hashes: &d.hashes[..d.hashes.len().min(mesh::MAX_ENTRY_HASHES)],
             })
             .collect();
         let peer = PeerLoad {
@@ -333,7 +358,11 @@ mod tests {
                 d.slot,
                 d.generation,
                 None,
-                &[(d.new_blocks, &d.hashes)],
+                &[PeerDecision {
+                    new_blocks: d.new_blocks,
+                    prompt_bytes: d.prompt_bytes,
+                    hashes: &d.hashes,
+                }],
             )
             .unwrap();
         }
@@ -373,7 +402,7 @@ mod tests {
     }
 
     #[test]
-    fn nothing_is_told_with_the_exchange_off_or_when_nothing_was_new() {
+    fn nothing_is_told_with_the_exchange_off_and_a_held_prompt_tells_only_its_bytes() {
         let off = proxy(false);
         let r = route(&off.0, &off.1, &chat(1), 1);
         off.0
@@ -387,12 +416,56 @@ mod tests {
             .unwrap();
         on.0.release_rest(&on.1, r.ticket.as_ref().unwrap(), false)
             .unwrap();
-        // The same prompt again: the server holds all of it.
+        // The same prompt again: the server holds all of it, so no
+        // blocks are told, only the text bytes it routed there.
         let again = route(&on.0, &on.1, &chat(1), 2);
         assert_eq!(again.primary_address(), r.primary_address());
         on.0.note_accepted(&on.1, again.provisional.as_ref().unwrap())
             .unwrap();
-        assert_eq!(on.0.mesh_outgoing(&on.1).unwrap().decisions.len(), 1);
+        let out = on.0.mesh_outgoing(&on.1).unwrap().decisions;
+        assert_eq!(out.len(), 2);
+        assert!(!out[0].hashes.is_empty() && out[0].new_blocks > 0);
+        assert!(out[1].hashes.is_empty() && out[1].new_blocks == 0);
+        assert!(out[1].prompt_bytes > 1000, "{:?}", out[1]);
+        assert_eq!(out[0].prompt_bytes, out[1].prompt_bytes);
+    }
+
+    #[test]
+    fn peers_text_bytes_count_in_the_routed_bytes_the_learner_reads() {
+        // Two proxies share a server: each must count the bytes both routed
+        // there, or the bytes-per-token learner (the server's tokens over
+        // one proxy's bytes) learns half the model's figure.
+        let a = proxy(true);
+        let b = proxy(true);
+        let r = route(&a.0, &a.1, &chat(1), 1);
+        a.0.note_accepted(&a.1, r.provisional.as_ref().unwrap())
+            .unwrap();
+        let (slot, generation) = slot_of(&a.0, &a.1, r.primary_address());
+        let bytes = |s: &MemoryStore| {
+            LoadTable::decode(s.get(LOAD_KEY).unwrap().as_ref().map(|(v, _)| v.as_slice()))
+                .get(slot, generation)
+                .map_or(0, |r| r.routed_prompt_bytes)
+        };
+        let own = bytes(&a.1);
+        assert!(own > 1000);
+        assert_eq!(bytes(&b.1), 0);
+        tell(&a, &b);
+        assert_eq!(bytes(&b.1), own);
+        // Token-ID prompts route no text bytes: nothing to count.
+        let ids = serde_json::json!({"model":"m","prompt":[1, 2, 3]}).to_string();
+        let facts = a.0.facts(ApiKind::Completions, ids.as_bytes()).unwrap();
+        let Outcome::Routed(t) = a.0.route(&a.1, facts, 2, &mut Rng::new(7)) else {
+            panic!("not routed")
+        };
+        a.0.note_accepted(&a.1, t.provisional.as_ref().unwrap())
+            .unwrap();
+        assert!(a
+            .0
+            .mesh_outgoing(&a.1)
+            .unwrap()
+            .decisions
+            .iter()
+            .all(|d| d.prompt_bytes == 0));
     }
 
     #[test]
@@ -431,13 +504,18 @@ mod tests {
         let (e, s) = proxy(true);
         let before = s.usage().0;
         // An unknown slot, a clock jump at the bound, empty and long hash lists.
-        e.apply_peer(&s, 900, 3, None, &[(u32::MAX, &[1, 2, 3])])
+        let d = |new_blocks, hashes| PeerDecision {
+            new_blocks,
+            prompt_bytes: u32::MAX,
+            hashes,
+        };
+        e.apply_peer(&s, 900, 3, None, &[d(u32::MAX, &[1, 2, 3])])
             .unwrap();
-        e.apply_peer(&s, 5000, 1, None, &[(1, &[])]).unwrap();
+        e.apply_peer(&s, 5000, 1, None, &[d(1, &[])]).unwrap();
         let (slot, generation) = slot_of(&e, &s, "127.0.0.1:1");
         let long: Vec<u64> = (0..20_000).collect();
         for _ in 0..3 {
-            e.apply_peer(&s, slot, generation, None, &[(u32::MAX, &long), (0, &[])])
+            e.apply_peer(&s, slot, generation, None, &[d(u32::MAX, &long), d(0, &[])])
                 .unwrap();
         }
         let t = LoadTable::decode(s.get(LOAD_KEY).unwrap().as_ref().map(|(v, _)| v.as_slice()));

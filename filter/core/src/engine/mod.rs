@@ -103,7 +103,7 @@ mod state;
 
 pub use collect::{Applied, ApplyError};
 pub use facts::RequestFacts;
-pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad};
+pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerDecision};
 pub use snapshot::Snapshot;
 pub use state::STATE_HASHES_MAX;
 

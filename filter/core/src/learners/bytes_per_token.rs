@@ -8,6 +8,9 @@
 //!
 //! - each routed text prompt adds its rendered bytes to the endpoint's
 //!   `routed_prompt_bytes` (load table, written with the decision's charge);
+//!   with the mesh exchange on, the other proxies' accepted decisions add
+//!   theirs (`engine::mesh`), so the bytes are the whole mesh's, as the
+//!   server's token count is;
 //! - each poll reads `vllm:prompt_tokens_total` (every prompt token the
 //!   server processed, cached or not);
 //! - a window closes once the server has counted at least `MIN_TOKENS`
@@ -15,8 +18,10 @@
 //! - each sample is clamped to [`FLOOR`, `CEILING`] bytes/token, kept in a
 //!   ring of the last `SAMPLES`, and the estimate is their median once
 //!   `MIN_SAMPLES` windows closed. The median ignores a window skewed by
-//!   requests in flight at its edges, token-ID prompts (tokens without
-//!   bytes), or another gateway's traffic (tokens without our bytes);
+//!   requests in flight at its edges, or token-ID prompts (tokens without
+//!   bytes). It does not fix another gateway's steady share of the traffic
+//!   (tokens without our bytes, in every window): without the exchange, a
+//!   gateway that routes 1/G of a server's text learns 1/G of the figure;
 //! - a counter that goes backwards (server restart, slot reuse) restarts
 //!   the window; samples survive (the model is the same).
 //!

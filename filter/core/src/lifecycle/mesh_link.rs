@@ -80,6 +80,7 @@ impl MeshLink {
             let q = self.unsent.entry((d.slot, d.generation)).or_default();
             q.push_back(WireDecision {
                 new_blocks: d.new_blocks,
+                prompt_bytes: d.prompt_bytes,
                 hashes: d.hashes,
             });
             let mut over = 0;

@@ -32,7 +32,14 @@ pub struct WireLoad {
 #[serde(rename_all = "camelCase")]
 pub struct WireDecision {
     pub new_blocks: u32,
+    /// Text prompt bytes routed (omitted when 0; absent reads as 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub prompt_bytes: u32,
     pub hashes: Vec<u64>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The post's body.
@@ -76,10 +83,18 @@ mod tests {
 
     #[test]
     fn a_request_serializes_as_the_relay_reads_it() {
-        let d = [WireDecision {
-            new_blocks: 3,
-            hashes: vec![u64::MAX, 1],
-        }];
+        let d = [
+            WireDecision {
+                new_blocks: 3,
+                prompt_bytes: 0,
+                hashes: vec![u64::MAX, 1],
+            },
+            WireDecision {
+                new_blocks: 0,
+                prompt_bytes: 4000,
+                hashes: vec![],
+            },
+        ];
         let r = ExchangeRequest {
             proxy: "p1",
             epoch: Some(7),
@@ -96,7 +111,7 @@ mod tests {
         };
         assert_eq!(
             serde_json::to_string(&r).unwrap(),
-            r#"{"proxy":"p1","epoch":7,"limit":16,"load":{"prompt":10,"output":2,"requests":1},"ttlMs":1500,"decisions":[{"newBlocks":3,"hashes":[18446744073709551615,1]}]}"#
+            r#"{"proxy":"p1","epoch":7,"limit":16,"load":{"prompt":10,"output":2,"requests":1},"ttlMs":1500,"decisions":[{"newBlocks":3,"hashes":[18446744073709551615,1]},{"newBlocks":0,"promptBytes":4000,"hashes":[]}]}"#
         );
     }
 
@@ -105,11 +120,16 @@ mod tests {
         let a = parse_answer(
             br#"{"epoch":5,"seq":9,"last":9,"resync":false,"more":true,
                  "load":{"prompt":100,"output":7,"requests":2,"proxies":3},
-                 "decisions":[{"newBlocks":2,"hashes":[18446744073709551615,0]}]}"#,
+                 "decisions":[{"newBlocks":2,"hashes":[18446744073709551615,0]},
+                              {"newBlocks":0,"promptBytes":812,"hashes":[]}]}"#,
         )
         .unwrap();
         assert_eq!((a.epoch, a.seq, a.more, a.load.proxies), (5, 9, true, 3));
         assert_eq!(a.decisions[0].hashes, vec![u64::MAX, 0]);
+        assert_eq!(
+            (a.decisions[0].prompt_bytes, a.decisions[1].prompt_bytes),
+            (0, 812)
+        );
         for bad in [
             &b""[..],
             b"{",

@@ -47,12 +47,13 @@ use crate::workload::report::{stage_report, EndpointCounters, RequestRecord, Sta
 use crate::workload::stages::{Stage, StageKind};
 use crate::workload::{GenParts, Workload, WorkloadSpec};
 use kvroute_core::config::{Config, EndpointSource};
-use kvroute_core::engine::{Engine as Router, Outcome, OwnLoad, RequestFacts};
+use kvroute_core::engine::{Engine as Router, Outcome, OwnLoad, PeerDecision, RequestFacts};
 use kvroute_core::lifecycle::Counter;
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_core::scheduling::Rng;
 use kvroute_shared_state::load::{LoadTable, PeerLoad, Ticket};
 use kvroute_shared_state::memory::MemoryStore;
+use kvroute_shared_state::mesh::Accepted;
 use kvroute_shared_state::Store;
 use serde::Serialize;
 use std::cmp::Ordering;
@@ -363,8 +364,8 @@ struct Proxy {
 /// posted, in order, and each proxy's last posted in-flight sums there.
 struct Exchange {
     period_s: f64,
-    /// Per server: (poster, new blocks, hashes), in posting order.
-    log: Vec<Vec<(usize, u32, Vec<u64>)>>,
+    /// Per server: (poster, its decision), in posting order.
+    log: Vec<Vec<(usize, Accepted)>>,
     /// Per server, per proxy: its last posted sums and when (model s).
     load: Vec<Vec<Option<(OwnLoad, f64)>>>,
     /// Per proxy, per server: how far into `log` it has read.
@@ -1269,7 +1270,7 @@ impl Sim {
             |slot: u16, generation: u16| slots.iter().position(|&s| s == (slot, generation));
         for d in out.decisions {
             if let Some(e) = server_of(d.slot, d.generation) {
-                x.log[e].push((p, d.new_blocks, d.hashes));
+                x.log[e].push((p, d));
             }
         }
         for l in &out.load {
@@ -1292,10 +1293,14 @@ impl Sim {
                 }
             }
             let from = x.cursor[p][e];
-            let decisions: Vec<(u32, &[u64])> = x.log[e][from..]
+            let decisions: Vec<PeerDecision<'_>> = x.log[e][from..]
                 .iter()
-                .filter(|(q, _, _)| *q != p)
-                .map(|(_, n, h)| (*n, h.as_slice()))
+                .filter(|(q, _)| *q != p)
+                .map(|(_, d)| PeerDecision {
+                    new_blocks: d.new_blocks,
+                    prompt_bytes: d.prompt_bytes,
+                    hashes: &d.hashes,
+                })
                 .collect();
             px.router
                 .apply_peer(&px.store, slot, generation, Some(peer), &decisions)
