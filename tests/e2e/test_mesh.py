@@ -1,29 +1,36 @@
-"""Many proxies route as one (issue 43), in real Envoy, approximate mode.
+"""Many proxies route as one (issue 43), in real Envoy.
 
 Two and four Envoy processes, each with its own kvroute shared data and
-collector, route text prompts to the same three emulated servers with the
-shipped profile (approximate index, no tokenizer). A conversation's turns
-alternate between the gateways, so the gateway routing turn k never routed
-turn k-1, and its own index has never seen that turn's blocks. Only the mesh
-exchange tells it: every gateway posts its accepted decisions to each
-server's relay (`POST /mesh/exchange`) and takes the others'.
+collector, route to the same three emulated servers with the shipped
+profile. A conversation's turns alternate between the gateways, so the
+gateway routing turn k never routed turn k-1. Approximate mode (text
+prompts, no tokenizer): its own index has never seen that turn's blocks, and
+only the mesh exchange tells it: every gateway posts its accepted decisions
+to each server's relay (`POST /mesh/exchange`) and takes the others'.
+Precise mode (token-ID prompts hashed as vLLM does): the servers' KV events
+tell every gateway what each holds; the exchange still carries the others'
+load and decisions.
 """
 
 import pytest
 
 from conftest import MODEL, post, text, wait_until
-from test_kv_events import kv_config, relay_binary, servers, stat  # noqa: F401
+from test_kv_events import kv_config, relay_binary, servers, stat, tokens  # noqa: F401
+from test_precise import PRECISE
 
 
 def received(g):
     return stat(g, "wasmcustom.kvroute_mesh_decisions_received")
 
 
+@pytest.mark.parametrize("mode", ["approx", "precise"])
 @pytest.mark.parametrize("n_gateways", [2, 4])
-def test_gateways_keep_a_conversation_on_one_server_while_its_turns_alternate(envoy, servers, n_gateways):  # noqa: F811
+def test_gateways_keep_a_conversation_on_one_server_while_its_turns_alternate(envoy, servers, n_gateways, mode):  # noqa: F811
     srvs = servers(3)
     addrs = [s.address for s in srvs]
     cfg = kv_config(srvs)
+    if mode == "precise":
+        cfg["plugins"] = [PRECISE] + [p for p in cfg["plugins"] if p["type"] != "approx-prefix-cache-producer"]
     gws = [envoy(cfg, endpoints=addrs) for _ in range(n_gateways)]
     for g in gws:
         wait_until(lambda: all(x["kvEvents"].get("fresh") for x in g.state()["endpoints"]),
@@ -33,9 +40,12 @@ def test_gateways_keep_a_conversation_on_one_server_while_its_turns_alternate(en
     placed = {}
     told = [0] * n_gateways  # decisions each gateway should have received
     for c in range(conversations):
-        prompt = text(f"mesh-conversation-{c}", 4000)
+        prompt = text(f"mesh-conversation-{c}", 4000) if mode == "approx" else tokens(100 + c, 1000)
         for k in range(turns):
-            prompt = prompt + " " + text(f"mesh-turn-{c}-{k}", 600)
+            if mode == "approx":
+                prompt = prompt + " " + text(f"mesh-turn-{c}-{k}", 600)
+            else:
+                prompt = prompt + tokens(1000 * c + k, 150)
             i = (c + k) % n_gateways
             g = gws[i]
             r = post(g.port, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
@@ -60,6 +70,8 @@ def test_gateways_keep_a_conversation_on_one_server_while_its_turns_alternate(en
         assert stat(g, "wasmcustom.kvroute_mesh_exchange_failures") == 0
         assert stat(g, "wasmcustom.kvroute_mesh_decisions_dropped") == 0
         assert g.wasm_failures() == {}
+        if mode == "precise":
+            assert stat(g, "wasmcustom.kvroute_precise_matched") > 0
 
 
 def test_a_gateway_that_cannot_reach_the_exchange_routes_alone_and_counts_it(envoy, servers):  # noqa: F811
