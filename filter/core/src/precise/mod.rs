@@ -10,10 +10,16 @@
 //!   `tokenizer` feature (a smaller module), it is a type that cannot be
 //!   loaded: a config that names a tokenizer is refused, and token-ID
 //!   prompts are hashed as in the full build.
+//! - [`segments`]: the tokenizer's encoding by segment (the text between
+//!   added tokens), each segment's IDs kept in a bounded
+//!   [`segment_cache`], with exactly the whole text's result.
 //!
 //! When precise hashes cannot be had, the request is routed on the
 //! approximate index instead, and the reason is counted ([`Fallback`]).
 
+pub mod segment_cache;
+#[cfg(feature = "tokenizer")]
+pub mod segments;
 #[cfg(feature = "tokenizer")]
 pub mod tokenizer;
 #[cfg(not(feature = "tokenizer"))]

@@ -24,6 +24,9 @@
 //! ([`ModelTokenizer::render_chat`], serde_json). Both give the same text
 //! and errors (`precise/tests.rs`, the differential test).
 
+use super::segment_cache::SegmentCache;
+use super::segments::{encode_whole, Segmenter};
+pub use super::segments::{Ineligible, SegmentReport};
 pub use super::TokenizeError;
 use crate::request::ChatTemplateInputs;
 use minijinja::{Environment, Error, ErrorKind, Value};
@@ -39,6 +42,12 @@ pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
     env: Option<Environment<'static>>,
     special: BTreeMap<String, String>,
+    /// How texts are cut at added tokens, or why they are encoded whole
+    /// (decided at load).
+    segmenter: Result<Segmenter, Ineligible>,
+    /// XXH3-64 of `tokenizer.json`: mixed into segment cache keys, so that
+    /// tokenizers never read each other's entries.
+    fingerprint: u64,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -112,18 +121,52 @@ impl ModelTokenizer {
             }
         };
         Ok(ModelTokenizer {
+            segmenter: Segmenter::new(&tokenizer),
             tokenizer,
             env,
             special,
+            fingerprint: xxhash_rust::xxh3::xxh3_64(tokenizer_json),
         })
     }
 
     /// Token IDs of `text`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        self.tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TokenizeError::Tokenize(e.to_string()))
+        encode_whole(&self.tokenizer, text, add_special_tokens)
+    }
+
+    /// Token IDs of `text`, exactly [`ModelTokenizer::encode`]'s, by
+    /// segment: the text between added tokens is tokenized piece by piece,
+    /// each piece's IDs read from `cache` when it has them and put there
+    /// when not (`precise::segments`). A tokenizer that cannot be segmented
+    /// encodes whole; the report says which, and why.
+    pub fn encode_segmented(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        cache: &mut dyn SegmentCache,
+    ) -> Result<(Vec<u32>, SegmentReport), TokenizeError> {
+        match &self.segmenter {
+            Ok(s) => s.encode(
+                &self.tokenizer,
+                self.fingerprint,
+                text,
+                add_special_tokens,
+                cache,
+            ),
+            Err(why) => self
+                .encode(text, add_special_tokens)
+                .map(|ids| (ids, SegmentReport::Ineligible(why.clone()))),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn tokenizer_for_tests(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Why this tokenizer's texts are encoded whole, if they are.
+    pub fn ineligible(&self) -> Option<&Ineligible> {
+        self.segmenter.as_ref().err()
     }
 
     /// Token IDs of a `/v1/completions` body's text prompt.
@@ -256,6 +299,17 @@ impl ModelTokenizer {
     pub fn chat_ids_from(&self, chat: &ChatTemplateInputs) -> Result<Vec<u32>, TokenizeError> {
         let (text, add_special) = self.render_inputs(chat)?;
         self.encode(&text, add_special)
+    }
+
+    /// [`ModelTokenizer::chat_ids_from`] by segment
+    /// ([`ModelTokenizer::encode_segmented`]): the same IDs.
+    pub fn chat_ids_segmented(
+        &self,
+        chat: &ChatTemplateInputs,
+        cache: &mut dyn SegmentCache,
+    ) -> Result<(Vec<u32>, SegmentReport), TokenizeError> {
+        let (text, add_special) = self.render_inputs(chat)?;
+        self.encode_segmented(&text, add_special, cache)
     }
 }
 
