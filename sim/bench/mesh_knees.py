@@ -4,7 +4,7 @@ mesh of G proxies, each with its own shared data, exchanging decisions and
 in-flight load through the relays, sustain the load one gateway sustains? A
 benchmark, not a test: it prints figures and never fails on them.
 
-    python3 sim/bench/mesh_knees.py [--sim PATH] [--seeds 1,2,3] [--proxies 1,2,4,8]
+    python3 sim/bench/mesh_knees.py [--sim PATH] [--seeds 1,2,3] [--proxies 1,2,4,8] [--exchange-ms MS]
                                     [--shapes random,rotate] [--workloads a,b] [--json OUT] [--md OUT]
 
 Each cell is default_sweep.py's knee run (quality.py's fleet, workloads, rate
@@ -36,6 +36,10 @@ def main():
     ap.add_argument("--shapes", default="random,rotate")
     ap.add_argument("--workloads", default=",".join(kvbench.WORKLOADS))
     ap.add_argument("--slo-s", type=float, default=2.0)
+    ap.add_argument("--exchange-ms", type=int, default=0,
+                    help="router-clock ms between a proxy's exchanges [0: the metrics poll, 100 ms = 1 s of "
+                         "model time at the workloads' time scale 10; 25 = the shipped kvEvents.pollMs, 250 ms, "
+                         "on real hardware]")
     ap.add_argument("--json")
     ap.add_argument("--md")
     a = ap.parse_args()
@@ -49,7 +53,8 @@ def main():
             w = dict(kvbench.WORKLOADS[wname])
 
             def knee(g, shape, seed):
-                extra = [] if g == 1 else ["--proxies", str(g), "--proxy-assign", shape, "--mesh-exchange"]
+                extra = [] if g == 1 else ["--proxies", str(g), "--proxy-assign", shape, "--mesh-exchange",
+                                           "--exchange-ms", str(a.exchange_ms)]
                 cell = os.path.join(work, f"{shape}-{g}")
                 os.makedirs(cell, exist_ok=True)
                 k, _ = default_sweep.run(a.sim, wname, w, "kvroute-default", seed, peak, cell, a.slo_s, 4.0,

@@ -269,7 +269,11 @@ class Bench:
             argv = [self.relay] + sub + ["--listen", f"127.0.0.1:{port}",
                                          "--max-blocks", str(self.fc["num_gpu_blocks"])]
             p = self.procs.start(f"relay {i}", argv, os.path.join(self.work, f"{tag}.relay{i}.log"))
-            fleet.wait_until(f"relay {i}", lambda: fleet.http_req("GET", port, "/healthz")[0] == 200, 20, p)
+            # A real server is started after its relay (which then answers
+            # /healthz 503 until it is connected): wait for it to listen.
+            up = (lambda: fleet.http_req("GET", port, "/healthz")[0] is not None) if self.real else \
+                (lambda: fleet.http_req("GET", port, "/healthz")[0] == 200)
+            fleet.wait_until(f"relay {i}", up, 20, p)
             relays.append((p, port))
         return relays
 
@@ -344,9 +348,24 @@ class Bench:
     def reset_fleet(self, endpoints):
         path = "/reset_prefix_cache" if self.real else "/emulator/reset"
         for e in endpoints:
-            st, _ = fleet.http_req("POST", int(e.rsplit(":", 1)[1]), path)
+            port = int(e.rsplit(":", 1)[1])
+            st, _ = fleet.http_req("POST", port, path)
             if st != 200:
                 raise RuntimeError(f"reset {e}: {st}")
+            if self.real:
+                # vLLM queues the reset's AllBlocksCleared until its engine
+                # next steps: a one-token request (no whole block) publishes it.
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                try:
+                    c.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": [7],
+                                                                          "max_tokens": 1}),
+                              headers={"content-type": "application/json"})
+                    r = c.getresponse()
+                    r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"flush {e}: {r.status}")
+                finally:
+                    c.close()
 
     def run_workload(self, w, seed, ports, shape):
         rng = random.Random(seed)
