@@ -27,7 +27,9 @@
 #      routing tables and stops every process it started
 #  10. benchmark smokes: routing quality (sim/bench/test_quality.py, its results merging; then
 #      sim/bench/quality.py --smoke, every arm incl. smg; through the filter, each stage's
-#      Envoy counters must count every request once: routed, failed open or rejected)
+#      Envoy counters must count every request once: routed, failed open or rejected),
+#      gateway replicas (sim/bench/replicas.py --smoke: 2 Envoys, every arm; fails on a
+#      mesh exchange failure or a gateway told nothing)
 #      and added latency (sim/bench/overhead/run.sh --quick, wrk; again with --fresh, every
 #      request a new prompt, and --fresh tail, a known prompt with a new last block, which
 #      fails unless most decisions stick, at 8 KiB); they prove the
@@ -139,6 +141,11 @@ step "routing-quality benchmark smoke (pytest sim/bench/test_quality.py; python3
 python3 -m pytest sim/bench/test_quality.py -p no:cacheprovider -q
 cargo build --bins -p kvroute-sim
 python3 sim/bench/quality.py --smoke --no-build --bin-profile debug
+done_step
+
+step "gateway-replicas benchmark smoke (python3 sim/bench/replicas.py --smoke: 2 Envoys, every arm)"
+cargo build --bins -p kvroute-sim -p kvroute-relay
+python3 sim/bench/replicas.py --smoke --no-build --bin-profile debug
 done_step
 
 step "added-latency benchmark smoke (bash sim/bench/overhead/run.sh --quick, and --fresh, --fresh tail at 8 KiB)"
