@@ -539,6 +539,30 @@ fn a_sessions_stage_sends_each_conversations_turns_in_order_after_a_think_time()
     let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
     assert!(gaps.iter().all(|&g| g > 0.05), "{gaps:?}");
     assert!(mean > 0.5 * think && mean < 2.0 * think, "mean gap {mean}");
+    // A second sessions stage brings new conversations: only the system
+    // prompt is reused from the first (its ceiling is the first's, plus the
+    // system prompt the very first request could not reuse).
+    let mut again = cfg("shipped-default", "rate:1@1s", 3, false);
+    again.fleet.engine.num_gpu_blocks = 4096;
+    let stages = format!("sessions:{clients}@{spread}s,think={think}s");
+    again.load = Load::Workload {
+        spec: WorkloadSpec {
+            prompts_per_group: turns,
+            system_tokens: system as u32,
+            persona_tokens: context as u32,
+            question_tokens: user as u32,
+            output_tokens: answer as u32,
+            ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+        },
+        stages: parse_stages(&format!("{stages};{stages}")).unwrap(),
+        exact_prompts: false,
+    };
+    let r = simulate(again).unwrap();
+    let second = r.stages[1].hit_ratio_ceiling.unwrap();
+    assert!(
+        (second - (reusable + system) as f64 / total as f64).abs() < 1e-9,
+        "{second}"
+    );
     // A refused think time or workload is an error, not a silent stage.
     let mut bad = cfg("kvroute", "sessions:2@1s,think=1s", 1, false);
     assert!(simulate(bad.clone()).unwrap_err().contains("agent-session"));

@@ -420,6 +420,9 @@ pub struct Sim {
     pending_group: Option<u32>,
     /// The proxy that routed the request just routed.
     last_proxy: usize,
+    /// Conversations begun by sessions stages so far: a later stage's
+    /// conversation c is session `sessions_begun + c`, a new one.
+    sessions_begun: u32,
 }
 
 impl Sim {
@@ -611,6 +614,7 @@ impl Sim {
             last_decision: None,
             pending_group: None,
             last_proxy: 0,
+            sessions_begun: 0,
             cfg,
         })
     }
@@ -1412,7 +1416,8 @@ impl Sim {
         Ok(self.finish_stage(stage.label(), stage.duration_s, &before))
     }
 
-    /// A sessions stage: conversation `c` is client `c`; it starts at a
+    /// A sessions stage: conversation `c` is client `c` (a new session,
+    /// never one of an earlier stage's); it starts at a
     /// uniform time in `[t0, t0 + spread_s)`, sends turn k + 1 an
     /// exponential think time (mean `think_s`) after turn k's last token,
     /// and stops after the workload's turns per conversation (or a refused
@@ -1440,6 +1445,8 @@ impl Sim {
             .map(|r| Some(t0 + r.next_f64() * spread_s))
             .collect();
         let mut next_turn = vec![0u32; clients as usize];
+        let first = self.sessions_begun;
+        self.sessions_begun = first.saturating_add(clients);
         loop {
             // Clients whose answer just ended think, then send again.
             while let Some(c) = self.client_queue.pop() {
@@ -1461,7 +1468,7 @@ impl Sim {
                         .workload
                         .as_ref()
                         .expect("workload load has a workload")
-                        .session_parts(c as u32, next_turn[c])?;
+                        .session_parts(first.saturating_add(c as u32), next_turn[c])?;
                     next_turn[c] += 1;
                     let req = self.workload_request(parts);
                     self.arrive(req, t0, Some(c))?;
