@@ -450,3 +450,130 @@ fn the_decision_log_has_a_line_per_routed_request_with_the_servers_cache() {
     let at_decision = cached as f64 / prompt as f64;
     assert!((hit - at_decision).abs() < 0.05, "{hit} vs {at_decision}");
 }
+
+/// A sessions stage (`sessions:N@SPREAD,think=T`, `replicas.py`'s load):
+/// each of N conversations is one client that starts within SPREAD, sends
+/// its turns in order, each extending the last by an answer and a user
+/// turn, and waits a think time after each answer; through G proxies in
+/// the rotate shape, turn k of conversation c goes through (c + k) mod G.
+#[test]
+fn a_sessions_stage_sends_each_conversations_turns_in_order_after_a_think_time() {
+    let (clients, turns, spread, think) = (8u32, 4u32, 6.0, 2.0);
+    let (system, context, user, answer) = (512u64, 1024u64, 256u64, 64u64);
+    let path = std::env::temp_dir().join(format!("kvroute-sessions-{}.jsonl", std::process::id()));
+    let mut c = cfg(
+        "shipped-default",
+        &format!("sessions:{clients}@{spread}s,think={think}s"),
+        3,
+        false,
+    );
+    c.fleet.engine.num_gpu_blocks = 4096;
+    c.decision_log = Some(path.to_string_lossy().into_owned());
+    c.mesh = MeshSpec {
+        proxies: 3,
+        assign: ProxyAssign::Rotate,
+        exchange: true,
+        exchange_ms: 0,
+    };
+    c.load = Load::Workload {
+        spec: WorkloadSpec {
+            groups: 99, // not read by a sessions stage
+            prompts_per_group: turns,
+            system_tokens: system as u32,
+            persona_tokens: context as u32,
+            question_tokens: user as u32,
+            output_tokens: answer as u32,
+            ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+        },
+        stages: parse_stages(&format!("sessions:{clients}@{spread}s,think={think}s")).unwrap(),
+        exact_prompts: false,
+    };
+    let r = simulate(c).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let s = &r.stages[0];
+    assert_eq!(s.requests, u64::from(clients * turns));
+    assert_eq!(s.ok, s.requests);
+    // Turn k's prompt: system + context + (k + 1) user turns + k answers.
+    let prompt = |k: u64| system + context + user + k * (user + answer);
+    let total: u64 = (0..u64::from(turns)).map(prompt).sum::<u64>() * u64::from(clients);
+    assert_eq!(s.prefix_cache_queries, Some(total as f64));
+    // The ceiling: every turn reuses the last turn's whole 16-token
+    // blocks, a first turn the system prompt's, except the very first.
+    let mut reusable = 0;
+    for k in 0..u64::from(turns) {
+        let prev = if k == 0 { system } else { prompt(k - 1) };
+        reusable += (prev.min(prompt(k) - 1) / 16 * 16) * u64::from(clients);
+    }
+    reusable -= system;
+    let ceiling = s.hit_ratio_ceiling.unwrap();
+    assert!(
+        (ceiling - reusable as f64 / total as f64).abs() < 1e-9,
+        "{ceiling}"
+    );
+    // Each conversation's turns in order, apart by at least the answer, the
+    // first within the spread; the mean gap is about think + service.
+    let mut last: std::collections::HashMap<u64, (f64, u64)> = Default::default();
+    let mut gaps = Vec::new();
+    for l in text.lines() {
+        let l: serde_json::Value = serde_json::from_str(l).unwrap();
+        let (g, t, p) = (
+            l["group"].as_u64().unwrap(),
+            l["t"].as_f64().unwrap(),
+            l["prompt_tokens"].as_u64().unwrap(),
+        );
+        assert!(g < u64::from(clients), "conversation {g}");
+        match last.get(&g) {
+            None => {
+                assert_eq!(p, prompt(0));
+                assert!(t < spread, "conversation {g} starts at {t}");
+            }
+            Some(&(t0, p0)) => {
+                assert_eq!(p, p0 + user + answer, "conversation {g}");
+                gaps.push(t - t0);
+            }
+        }
+        last.insert(g, (t, p));
+    }
+    assert_eq!(gaps.len() as u32, clients * (turns - 1));
+    let mean = gaps.iter().sum::<f64>() / gaps.len() as f64;
+    assert!(gaps.iter().all(|&g| g > 0.05), "{gaps:?}");
+    assert!(mean > 0.5 * think && mean < 2.0 * think, "mean gap {mean}");
+    // A second sessions stage brings new conversations: only the system
+    // prompt is reused from the first (its ceiling is the first's, plus the
+    // system prompt the very first request could not reuse).
+    let mut again = cfg("shipped-default", "rate:1@1s", 3, false);
+    again.fleet.engine.num_gpu_blocks = 4096;
+    let stages = format!("sessions:{clients}@{spread}s,think={think}s");
+    again.load = Load::Workload {
+        spec: WorkloadSpec {
+            prompts_per_group: turns,
+            system_tokens: system as u32,
+            persona_tokens: context as u32,
+            question_tokens: user as u32,
+            output_tokens: answer as u32,
+            ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+        },
+        stages: parse_stages(&format!("{stages};{stages}")).unwrap(),
+        exact_prompts: false,
+    };
+    let r = simulate(again).unwrap();
+    let second = r.stages[1].hit_ratio_ceiling.unwrap();
+    assert!(
+        (second - (reusable + system) as f64 / total as f64).abs() < 1e-9,
+        "{second}"
+    );
+    // A refused think time or workload is an error, not a silent stage.
+    let mut bad = cfg("kvroute", "sessions:2@1s,think=1s", 1, false);
+    assert!(simulate(bad.clone()).unwrap_err().contains("agent-session"));
+    bad.load = Load::Workload {
+        spec: WorkloadSpec::standard(WorkloadKind::AgentSession),
+        stages: parse_stages("sessions:2@1s,think=1s").unwrap(),
+        exact_prompts: true,
+    };
+    // The text form runs the same conversations.
+    bad.fleet.engine.num_gpu_blocks = 8192;
+    let r = simulate(bad).unwrap();
+    assert_eq!(r.stages[0].ok, r.stages[0].requests);
+    assert_eq!(r.stages[0].requests, 2 * 10);
+}

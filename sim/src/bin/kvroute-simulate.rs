@@ -27,7 +27,11 @@ Load:
   --workload NAME           shared-prefix | code-generation | reasoning | chat-lab |
                             agent-session | bursty-cold-start
   --stages SPEC             rate:3,10,30@20s | concurrency:4,8@30s, joined with ';'
-                            (the load generator's grammar; model time) [rate:2@300s]
+                            (the load generator's grammar; model time) [rate:2@300s];
+                            or sessions:32@20s,think=4s (agent-session only: 32
+                            conversations, one client each, starting over 20 s, each
+                            sending all its turns with a mean 4 s think time after each
+                            answer, as sim/bench/replicas.py does)
   --exact-prompts           build the real request bodies and run the filter's whole
                             parse/template/hash path on them (slower; default: segments,
                             exact token counts, no text)

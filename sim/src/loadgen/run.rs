@@ -378,6 +378,8 @@ async fn run_stage(
                 }));
             }
         }
+        // Refused by `run_until` before any stage runs.
+        StageKind::Sessions { .. } => {}
     }
     for t in tasks {
         let _ = t.await;
@@ -411,6 +413,13 @@ pub async fn run_until(
 ) -> Result<RunReport, String> {
     if cfg.time_scale.is_nan() || cfg.time_scale <= 0.0 {
         return Err("--time-scale must be positive".into());
+    }
+    if cfg
+        .stages
+        .iter()
+        .any(|s| matches!(s.kind, StageKind::Sessions { .. }))
+    {
+        return Err("sessions stages are kvroute-simulate's only".into());
     }
     let client = HttpClient::new();
     if cfg.reset {

@@ -421,6 +421,9 @@ pub struct Sim {
     pending_group: Option<u32>,
     /// The proxy that routed the request just routed.
     last_proxy: usize,
+    /// Conversations begun by sessions stages so far: a later stage's
+    /// conversation c is session `sessions_begun + c`, a new one.
+    sessions_begun: u32,
 }
 
 impl Sim {
@@ -612,6 +615,7 @@ impl Sim {
             last_decision: None,
             pending_group: None,
             last_proxy: 0,
+            sessions_begun: 0,
             cfg,
         })
     }
@@ -733,6 +737,16 @@ impl Sim {
 
     /// The next workload request.
     fn next_workload_request(&mut self) -> SimRequest {
+        let parts = self
+            .workload
+            .as_mut()
+            .expect("workload load has a workload")
+            .next_parts();
+        self.workload_request(parts)
+    }
+
+    /// A workload request from its structure.
+    fn workload_request(&mut self, parts: GenParts) -> SimRequest {
         let exact = matches!(
             self.cfg.load,
             Load::Workload {
@@ -745,7 +759,7 @@ impl Sim {
             .as_mut()
             .expect("workload load has a workload");
         if exact {
-            let g = w.next_request();
+            let g = w.request_of(parts);
             self.pending_group = Some(g.group);
             let kind = if g.path.ends_with("/chat/completions") {
                 ApiKind::ChatCompletions
@@ -754,7 +768,6 @@ impl Sim {
             };
             self.body_request(kind, g.body.to_string().into_bytes())
         } else {
-            let parts = w.next_parts();
             self.pending_group = Some(parts.group);
             let model = w.spec().model.clone();
             if self.decision_log.is_some() {
@@ -1399,10 +1412,76 @@ impl Sim {
                     self.next_event()?;
                 }
             }
+            StageKind::Sessions { clients, think_s } => {
+                self.run_sessions(t0, clients, think_s, stage.duration_s, stage_no)?;
+            }
         }
         self.drain()?;
         self.client_queue.clear();
         Ok(self.finish_stage(stage.label(), stage.duration_s, &before))
+    }
+
+    /// A sessions stage: conversation `c` is client `c` (a new session,
+    /// never one of an earlier stage's); it starts at a
+    /// uniform time in `[t0, t0 + spread_s)`, sends turn k + 1 an
+    /// exponential think time (mean `think_s`) after turn k's last token,
+    /// and stops after the workload's turns per conversation (or a refused
+    /// turn). Each client draws from its own generator, so one client's
+    /// timing does not move another's.
+    fn run_sessions(
+        &mut self,
+        t0: f64,
+        clients: u32,
+        think_s: f64,
+        spread_s: f64,
+        stage_no: u64,
+    ) -> Result<(), String> {
+        let turns = self
+            .workload
+            .as_ref()
+            .map_or(1, |w| w.spec().prompts_per_group.max(1));
+        let mut rngs: Vec<Rng> = (0..clients)
+            .map(|c| Rng::derive(self.cfg.seed, 0x5E55_0000 ^ (stage_no << 32) ^ u64::from(c)))
+            .collect();
+        // Each client's next send time (None: waiting for an answer, or done)
+        // and next turn.
+        let mut due: Vec<Option<f64>> = rngs
+            .iter_mut()
+            .map(|r| Some(t0 + r.next_f64() * spread_s))
+            .collect();
+        let mut next_turn = vec![0u32; clients as usize];
+        let first = self.sessions_begun;
+        self.sessions_begun = first.saturating_add(clients);
+        loop {
+            // Clients whose answer just ended think, then send again.
+            while let Some(c) = self.client_queue.pop() {
+                if next_turn[c] < turns {
+                    due[c] = Some(self.now + rngs[c].exponential(think_s));
+                }
+            }
+            let send = due
+                .iter()
+                .enumerate()
+                .filter_map(|(c, t)| t.map(|t| (t, c)))
+                .min_by(|a, b| a.0.total_cmp(&b.0));
+            match send {
+                // Events due at or before the send first, as `advance_to`.
+                Some((t, c)) if self.heap.peek().is_none_or(|e| e.t > t) => {
+                    due[c] = None;
+                    self.now = self.now.max(t);
+                    let parts = self
+                        .workload
+                        .as_ref()
+                        .expect("workload load has a workload")
+                        .session_parts(first.saturating_add(c as u32), next_turn[c])?;
+                    next_turn[c] += 1;
+                    let req = self.workload_request(parts);
+                    self.arrive(req, t0, Some(c))?;
+                }
+                None if self.outstanding == 0 => return Ok(()),
+                _ => self.next_event()?,
+            }
+        }
     }
 
     fn run_trace(

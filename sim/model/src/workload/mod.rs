@@ -27,7 +27,10 @@
 //! system prompt stays). The first session of slot `c` is cut to
 //! `turns − ⌊c · turns / groups⌋` turns, so sessions do not all start and end
 //! in the same round: from the start the fleet sees a steady mix of cold
-//! first turns and long warm histories.
+//! first turns and long warm histories. In a sessions stage
+//! ([`stages::StageKind::Sessions`]) the stage picks instead: each session
+//! is its own client and sends its turns in order
+//! ([`Workload::session_parts`]).
 //!
 //! **bursty-cold-start** proceeds in rounds: round `r` brings `groups`
 //! documents never sent before and emits, shuffled within the round, one
@@ -315,6 +318,11 @@ impl Workload {
     /// The next request.
     pub fn next_request(&mut self) -> GenRequest {
         let parts = self.next_parts();
+        self.request_of(parts)
+    }
+
+    /// The request a structure stands for, with its text.
+    pub fn request_of(&mut self, parts: GenParts) -> GenRequest {
         let mut messages = Vec::with_capacity(parts.messages.len());
         for (role, segs) in parts.messages.iter().cloned() {
             let mut text = String::new();
@@ -379,6 +387,21 @@ impl Workload {
         }
     }
 
+    /// Turn `turn` (from 0) of conversation `session`, for a sessions
+    /// stage, where each conversation is its own client and the stage, not
+    /// the workload, decides when each turn is sent. agent-session only:
+    /// `session`'s private context and turns, behind the shared system
+    /// prompt, as [`next_parts`](Self::next_parts) gives them.
+    pub fn session_parts(&self, session: u32, turn: u32) -> Result<GenParts, String> {
+        match self.spec.kind {
+            WorkloadKind::AgentSession => Ok(self.agent_parts(session, turn)),
+            other => Err(format!(
+                "sessions stages need the agent-session workload, not {}",
+                other.name()
+            )),
+        }
+    }
+
     /// Fisher–Yates with the workload's generator.
     fn shuffle<T>(&mut self, v: &mut [T]) {
         for i in (1..v.len()).rev() {
@@ -422,7 +445,14 @@ impl Workload {
         } else {
             self.next_turn[c as usize] = turn + 1;
         }
-        let session = c + generation * groups;
+        self.agent_parts(c + generation * groups, turn)
+    }
+
+    /// agent-session: turn `turn` of session `session`. The session's
+    /// identity fixes its private context and turns; the system prompt is
+    /// everyone's.
+    fn agent_parts(&self, session: u32, turn: u32) -> GenParts {
+        let s = &self.spec;
         let seg = |kind: u8, a: u32, b: u32, tokens: u32| Segment {
             kind,
             a,
@@ -739,6 +769,23 @@ mod tests {
             .collect::<HashSet<_>>();
         // The first sessions are staggered: lengths 1..=turns.
         assert!(first.len() >= turns / 2, "{first:?}");
+    }
+
+    #[test]
+    fn a_session_turn_is_the_turn_the_rounds_give_that_session() {
+        let spec = small(WorkloadKind::AgentSession);
+        let mut w = Workload::new(spec.clone(), 4);
+        let mut turns: HashMap<u32, u32> = HashMap::new();
+        for _ in 0..spec.groups * spec.prompts_per_group * 3 {
+            let p = w.next_parts();
+            let t = turns.entry(p.group).or_insert(0);
+            assert_eq!(w.session_parts(p.group, *t).unwrap(), p);
+            *t += 1;
+        }
+        let e = Workload::new(small(WorkloadKind::SharedPrefix), 4)
+            .session_parts(0, 0)
+            .unwrap_err();
+        assert!(e.contains("agent-session"), "{e}");
     }
 
     #[test]

@@ -1,10 +1,15 @@
-//! Load stages: Poisson arrival rates and fixed concurrencies.
+//! Load stages: Poisson arrival rates, fixed concurrencies and sessions.
 //!
 //! Grammar: `SPEC[;SPEC…]`, where SPEC is `rate:R1,R2,…@DURATION` (a Poisson
-//! stage per rate, requests/s) or `concurrency:C1,C2,…@DURATION` (a closed
-//! loop of C clients per stage). DURATION is `20s`, `500ms`, `2m` or plain
-//! seconds. Rates and durations are in model time; the load generator's
-//! `--time-scale` converts them to wall-clock time.
+//! stage per rate, requests/s), `concurrency:C1,C2,…@DURATION` (a closed
+//! loop of C clients per stage) or `sessions:N@SPREAD,think=THINK` (N
+//! conversations of a multi-turn workload, one client each, starting
+//! uniformly over SPREAD; each sends all its turns, waiting an exponential
+//! think time of mean THINK after each answer; the stage lasts until the
+//! last turn ends; the fleet simulator only). DURATION, SPREAD and THINK are
+//! `20s`, `500ms`, `2m` or plain seconds. Rates and durations are in model
+//! time; the load generator's `--time-scale` converts them to wall-clock
+//! time.
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum StageKind {
@@ -12,6 +17,11 @@ pub enum StageKind {
     Rate(f64),
     /// This many clients, each sending its next request when the last ends.
     Concurrency(u32),
+    /// This many conversations, each its own closed-loop client: it starts
+    /// at a uniform time in the stage's duration, sends its turns in order
+    /// and waits an exponential think time (mean `think_s`, model s) after
+    /// each answer.
+    Sessions { clients: u32, think_s: f64 },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -26,6 +36,12 @@ impl Stage {
         match self.kind {
             StageKind::Rate(r) => format!("rate {r}/s {}s", self.duration_s),
             StageKind::Concurrency(c) => format!("conc {c} {}s", self.duration_s),
+            StageKind::Sessions { clients, think_s } => {
+                format!(
+                    "sessions {clients} think {think_s}s over {}s",
+                    self.duration_s
+                )
+            }
         }
     }
 }
@@ -58,10 +74,27 @@ pub fn parse_stages(spec: &str) -> Result<Vec<Stage>, String> {
         let (head, dur) = part
             .split_once('@')
             .ok_or_else(|| format!("stage {part:?} has no @DURATION (e.g. rate:3,10@20s)"))?;
+        let (dur, think) = match dur.split_once(',') {
+            Some((d, t)) => (d, Some(t.trim())),
+            None => (dur, None),
+        };
         let duration_s = parse_duration(dur)?;
         let (kind, values) = head
             .split_once(':')
             .ok_or_else(|| format!("stage {part:?} is not rate:… or concurrency:…"))?;
+        let think_s = match (kind.trim(), think) {
+            ("sessions", Some(t)) => match t.strip_prefix("think=") {
+                Some(t) => parse_duration(t)?,
+                None => return Err(format!("stage {part:?}: {t:?} is not think=DURATION")),
+            },
+            ("sessions", None) => {
+                return Err(format!(
+                    "stage {part:?} has no think time (e.g. sessions:32@20s,think=4s)"
+                ))
+            }
+            (_, Some(t)) => return Err(format!("stage {part:?}: {t:?} is for sessions stages")),
+            (_, None) => 0.0,
+        };
         for v in values.split(',').map(str::trim).filter(|v| !v.is_empty()) {
             let kind = match kind.trim() {
                 "rate" => {
@@ -82,7 +115,20 @@ pub fn parse_stages(spec: &str) -> Result<Vec<Stage>, String> {
                     }
                     StageKind::Concurrency(c)
                 }
-                other => return Err(format!("stage kind {other:?} is not rate or concurrency")),
+                "sessions" => {
+                    let clients: u32 = v
+                        .parse()
+                        .map_err(|_| format!("sessions {v:?} is not a whole number"))?;
+                    if clients == 0 {
+                        return Err("sessions must be at least 1".into());
+                    }
+                    StageKind::Sessions { clients, think_s }
+                }
+                other => {
+                    return Err(format!(
+                        "stage kind {other:?} is not rate, concurrency or sessions"
+                    ))
+                }
             };
             out.push(Stage { kind, duration_s });
         }
@@ -128,5 +174,38 @@ mod tests {
             .unwrap_err()
             .contains("duration"));
         assert!(parse_stages("").is_err());
+        assert!(parse_stages("sessions:4@20s")
+            .unwrap_err()
+            .contains("think"));
+        assert!(parse_stages("sessions:4@20s,4s")
+            .unwrap_err()
+            .contains("think="));
+        assert!(parse_stages("rate:2@20s,think=4s")
+            .unwrap_err()
+            .contains("sessions"));
+        assert!(parse_stages("sessions:0@20s,think=1s").is_err());
+    }
+
+    #[test]
+    fn parses_sessions_with_their_think_time() {
+        let s = parse_stages("sessions:32@20s,think=4s;rate:1@5s").unwrap();
+        assert_eq!(
+            s[0],
+            Stage {
+                kind: StageKind::Sessions {
+                    clients: 32,
+                    think_s: 4.0
+                },
+                duration_s: 20.0
+            }
+        );
+        assert_eq!(s[1].kind, StageKind::Rate(1.0));
+        assert_eq!(
+            parse_stages("sessions:2@1m,think=500ms").unwrap()[0].kind,
+            StageKind::Sessions {
+                clients: 2,
+                think_s: 0.5
+            }
+        );
     }
 }
