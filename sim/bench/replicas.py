@@ -199,6 +199,35 @@ def post_stream(port, body, timeout):
 # Processes
 # ---------------------------------------------------------------------------
 
+def plugin_config(arm, endpoints, relay_ports, fc=FLEET, real=False):
+    """The shipped profile, with only what this fleet needs changed."""
+    with open(SHIPPED) as f:
+        cfg = json.load(f)
+    block = fc["block_size"]
+    for i, pl in enumerate(cfg["plugins"]):
+        if pl["type"] == "approx-prefix-cache-producer":
+            if arm.startswith("precise"):
+                cfg["plugins"][i] = {"type": "precise-prefix-cache-producer",
+                                     "parameters": {"tokenProcessorConfig": {"blockSize": block,
+                                                                             "hashSeed": fc["hash_seed"]}}}
+            else:
+                # token-ID prompts are hashed in blockSizeTokens-token blocks
+                pl["parameters"]["blockSizeTokens"] = block
+        elif pl["type"] == "prefix-cache-affinity-filter" and fc["prefill_tps"]:
+            pl["parameters"]["peakPrefillThroughput"] = fc["prefill_tps"]
+    # no routing.seed: each Envoy process draws its own (the exchange salts ties per process)
+    assert "seed" not in cfg["routing"]
+    cfg["routing"]["statePath"] = "/kvroute/state"
+    if real:
+        # a loaded 2-core machine can take a while to answer /metrics
+        cfg["collector"].update({"metricsTimeoutMs": 3000, "metricsStaleAfterMs": 10000})
+    if arm in EVENT_ARMS:
+        cfg["kvEvents"] = events_section(endpoints, relay_ports)
+    if arm == "precise-no-mesh":
+        cfg["mesh"] = {"exchange": False}
+    return copy.deepcopy(cfg)
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -278,32 +307,7 @@ class Bench:
         return relays
 
     def plugin_config(self, arm, endpoints, relay_ports):
-        """The shipped profile, with only what this fleet needs changed."""
-        with open(SHIPPED) as f:
-            cfg = json.load(f)
-        block = self.fc["block_size"]
-        for i, pl in enumerate(cfg["plugins"]):
-            if pl["type"] == "approx-prefix-cache-producer":
-                if arm.startswith("precise"):
-                    cfg["plugins"][i] = {"type": "precise-prefix-cache-producer",
-                                         "parameters": {"tokenProcessorConfig": {"blockSize": block,
-                                                                                 "hashSeed": self.fc["hash_seed"]}}}
-                else:
-                    # token-ID prompts are hashed in blockSizeTokens-token blocks
-                    pl["parameters"]["blockSizeTokens"] = block
-            elif pl["type"] == "prefix-cache-affinity-filter" and self.fc["prefill_tps"]:
-                pl["parameters"]["peakPrefillThroughput"] = self.fc["prefill_tps"]
-        # no routing.seed: each Envoy process draws its own (the exchange salts ties per process)
-        assert "seed" not in cfg["routing"]
-        cfg["routing"]["statePath"] = "/kvroute/state"
-        if self.real:
-            # a loaded 2-core machine can take a while to answer /metrics
-            cfg["collector"].update({"metricsTimeoutMs": 3000, "metricsStaleAfterMs": 10000})
-        if arm in EVENT_ARMS:
-            cfg["kvEvents"] = events_section(endpoints, relay_ports)
-        if arm == "precise-no-mesh":
-            cfg["mesh"] = {"exchange": False}
-        return copy.deepcopy(cfg)
+        return plugin_config(arm, endpoints, relay_ports, self.fc, self.real)
 
     def start_envoy(self, tag, arm, endpoints, relay_ports):
         listen, admin = fleet.free_port(), fleet.free_port()

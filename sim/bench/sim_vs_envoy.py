@@ -13,7 +13,7 @@ conversation its own client, starting within 20 s, an exponential think time
 of mean 4 s after each answer), token counts exact (the simulator's segment
 prompts stand for token-ID prompts), time scale 5, one Envoy worker per
 proxy, `--stream-interval 8`; the router is the plugin JSON replicas.py
-gives Envoy (`Bench.plugin_config`: the shipped profile with 16-token blocks,
+gives Envoy (`plugin_config`: the shipped profile with 16-token blocks,
 peak 20,480 tok/s). Arms:
 
   approx       each proxy alone (no exchange)
@@ -50,7 +50,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import replicas  # noqa: E402  (FLEET, WORKLOAD, Bench.plugin_config, events_section)
+import replicas  # noqa: E402  (FLEET, WORKLOAD, plugin_config, events_section)
 
 ARMS = ["approx", "approx-mesh", "round-robin"]
 SHAPES = {"rotate": "rotate", "sidecar": "client"}
@@ -80,7 +80,7 @@ def sim_argv(sim, work, shape, g, arm, seed):
         if not os.path.exists(cfg):
             with open(cfg, "w") as fh:
                 # replicas.py's own document for its approx arm (the method reads no state)
-                json.dump(replicas.Bench.plugin_config(None, "approx", [], []), fh)
+                json.dump(replicas.plugin_config("approx", [], []), fh)
         argv += ["--config", cfg, "--decision-log", log]
         if arm == "approx-mesh":
             poll = replicas.events_section([], [])["pollMs"]
