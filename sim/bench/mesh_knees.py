@@ -15,7 +15,6 @@ median [worst], and the hit ratio over the stream's ceiling at the knee.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import default_sweep  # noqa: E402
 import kvbench  # noqa: E402
+import mesh_sweep  # noqa: E402  (report)
 
 
 def main():
@@ -83,14 +83,7 @@ def main():
         md.append(f"| {r['workload']} | {r['shape']} | {r['proxies']} | "
                   f"{fmt(r['knee_vs_one_median'])} [{fmt(r['knee_vs_one_worst'])}] | "
                   f"{fmt(r['share_median'])} [{fmt(r['share_worst'])}] |")
-    text = "\n".join(md) + "\n\nmedian [worst] of seeds " + a.seeds + "\n"
-    print(text)
-    if a.md:
-        with open(a.md, "w") as f:
-            f.write(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    mesh_sweep.report(md, rows, a)
 
 
 def fmt(v):

@@ -97,7 +97,13 @@ def main():
         md.append(f"| {r['load']} | {r['shape']} | {r['proxies']} | {'on' if r['exchange'] else 'off'} | "
                   f"{r['share_median']:.3f} [{r['share_worst']:.3f}] | {r['tput_median']:,.0f} [{r['tput_worst']:,.0f}] | "
                   f"{r['tput_vs_one_median']:.3f} [{r['tput_vs_one_worst']:.3f}] |")
-    text = "\n".join(md) + "\n\nmedian [worst] of seeds " + a.seeds + "\n"
+    report(md, rows, a)
+
+
+def report(md_lines, rows, a):
+    """Prints the table (median [worst] of a.seeds) and writes it to a.md,
+    the rows to a.json, when given."""
+    text = "\n".join(md_lines) + "\n\nmedian [worst] of seeds " + a.seeds + "\n"
     print(text)
     if a.md:
         with open(a.md, "w") as f:

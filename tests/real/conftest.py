@@ -253,6 +253,23 @@ def real_plugin_config():
     return cfg
 
 
+def precise_plugins(real_fleet):
+    """A `token-producer` with this tier's tokenizer.json and
+    tokenizer_config.json inline, and a `precise-prefix-cache-producer` with
+    the servers' block size and PYTHONHASHSEED: precise mode as the servers
+    hash."""
+    md = vllm_tier.model_dir()
+    seed = real_fleet.servers[0].env()["PYTHONHASHSEED"]
+    return [
+        {"type": "token-producer", "parameters": {
+            "modelName": str(md), "servedModelNames": [MODEL],
+            "tokenizerJson": json.loads((md / "tokenizer.json").read_text()),
+            "tokenizerConfig": json.loads((md / "tokenizer_config.json").read_text())}},
+        {"type": "precise-prefix-cache-producer", "parameters": {
+            "tokenProcessorConfig": {"blockSizeTokens": BLOCK_SIZE, "hashSeed": seed}}},
+    ]
+
+
 def scrape(address):
     """(wall time, {sample name: summed value}, cache_config_info labels) of one /metrics read."""
     t = time.time()

@@ -25,7 +25,7 @@ import time
 import msgpack
 import pytest
 
-from conftest import BLOCK_SIZE, MODEL, REPO, e2e, vllm_tier
+from conftest import BLOCK_SIZE, MODEL, REPO, e2e, precise_plugins
 
 # Server #1: test_parity.py compares server #0's events with the emulator's,
 # and this module's prompts must not make #0 evict during that capture.
@@ -36,18 +36,9 @@ SERVER = 1
 def hasher(real_fleet, tmp_path_factory):
     """Runs kvroute's hashing (the vllm_hashes example) on a body."""
     out = tmp_path_factory.mktemp("hash-parity")
-    md = vllm_tier.model_dir()
-    seed = real_fleet.servers[SERVER].env()["PYTHONHASHSEED"]
     cfg = {
         "endpoints": {"static": ["127.0.0.1:1"]},
-        "plugins": [
-            {"type": "token-producer", "parameters": {
-                "modelName": str(md), "servedModelNames": [MODEL],
-                "tokenizerJson": json.loads((md / "tokenizer.json").read_text()),
-                "tokenizerConfig": json.loads((md / "tokenizer_config.json").read_text())}},
-            {"type": "precise-prefix-cache-producer", "parameters": {
-                "tokenProcessorConfig": {"blockSizeTokens": BLOCK_SIZE, "hashSeed": seed}}},
-        ],
+        "plugins": precise_plugins(real_fleet),
         "kvEvents": {"enabled": True},
     }
     cfg_path = out / "precise.json"

@@ -18,12 +18,11 @@ index); precise mode sends chat requests, hashed with the tier's tokenizer and
 chat template and matched against the blocks each server's events hold.
 """
 
-import json
 import re
 
 import pytest
 
-from conftest import BLOCK_SIZE, MODEL, NUM_BLOCKS, e2e, real_plugin_config, vllm_tier, words
+from conftest import MODEL, NUM_BLOCKS, e2e, precise_plugins, real_plugin_config, words
 
 CONVERSATIONS = 4
 TURNS = 4
@@ -62,18 +61,8 @@ def mesh_config(real_fleet, precise):
         "relays": {s.address: r.address for s, r in zip(real_fleet.servers, real_fleet.relays)},
     }
     if precise:
-        md = vllm_tier.model_dir()
-        seed = real_fleet.servers[0].env()["PYTHONHASHSEED"]
-        plugins = [p for p in cfg["plugins"] if p["type"] != "approx-prefix-cache-producer"]
-        plugins[:0] = [
-            {"type": "token-producer", "parameters": {
-                "modelName": str(md), "servedModelNames": [MODEL],
-                "tokenizerJson": json.loads((md / "tokenizer.json").read_text()),
-                "tokenizerConfig": json.loads((md / "tokenizer_config.json").read_text())}},
-            {"type": "precise-prefix-cache-producer", "parameters": {
-                "tokenProcessorConfig": {"blockSizeTokens": BLOCK_SIZE, "hashSeed": seed}}},
-        ]
-        cfg["plugins"] = plugins
+        cfg["plugins"] = precise_plugins(real_fleet) + [
+            p for p in cfg["plugins"] if p["type"] != "approx-prefix-cache-producer"]
     return cfg
 
 

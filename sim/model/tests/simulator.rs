@@ -475,15 +475,19 @@ fn a_sessions_stage_sends_each_conversations_turns_in_order_after_a_think_time()
         exchange: true,
         exchange_ms: 0,
     };
+    // `groups` is not read by a sessions stage.
+    let spec = || WorkloadSpec {
+        prompts_per_group: turns,
+        system_tokens: system as u32,
+        persona_tokens: context as u32,
+        question_tokens: user as u32,
+        output_tokens: answer as u32,
+        ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+    };
     c.load = Load::Workload {
         spec: WorkloadSpec {
-            groups: 99, // not read by a sessions stage
-            prompts_per_group: turns,
-            system_tokens: system as u32,
-            persona_tokens: context as u32,
-            question_tokens: user as u32,
-            output_tokens: answer as u32,
-            ..WorkloadSpec::standard(WorkloadKind::AgentSession)
+            groups: 99,
+            ..spec()
         },
         stages: parse_stages(&format!("sessions:{clients}@{spread}s,think={think}s")).unwrap(),
         exact_prompts: false,
@@ -546,14 +550,7 @@ fn a_sessions_stage_sends_each_conversations_turns_in_order_after_a_think_time()
     again.fleet.engine.num_gpu_blocks = 4096;
     let stages = format!("sessions:{clients}@{spread}s,think={think}s");
     again.load = Load::Workload {
-        spec: WorkloadSpec {
-            prompts_per_group: turns,
-            system_tokens: system as u32,
-            persona_tokens: context as u32,
-            question_tokens: user as u32,
-            output_tokens: answer as u32,
-            ..WorkloadSpec::standard(WorkloadKind::AgentSession)
-        },
+        spec: spec(),
         stages: parse_stages(&format!("{stages};{stages}")).unwrap(),
         exact_prompts: false,
     };
