@@ -25,6 +25,7 @@ pub mod cas;
 pub mod codec;
 pub mod collector_tick;
 pub mod endpoints;
+pub mod hashed;
 pub mod held;
 pub mod index;
 pub mod load;

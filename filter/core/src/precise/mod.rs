@@ -17,6 +17,8 @@
 //! When precise hashes cannot be had, the request is routed on the
 //! approximate index instead, and the reason is counted ([`Fallback`]).
 
+#[cfg(feature = "tokenizer")]
+pub mod offpath;
 pub mod segment_cache;
 #[cfg(feature = "tokenizer")]
 pub mod segments;

@@ -142,6 +142,45 @@ impl Segmenter {
                 list.push((t.content.as_bytes().into(), id));
             }
         }
+        let post_adds = tok
+            .get_post_processor()
+            .is_some_and(|p| p.added_tokens(false) > 0);
+        Ok(Self::finish(by_first, post_adds))
+    }
+
+    /// A segmenter that only cuts (`Segmenter::split`), from the added
+    /// tokens another VM's [`Segmenter::cuts`] published: a worker that
+    /// does not load the tokenizer (`tokenizeIn: collector`).
+    pub fn from_cuts(cuts: &[(Vec<u8>, u32)], post_adds: bool) -> Segmenter {
+        let mut by_first: Vec<Vec<(Box<[u8]>, u32)>> = vec![Vec::new(); 256];
+        // Only whole UTF-8 strings (an added token's content always is): a
+        // match then starts and ends on char boundaries of the text.
+        let whole = |c: &[u8]| !c.is_empty() && std::str::from_utf8(c).is_ok();
+        for (c, id) in cuts.iter().filter(|(c, _)| whole(c)) {
+            let list = &mut by_first[usize::from(c[0])];
+            if !list.iter().any(|(x, _)| **x == **c) {
+                list.push((c.as_slice().into(), *id));
+            }
+        }
+        Self::finish(by_first, post_adds)
+    }
+
+    /// The added tokens this segmenter cuts at (content, ID).
+    pub fn cuts(&self) -> Vec<(Vec<u8>, u32)> {
+        self.by_first
+            .iter()
+            .flatten()
+            .map(|(c, id)| (c.to_vec(), *id))
+            .collect()
+    }
+
+    /// Whether the post-processor adds tokens to a single sequence (with
+    /// `add_special_tokens`).
+    pub fn post_adds(&self) -> bool {
+        self.post_adds
+    }
+
+    fn finish(mut by_first: Vec<Vec<(Box<[u8]>, u32)>>, post_adds: bool) -> Segmenter {
         for list in &mut by_first {
             list.sort_by_key(|(c, _)| std::cmp::Reverse(c.len()));
         }
@@ -150,14 +189,11 @@ impl Segmenter {
             [b] if b < 128 => Some(char::from(b as u8)),
             _ => None,
         };
-        let post_adds = tok
-            .get_post_processor()
-            .is_some_and(|p| p.added_tokens(false) > 0);
-        Ok(Segmenter {
+        Segmenter {
             by_first,
             only_first,
             post_adds,
-        })
+        }
     }
 
     /// The leftmost-longest added-token match in `text` at or after
@@ -183,6 +219,23 @@ impl Segmenter {
             // char boundary; the byte scan needs none.
             i += 1;
         }
+    }
+
+    /// [`Segmenter::split`] with each piece's end offset in `text`.
+    pub fn split_ends<'t>(&self, text: &'t str) -> Vec<(usize, Result<&'t str, u32>)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while let Some((start, end, id)) = self.next_match(text, at) {
+            if start > at {
+                out.push((start, Ok(&text[at..start])));
+            }
+            out.push((end, Err(id)));
+            at = end;
+        }
+        if at < text.len() {
+            out.push((text.len(), Ok(&text[at..])));
+        }
+        out
     }
 
     /// `text` as pieces: `Ok(piece)` text between matches (never empty),
@@ -307,4 +360,4 @@ fn has_metaspace_first(v: &serde_json::Value) -> bool {
 
 #[cfg(test)]
 #[path = "segments_tests.rs"]
-mod tests;
+pub(crate) mod tests;

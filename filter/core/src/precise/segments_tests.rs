@@ -9,31 +9,32 @@ use crate::precise::tokenizer::ModelTokenizer;
 use crate::request::{parse_request_for_template, ApiKind, ParseLimits};
 use serde_json::{json, Value};
 
-const TINY_TOKENIZER: &[u8] =
+pub(crate) const TINY_TOKENIZER: &[u8] =
     include_bytes!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
-const TINY_CONFIG: &str =
+pub(crate) const TINY_CONFIG: &str =
     include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
 
 /// A template in Qwen's shape over the tiny tokenizer's added tokens: turns
 /// closed by `</s>`, tool calls and tool results rendered.
-const TOOLS_TEMPLATE: &str = "{% if tools %}<s>system\n{{ tools|tojson }}</s>\n{% endif %}\
+pub(crate) const TOOLS_TEMPLATE: &str =
+    "{% if tools %}<s>system\n{{ tools|tojson }}</s>\n{% endif %}\
 {% for m in messages %}<s>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}\
 {% if m.tool_calls %}{% for c in m.tool_calls %}\n<tool>{{ c.function.name }} \
 {{ c.function.arguments }}</tool>{% endfor %}{% endif %}</s>\n{% endfor %}\
 {% if add_generation_prompt %}<s>assistant\n{% endif %}";
 
 /// splitmix64: a seeded, reproducible stream.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
-    fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }
     fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
@@ -106,7 +107,7 @@ const PIECES: &[&str] = &[
     " ZQX ",
 ];
 
-fn text(rng: &mut Rng, max_pieces: usize) -> String {
+pub(crate) fn text(rng: &mut Rng, max_pieces: usize) -> String {
     let n = rng.below(max_pieces + 1);
     (0..n).map(|_| rng.pick(PIECES)).collect()
 }
@@ -114,7 +115,7 @@ fn text(rng: &mut Rng, max_pieces: usize) -> String {
 /// A random chat body: an optional system prompt, turns of user,
 /// assistant (some with tool calls, some with reasoning), tool results,
 /// empty and multi-part contents; sometimes tools and no generation prompt.
-fn chat(rng: &mut Rng, turns: usize) -> Value {
+pub(crate) fn chat(rng: &mut Rng, turns: usize) -> Value {
     let mut messages = Vec::new();
     if rng.below(3) > 0 {
         messages.push(json!({"role": "system", "content": text(rng, 30)}));
@@ -203,7 +204,7 @@ fn check_random_chats(
     (checked, rendered, hits)
 }
 
-fn tiny(template: Option<&str>) -> ModelTokenizer {
+pub(crate) fn tiny(template: Option<&str>) -> ModelTokenizer {
     let c: Value = serde_json::from_str(TINY_CONFIG).unwrap();
     ModelTokenizer::load(TINY_TOKENIZER, Some(&c), template).unwrap()
 }
@@ -251,7 +252,7 @@ fn the_split_covers_the_text_and_cuts_at_every_added_token() {
 }
 
 /// The tiny tokenizer with its JSON changed by `edit`.
-fn tiny_edited(edit: impl FnOnce(&mut Value)) -> ModelTokenizer {
+pub(crate) fn tiny_edited(edit: impl FnOnce(&mut Value)) -> ModelTokenizer {
     let mut j: Value = serde_json::from_slice(TINY_TOKENIZER).unwrap();
     edit(&mut j);
     ModelTokenizer::load(&serde_json::to_vec(&j).unwrap(), None, None).unwrap()

@@ -37,11 +37,26 @@ use std::collections::BTreeMap;
 /// template spends a few hundred per message.
 const TEMPLATE_FUEL: u64 = 20_000_000;
 
+/// The chat template and the special tokens it reads, from
+/// `tokenizer_config.json` (or an override): all a VM needs to render a
+/// chat without the tokenizer (`tokenizeIn: collector`).
+pub struct ChatRenderer {
+    env: Option<Environment<'static>>,
+    special: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ChatRenderer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatRenderer")
+            .field("chat_template", &self.env.is_some())
+            .finish()
+    }
+}
+
 /// A loaded tokenizer, and the chat template if the model has one.
 pub struct ModelTokenizer {
     tokenizer: tokenizers::Tokenizer,
-    env: Option<Environment<'static>>,
-    special: BTreeMap<String, String>,
+    renderer: ChatRenderer,
     /// How texts are cut at added tokens, or why they are encoded whole
     /// (decided at load).
     segmenter: Result<Segmenter, Ineligible>,
@@ -54,7 +69,7 @@ impl std::fmt::Debug for ModelTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelTokenizer")
             .field("vocab", &self.tokenizer.get_vocab_size(true))
-            .field("chat_template", &self.env.is_some())
+            .field("chat_template", &self.renderer.env.is_some())
             .finish()
     }
 }
@@ -73,16 +88,13 @@ fn special_token(v: &serde_json::Value) -> Option<String> {
     }
 }
 
-impl ModelTokenizer {
-    /// Loads `tokenizer.json` and, optionally, `tokenizer_config.json` (as
-    /// JSON). `chat_template` overrides the config's template.
+impl ChatRenderer {
+    /// The chat template of `tokenizer_config.json` (or `chat_template`,
+    /// which overrides it) and the special tokens it reads.
     pub fn load(
-        tokenizer_json: &[u8],
         tokenizer_config: Option<&serde_json::Value>,
         chat_template: Option<&str>,
-    ) -> Result<ModelTokenizer, String> {
-        let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
-            .map_err(|e| format!("tokenizer.json does not load: {e}"))?;
+    ) -> Result<ChatRenderer, String> {
         let mut special = BTreeMap::new();
         let mut template = chat_template.map(str::to_owned);
         if let Some(cfg) = tokenizer_config {
@@ -120,69 +132,12 @@ impl ModelTokenizer {
                 Some(env)
             }
         };
-        Ok(ModelTokenizer {
-            segmenter: Segmenter::new(&tokenizer),
-            tokenizer,
-            env,
-            special,
-            fingerprint: xxhash_rust::xxh3::xxh3_64(tokenizer_json),
-        })
-    }
-
-    /// Token IDs of `text`.
-    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        encode_whole(&self.tokenizer, text, add_special_tokens)
-    }
-
-    /// Token IDs of `text`, exactly [`ModelTokenizer::encode`]'s, by
-    /// segment: the text between added tokens is tokenized piece by piece,
-    /// each piece's IDs read from `cache` when it has them and put there
-    /// when not (`precise::segments`). A tokenizer that cannot be segmented
-    /// encodes whole; the report says which, and why.
-    pub fn encode_segmented(
-        &self,
-        text: &str,
-        add_special_tokens: bool,
-        cache: &mut dyn SegmentCache,
-    ) -> Result<(Vec<u32>, SegmentReport), TokenizeError> {
-        match &self.segmenter {
-            Ok(s) => s.encode(
-                &self.tokenizer,
-                self.fingerprint,
-                text,
-                add_special_tokens,
-                cache,
-            ),
-            Err(why) => self
-                .encode(text, add_special_tokens)
-                .map(|ids| (ids, SegmentReport::Ineligible(why.clone()))),
-        }
-    }
-
-    #[cfg(test)]
-    pub(crate) fn tokenizer_for_tests(&self) -> &tokenizers::Tokenizer {
-        &self.tokenizer
-    }
-
-    /// Why this tokenizer's texts are encoded whole, if they are.
-    pub fn ineligible(&self) -> Option<&Ineligible> {
-        self.segmenter.as_ref().err()
-    }
-
-    /// Token IDs of a `/v1/completions` body's text prompt.
-    pub fn completion_ids(&self, body: &[u8], prompt: &str) -> Result<Vec<u32>, TokenizeError> {
-        #[derive(Deserialize)]
-        struct Flags {
-            add_special_tokens: Option<bool>,
-        }
-        let flags: Flags =
-            serde_json::from_slice(body).map_err(|e| TokenizeError::Tokenize(e.to_string()))?;
-        self.encode(prompt, flags.add_special_tokens.unwrap_or(true))
+        Ok(ChatRenderer { env, special })
     }
 
     /// The chat template's text for a `/v1/chat/completions` body, read
     /// here with serde_json (the emulator's path; the router's reads the
-    /// body once: [`ModelTokenizer::render_inputs`]).
+    /// body once: [`ChatRenderer::render_inputs`]).
     pub fn render_chat(&self, body: &[u8]) -> Result<(String, bool), TokenizeError> {
         #[derive(Deserialize)]
         struct Chat {
@@ -218,7 +173,7 @@ impl ModelTokenizer {
 
     /// The chat template's text for a chat body from what the request
     /// parser took of it (`request::parse_request_for_template`): the same
-    /// text and errors as [`ModelTokenizer::render_chat`] of that body.
+    /// text and errors as [`ChatRenderer::render_chat`] of that body.
     pub fn render_inputs(
         &self,
         chat: &ChatTemplateInputs,
@@ -286,6 +241,107 @@ impl ModelTokenizer {
             .map_err(|e| TokenizeError::Template(e.to_string()))?;
         tmpl.render(Value::from(ctx))
             .map_err(|e| TokenizeError::Template(e.to_string()))
+    }
+}
+
+impl ModelTokenizer {
+    /// Loads `tokenizer.json` and, optionally, `tokenizer_config.json` (as
+    /// JSON). `chat_template` overrides the config's template.
+    pub fn load(
+        tokenizer_json: &[u8],
+        tokenizer_config: Option<&serde_json::Value>,
+        chat_template: Option<&str>,
+    ) -> Result<ModelTokenizer, String> {
+        let tokenizer = tokenizers::Tokenizer::from_bytes(tokenizer_json)
+            .map_err(|e| format!("tokenizer.json does not load: {e}"))?;
+        Ok(ModelTokenizer {
+            segmenter: Segmenter::new(&tokenizer),
+            tokenizer,
+            renderer: ChatRenderer::load(tokenizer_config, chat_template)?,
+            fingerprint: xxhash_rust::xxh3::xxh3_64(tokenizer_json),
+        })
+    }
+
+    /// The chat renderer.
+    pub fn renderer(&self) -> &ChatRenderer {
+        &self.renderer
+    }
+
+    /// How texts are cut at added tokens, or why they are not.
+    pub fn segmenter(&self) -> Result<&Segmenter, &Ineligible> {
+        self.segmenter.as_ref()
+    }
+
+    /// The IDs of one segment (text between added tokens, or any text
+    /// with `add_special_tokens` false): `encode` without post-processing.
+    pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        encode_whole(&self.tokenizer, text, false)
+    }
+
+    /// Token IDs of `text`.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        encode_whole(&self.tokenizer, text, add_special_tokens)
+    }
+
+    /// Token IDs of `text`, exactly [`ModelTokenizer::encode`]'s, by
+    /// segment: the text between added tokens is tokenized piece by piece,
+    /// each piece's IDs read from `cache` when it has them and put there
+    /// when not (`precise::segments`). A tokenizer that cannot be segmented
+    /// encodes whole; the report says which, and why.
+    pub fn encode_segmented(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        cache: &mut dyn SegmentCache,
+    ) -> Result<(Vec<u32>, SegmentReport), TokenizeError> {
+        match &self.segmenter {
+            Ok(s) => s.encode(
+                &self.tokenizer,
+                self.fingerprint,
+                text,
+                add_special_tokens,
+                cache,
+            ),
+            Err(why) => self
+                .encode(text, add_special_tokens)
+                .map(|ids| (ids, SegmentReport::Ineligible(why.clone()))),
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn tokenizer_for_tests(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Why this tokenizer's texts are encoded whole, if they are.
+    pub fn ineligible(&self) -> Option<&Ineligible> {
+        self.segmenter.as_ref().err()
+    }
+
+    /// Token IDs of a `/v1/completions` body's text prompt.
+    pub fn completion_ids(&self, body: &[u8], prompt: &str) -> Result<Vec<u32>, TokenizeError> {
+        #[derive(Deserialize)]
+        struct Flags {
+            add_special_tokens: Option<bool>,
+        }
+        let flags: Flags =
+            serde_json::from_slice(body).map_err(|e| TokenizeError::Tokenize(e.to_string()))?;
+        self.encode(prompt, flags.add_special_tokens.unwrap_or(true))
+    }
+
+    /// The chat template's text for a `/v1/chat/completions` body
+    /// ([`ChatRenderer::render_chat`]).
+    pub fn render_chat(&self, body: &[u8]) -> Result<(String, bool), TokenizeError> {
+        self.renderer.render_chat(body)
+    }
+
+    /// The chat template's text from what the request parser took of a
+    /// body ([`ChatRenderer::render_inputs`]).
+    pub fn render_inputs(
+        &self,
+        chat: &ChatTemplateInputs,
+    ) -> Result<(String, bool), TokenizeError> {
+        self.renderer.render_inputs(chat)
     }
 
     /// Token IDs of a `/v1/chat/completions` body, as vLLM computes them.
