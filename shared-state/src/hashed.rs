@@ -264,6 +264,50 @@ pub fn get_meta(store: &dyn Store, fingerprint: u64) -> Result<Option<TokenizerM
         .and_then(|(v, _)| TokenizerMeta::decode(&v)))
 }
 
+/// The key of the bytes waiting in the tokenize queue (jobs enqueued by
+/// workers, not yet taken by the collector): Envoy's shared queues are
+/// unbounded, so the workers bound them here.
+pub const PENDING_KEY: &str = "kvroute/tokenize/pending";
+
+fn pending_of(v: Option<&[u8]>) -> u64 {
+    v.and_then(|b| Reader::new(b).u64()).unwrap_or(0)
+}
+
+fn pending_bytes(n: &u64) -> Vec<u8> {
+    n.to_le_bytes().to_vec()
+}
+
+/// Reserves `bytes` of the queue's `max` for a job; false (nothing
+/// changed) when they do not fit.
+pub fn reserve(store: &dyn Store, bytes: u64, max: u64) -> Result<bool, StoreError> {
+    let up = crate::cas::update(store, PENDING_KEY, pending_of, pending_bytes, |n| {
+        (n.saturating_add(bytes) <= max).then(|| *n += bytes)
+    })?;
+    Ok(up.result.is_some())
+}
+
+/// Gives back `bytes` of a job taken off the queue (never below 0).
+pub fn release(store: &dyn Store, bytes: u64) -> Result<(), StoreError> {
+    crate::cas::update(store, PENDING_KEY, pending_of, pending_bytes, |n| {
+        *n = n.saturating_sub(bytes);
+        Some(())
+    })?;
+    Ok(())
+}
+
+/// Bytes reserved and not yet released.
+pub fn pending(store: &dyn Store) -> Result<u64, StoreError> {
+    Ok(pending_of(
+        store.get(PENDING_KEY)?.as_ref().map(|(v, _)| v.as_slice()),
+    ))
+}
+
+/// Forgets every reservation (a collector starting: the jobs of one
+/// before it are drained without releasing more than is there).
+pub fn reset_pending(store: &dyn Store) -> Result<(), StoreError> {
+    store.set(PENDING_KEY, &pending_bytes(&0), 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -332,6 +376,22 @@ mod tests {
             let (v, _) = s.get(&value_entry(n)).unwrap().unwrap();
             assert!(v.len() <= max_value_bytes(49, 16), "{n}: {}", v.len());
         }
+    }
+
+    #[test]
+    fn the_queue_bound_holds_and_never_goes_below_zero() {
+        let s = MemoryStore::new();
+        assert!(reserve(&s, 600, 1000).unwrap());
+        assert!(!reserve(&s, 500, 1000).unwrap());
+        assert!(reserve(&s, 400, 1000).unwrap());
+        assert_eq!(pending(&s).unwrap(), 1000);
+        release(&s, 700).unwrap();
+        release(&s, 700).unwrap();
+        assert_eq!(pending(&s).unwrap(), 0);
+        s.inject_conflicts.set(2);
+        assert!(reserve(&s, 10, 1000).unwrap());
+        reset_pending(&s).unwrap();
+        assert_eq!(pending(&s).unwrap(), 0);
     }
 
     #[test]

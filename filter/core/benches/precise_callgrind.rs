@@ -73,6 +73,7 @@ fn main() {
         tokenizers: vec![TokenizerConfig {
             model_names: vec!["qwen3-32b".into()],
             tokenizer: Some(Arc::new(tokenizer)),
+            offpath: None,
         }],
     };
     let body = common::chat_body(kb << 10, 1);

@@ -67,6 +67,12 @@ impl RootContext for Root {
         }
     }
 
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        if let Some(role) = &mut self.role {
+            role.on_queue_ready(&SdkHost, queue_id);
+        }
+    }
+
     /// A stream of an unconfigured root (or of the collector) passes every
     /// request on untouched.
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {

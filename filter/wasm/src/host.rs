@@ -174,6 +174,29 @@ impl Host for SdkHost {
             .map_err(err("proxy_get_buffer_bytes"))
     }
 
+    fn register_queue(&self, name: &str) -> HostResult<u32> {
+        hostcalls::register_shared_queue(name).map_err(err("proxy_register_shared_queue"))
+    }
+
+    fn resolve_queue(&self, name: &str) -> HostResult<Option<u32>> {
+        let vm_id = hostcalls::get_property(vec!["plugin_vm_id"])
+            .map_err(err("proxy_get_property"))?
+            .unwrap_or_default();
+        // Envoy answers `NotFound` for a name nobody registered: the SDK
+        // maps it to `None`.
+        hostcalls::resolve_shared_queue(&String::from_utf8_lossy(&vm_id), name)
+            .map_err(err("proxy_resolve_shared_queue"))
+    }
+
+    fn enqueue(&self, queue: u32, value: &[u8]) -> HostResult<()> {
+        hostcalls::enqueue_shared_queue(queue, Some(value))
+            .map_err(err("proxy_enqueue_shared_queue"))
+    }
+
+    fn dequeue(&self, queue: u32) -> HostResult<Option<Vec<u8>>> {
+        hostcalls::dequeue_shared_queue(queue).map_err(err("proxy_dequeue_shared_queue"))
+    }
+
     fn define_counter(&self, name: &str) -> HostResult<u32> {
         hostcalls::define_metric(MetricType::Counter, name).map_err(err("proxy_define_metric"))
     }

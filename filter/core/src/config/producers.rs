@@ -194,6 +194,41 @@ struct TokenizerParams {
     /// kvroute: other names requests use for the model (vLLM's
     /// `--served-model-name`).
     served_model_names: Option<Vec<String>>,
+    /// kvroute: `worker` (each VM loads the tokenizer and tokenizes on the
+    /// request path) or `collector` (only the collector loads it; workers
+    /// look prompts up: `precise::offpath`).
+    tokenize_in: Option<String>,
+    /// kvroute: `tokenizer.json` by reference: an `http://` URL fetched by
+    /// the collector through `tokenizerCluster`, pinned by
+    /// `tokenizerSha256`.
+    tokenizer_url: Option<String>,
+    tokenizer_sha256: Option<String>,
+    tokenizer_cluster: Option<String>,
+    tokenizer_timeout_ms: Option<u64>,
+}
+
+/// `http://authority/path` → (authority, path).
+fn http_url(url: &str) -> Option<(String, String)> {
+    let rest = url.strip_prefix("http://")?;
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let ok = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_graphic());
+    (ok(authority) && ok(path) && !authority.contains('@'))
+        .then(|| (authority.to_owned(), path.to_owned()))
+}
+
+/// 64 hex digits → 32 bytes.
+fn sha256_pin(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
 }
 
 pub(crate) fn token(p: &Params) -> Result<TokenizerConfig, ConfigError> {
@@ -224,6 +259,91 @@ pub(crate) fn token(p: &Params) -> Result<TokenizerConfig, ConfigError> {
     // `tokenizerJson` there is no tokenizer, and text and chat
     // prompts fall back to the approximate index (counted).
     let _ = q.uds_tokenizer_config;
+    let collector = match q.tokenize_in.as_deref() {
+        None => q.tokenizer_url.is_some(),
+        Some("collector") => true,
+        Some("worker") if q.tokenizer_url.is_some() => {
+            return Err(err(
+                p.field("tokenizeIn"),
+                "\"worker\" needs `tokenizerJson`: a tokenizer given by `tokenizerUrl` is fetched and loaded by the collector only",
+            ))
+        }
+        Some("worker") => false,
+        Some(o) => {
+            return Err(err(
+                p.field("tokenizeIn"),
+                format!("\"{o}\" is not allowed; use \"worker\" (every VM loads the tokenizer) or \"collector\" (only the collector does)"),
+            ))
+        }
+    };
+    if q.tokenize_in.is_some() && q.tokenizer_json.is_none() && q.tokenizer_url.is_none() {
+        return Err(err(
+            p.field("tokenizeIn"),
+            "needs `tokenizerJson` or `tokenizerUrl`",
+        ));
+    }
+    if q.tokenizer_url.is_none()
+        && (q.tokenizer_sha256.is_some()
+            || q.tokenizer_cluster.is_some()
+            || q.tokenizer_timeout_ms.is_some())
+    {
+        return Err(err(
+            p.field("tokenizerUrl"),
+            "required when `tokenizerSha256`, `tokenizerCluster` or `tokenizerTimeoutMs` is given",
+        ));
+    }
+    if let Some(c) = &q.tokenizer_config {
+        if !c.is_object() {
+            return Err(err(
+                p.field("tokenizerConfig"),
+                "must be the tokenizer_config.json object",
+            ));
+        }
+    }
+    let source = match (&q.tokenizer_url, &q.tokenizer_json) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                p.field("tokenizerUrl"),
+                "give either `tokenizerUrl` or `tokenizerJson`, not both",
+            ))
+        }
+        (Some(url), None) => {
+            let (authority, path) = http_url(url).ok_or_else(|| {
+                err(p.field("tokenizerUrl"), "must be an http:// URL (http://host[:port]/path): the collector fetches it through `tokenizerCluster`")
+            })?;
+            let pin = q.tokenizer_sha256.as_deref().ok_or_else(|| {
+                err(p.field("tokenizerSha256"), "required with `tokenizerUrl`: the tokenizer's SHA-256, 64 hex digits (as Istio pins a module)")
+            })?;
+            let sha256 = sha256_pin(&pin.to_ascii_lowercase()).ok_or_else(|| {
+                err(
+                    p.field("tokenizerSha256"),
+                    "must be 64 hex digits (the SHA-256 of tokenizer.json)",
+                )
+            })?;
+            let cluster = match q.tokenizer_cluster.as_deref() {
+                Some(c) if !c.is_empty() => c.to_owned(),
+                _ => {
+                    return Err(err(
+                        p.field("tokenizerCluster"),
+                        "required with `tokenizerUrl`: the Envoy cluster the collector sends the GET through",
+                    ))
+                }
+            };
+            let timeout_ms = range_u64(
+                &p.field("tokenizerTimeoutMs"),
+                q.tokenizer_timeout_ms,
+                30_000,
+                100,
+                600_000,
+                "ms",
+            )? as u32;
+            Some(precise::offpath_source_url(
+                cluster, authority, path, sha256, timeout_ms,
+            ))
+        }
+        _ => None,
+    };
+    let mut offpath = None;
     let tokenizer = match &q.tokenizer_json {
         None => None,
         Some(v) => {
@@ -246,24 +366,38 @@ pub(crate) fn token(p: &Params) -> Result<TokenizerConfig, ConfigError> {
                     ),
                 ));
             }
-            if let Some(c) = &q.tokenizer_config {
-                if !c.is_object() {
-                    return Err(err(
-                        p.field("tokenizerConfig"),
-                        "must be the tokenizer_config.json object",
-                    ));
-                }
+            if collector {
+                offpath = Some(precise::offpath_source_inline(bytes));
+                None
+            } else {
+                let t = precise::tokenizer::ModelTokenizer::load(
+                    &bytes,
+                    q.tokenizer_config.as_ref(),
+                    q.chat_template.as_deref(),
+                )
+                .map_err(|e| err(p.field("tokenizerJson"), e))?;
+                Some(std::sync::Arc::new(t))
             }
-            let t = precise::tokenizer::ModelTokenizer::load(
-                &bytes,
-                q.tokenizer_config.as_ref(),
-                q.chat_template.as_deref(),
-            )
-            .map_err(|e| err(p.field("tokenizerJson"), e))?;
-            Some(std::sync::Arc::new(t))
         }
     };
-    if tokenizer.is_none() && (q.tokenizer_config.is_some() || q.chat_template.is_some()) {
+    let offpath = match offpath.or(source) {
+        None => None,
+        Some(src) => {
+            let field = if q.tokenizer_url.is_some() {
+                "tokenizerUrl"
+            } else {
+                "tokenizerJson"
+            };
+            let m =
+                precise::offpath_model(src, q.tokenizer_config.clone(), q.chat_template.clone())
+                    .map_err(|e| err(p.field(field), e))?;
+            Some(std::sync::Arc::new(m))
+        }
+    };
+    if tokenizer.is_none()
+        && offpath.is_none()
+        && (q.tokenizer_config.is_some() || q.chat_template.is_some())
+    {
         return Err(err(
             p.field("tokenizerJson"),
             "required when `tokenizerConfig` or `chatTemplate` is given",
@@ -275,5 +409,6 @@ pub(crate) fn token(p: &Params) -> Result<TokenizerConfig, ConfigError> {
     Ok(TokenizerConfig {
         model_names,
         tokenizer,
+        offpath,
     })
 }

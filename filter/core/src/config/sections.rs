@@ -132,6 +132,9 @@ impl KvEventsConfig {
 pub struct SharedStateConfig {
     /// bytes held by the prefix index in Envoy shared data
     pub index_budget_bytes: u64,
+    /// slots of prompt prefixes with known vLLM hashes (precise mode with
+    /// `tokenizeIn: collector`; `kvroute_shared_state::hashed`)
+    pub hashed_prefix_slots: u32,
 }
 
 // ---------------------------------------------------------------------------
@@ -208,6 +211,7 @@ pub(super) struct RawKvEvents {
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub(super) struct RawSharedState {
     index_budget_bytes: Option<u64>,
+    hashed_prefix_slots: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -365,6 +369,14 @@ pub(super) fn shared_state(s: RawSharedState) -> Result<SharedStateConfig, Confi
             1 << 30,
             "bytes",
         )?,
+        hashed_prefix_slots: range_u64(
+            "sharedState.hashedPrefixSlots",
+            s.hashed_prefix_slots,
+            512,
+            1,
+            65_536,
+            "prefixes",
+        )? as u32,
     })
 }
 

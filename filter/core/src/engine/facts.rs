@@ -36,6 +36,22 @@ pub struct RequestFacts {
     /// (`Decision::scorer_scores`): the simulator's decision log. Off on
     /// the request path, which does not allocate them.
     pub scorer_scores: bool,
+    /// Precise mode with `tokenizeIn: collector`: the prompt's text to look
+    /// up in shared data when routing ([`Engine::route`] fills `precise`
+    /// from it).
+    pub offpath: Option<OffPathText>,
+    /// Full blocks of the prompt past its known vLLM hashes (a stored
+    /// prefix and new text after it: estimated).
+    pub precise_unknown_blocks: u32,
+}
+
+/// A prompt's rendered text, for the off-path lookup.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffPathText {
+    pub model: u8,
+    pub text: String,
+    pub add_special: bool,
+    pub salt: Option<String>,
 }
 
 impl RequestFacts {
@@ -56,6 +72,8 @@ impl RequestFacts {
             text_bytes: None,
             stream: false,
             scorer_scores: false,
+            offpath: None,
+            precise_unknown_blocks: 0,
         }
     }
 }
@@ -79,7 +97,23 @@ impl Engine {
         // Precise mode: vLLM's own hashes of the prompt, matched against the
         // blocks the servers hold (`kvEvents`); or, when they cannot be had,
         // the reason the approximate index decides instead.
-        let precise = precise.map(|p| p.request_hashes(&req, body, chat.as_ref()));
+        let mut offpath = None;
+        let precise = precise.map(|p| match p.offpath_for(&req.model) {
+            Some((model, m)) => match offpath_text(m, &req, body, chat.as_ref()) {
+                Ok((text, add_special)) => {
+                    offpath = Some(OffPathText {
+                        model,
+                        text,
+                        add_special,
+                        salt: req.cache_salt.clone(),
+                    });
+                    // Filled from shared data when routing.
+                    Err(Fallback::NotHashedYet)
+                }
+                Err(why) => Err(why),
+            },
+            None => p.request_hashes(&req, body, chat.as_ref()),
+        });
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
         let text_bytes = match &req.prompt {
             Prompt::Text(t) => Some(t.len() as u64),
@@ -103,6 +137,42 @@ impl Engine {
             text_bytes,
             stream: req.stream,
             scorer_scores: false,
+            offpath,
+            precise_unknown_blocks: 0,
         })
     }
+}
+
+/// A text or chat prompt's text as vLLM tokenizes it, and its
+/// `add_special_tokens` (token-ID prompts have no text: hashed directly).
+#[cfg(feature = "tokenizer")]
+fn offpath_text(
+    m: &crate::precise::OffPathModel,
+    req: &crate::request::InferenceRequest,
+    body: &[u8],
+    chat: Option<&crate::request::ChatTemplateInputs>,
+) -> Result<(String, bool), Fallback> {
+    use crate::precise::tokenizer::completion_add_special;
+    match (&req.prompt, req.kind) {
+        (Prompt::TokenIds(_), _) => Err(Fallback::Unsupported),
+        (Prompt::Text(text), ApiKind::Completions) => {
+            let text = std::str::from_utf8(text).map_err(|_| Fallback::Tokenize)?;
+            Ok((text.to_owned(), completion_add_special(body)?))
+        }
+        (Prompt::Text(_), ApiKind::ChatCompletions) => Ok(match chat {
+            Some(chat) => m.renderer.render_inputs(chat)?,
+            None => m.renderer.render_chat(body)?,
+        }),
+        (Prompt::Text(_), _) => Err(Fallback::Unsupported),
+    }
+}
+
+#[cfg(not(feature = "tokenizer"))]
+fn offpath_text(
+    m: &crate::precise::OffPathModel,
+    _req: &crate::request::InferenceRequest,
+    _body: &[u8],
+    _chat: Option<&crate::request::ChatTemplateInputs>,
+) -> Result<(String, bool), Fallback> {
+    match *m {}
 }

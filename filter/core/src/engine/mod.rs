@@ -97,12 +97,13 @@ use std::sync::{Arc, Mutex};
 mod collect;
 mod facts;
 mod mesh;
+mod offpath;
 mod route;
 mod snapshot;
 mod state;
 
 pub use collect::{Applied, ApplyError};
-pub use facts::RequestFacts;
+pub use facts::{OffPathText, RequestFacts};
 pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerDecision};
 pub use snapshot::Snapshot;
 pub use state::STATE_HASHES_MAX;
@@ -128,6 +129,8 @@ impl Unrouted {
 }
 
 /// What the filter does with a request.
+// Returned once per request and matched at once: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
     /// Set the destination header to `destination` and continue.
@@ -160,6 +163,18 @@ pub struct Routed {
     /// What the decision wrote beyond the charge, to take back if the
     /// server rejects the request (`None` if the charge did not land).
     pub provisional: Option<Provisional>,
+    /// `tokenizeIn: collector`: the prompt's new text for the collector
+    /// (boxed: most requests have none).
+    pub tokenize: Option<Box<TokenizeJob>>,
+}
+
+/// A routed prompt's new text for the collector (`tokenizeIn: collector`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizeJob {
+    /// `precise::offpath::Job`, encoded; sent once a server accepts.
+    pub job: Vec<u8>,
+    /// Routed on a stored prefix of the prompt, with this text after it.
+    pub partial: bool,
 }
 
 /// What a routed request wrote to shared state beyond its in-flight
@@ -203,6 +218,8 @@ pub struct Engine {
     geometry: IndexGeometry,
     limits: ParseLimits,
     tables: TableCache,
+    #[cfg_attr(not(feature = "tokenizer"), allow(dead_code))]
+    cuts: offpath::CutCache,
 }
 
 /// The endpoint and metrics tables as this engine last read them, and the
@@ -244,6 +261,7 @@ impl Engine {
             geometry,
             limits,
             tables: TableCache::default(),
+            cuts: offpath::CutCache::default(),
         }
     }
 

@@ -3,7 +3,7 @@
 //! decision: the releases, a retried request's [`Engine::move_charge`] and
 //! a rejected one's [`Engine::take_back`].
 
-use super::{Engine, Outcome, Provisional, RequestFacts, Routed, Snapshot, Unrouted};
+use super::{Engine, Outcome, Provisional, RequestFacts, Routed, Snapshot, TokenizeJob, Unrouted};
 use crate::precise::{Fallback, PreciseUse};
 use crate::scheduling::{Decision, Rng};
 use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
@@ -22,13 +22,20 @@ impl Engine {
     pub fn route(
         &self,
         store: &dyn Store,
-        facts: RequestFacts,
+        mut facts: RequestFacts,
         now_ms: u64,
         rng: &mut Rng,
     ) -> Outcome {
+        let job = self.resolve_offpath(store, &mut facts);
         match self.place(store, &facts, now_ms, rng) {
             Ok(Some(mut r)) => {
                 r.stream = facts.stream;
+                r.tokenize = job.map(|job| {
+                    Box::new(TokenizeJob {
+                        job,
+                        partial: facts.precise.as_ref().is_some_and(|p| p.is_ok()),
+                    })
+                });
                 if let Some(p) = r.provisional.as_mut().filter(|p| p.from_block.is_some()) {
                     p.hashes = facts.hashes;
                 }
@@ -63,7 +70,8 @@ impl Engine {
             .map(|(h, tokens)| (h.as_slice(), *tokens));
         let held = match precise {
             Some((vllm_hashes, tokens)) => {
-                self.held_candidates(store, &snap, vllm_hashes, tokens, now_ms)?
+                let unknown = facts.precise_unknown_blocks;
+                self.held_candidates(store, &snap, vllm_hashes, tokens, unknown, now_ms)?
             }
             None => None,
         };
@@ -222,6 +230,7 @@ impl Engine {
             cas_retries,
             precise: precise_use,
             provisional,
+            tokenize: None,
         }))
     }
 

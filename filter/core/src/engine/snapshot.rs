@@ -217,6 +217,7 @@ impl Engine {
         snap: &Snapshot,
         vllm_hashes: &[u64],
         prompt_tokens: u64,
+        unknown_blocks: u32,
         now_ms: u64,
     ) -> Result<Option<(Vec<Candidate>, RequestView)>, StoreError> {
         let Some(p) = &self.config.precise else {
@@ -241,7 +242,10 @@ impl Engine {
         // replicas with the same held view break ties alike.
         let view = RequestView {
             prompt_tokens,
-            total_blocks: vllm_hashes.len().min(u32::MAX as usize) as u32,
+            // A stored prefix and new text after it: the prompt's blocks
+            // are the prefix's and the new text's estimate.
+            total_blocks: (vllm_hashes.len().min(u32::MAX as usize) as u32)
+                .saturating_add(unknown_blocks),
             block_size_tokens: p.block_size,
             max_output_tokens: snap.view.max_output_tokens,
             learnt_output_tokens: snap.view.learnt_output_tokens,

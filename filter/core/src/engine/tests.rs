@@ -1310,3 +1310,126 @@ fn scorer_scores_are_kept_only_when_the_facts_ask_for_them() {
     assert_eq!(r.decision.scorer_scores.len(), 3 * scorers);
     assert!(scorers > 0);
 }
+
+/// `tokenizeIn: collector`: a conversation's next turn is routed to the
+/// endpoint that holds its earlier turns, on their stored hashes, and the
+/// prompt is measured with its new text estimated.
+#[cfg(feature = "tokenizer")]
+#[test]
+fn an_offpath_next_turn_goes_where_its_earlier_turns_are_held() {
+    use crate::precise::offpath::{process, Job, Tokenizing};
+    use crate::precise::OffPathModel;
+    const TINY_JSON: &str =
+        include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
+    const TINY_CONFIG: &str =
+        include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
+    let doc = PRECISE_DOC.replace(
+        r#""udsTokenizerConfig":{"socketFile":"/x"}"#,
+        &format!(
+            r#""tokenizeIn":"collector","tokenizerJson":{},"tokenizerConfig":{TINY_CONFIG}"#,
+            serde_json::to_string(TINY_JSON).unwrap()
+        ),
+    );
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let p = e.config.precise.clone().unwrap();
+    let m = p.tokenizers[0].offpath.clone().unwrap();
+    // The collector's side: load and publish.
+    let tok = m.load(TINY_JSON.as_bytes()).unwrap();
+    kvroute_shared_state::hashed::put_meta(&s, m.fingerprint, &OffPathModel::meta(&tok)).unwrap();
+    let t = Tokenizing {
+        tok: &tok,
+        fingerprint: m.fingerprint,
+        block_size: 4,
+        hasher: &p.hasher,
+        max_blocks: p.max_blocks,
+        slots: e.config.shared_state.hashed_prefix_slots,
+    };
+    let turn = |n: usize| {
+        let mut msgs = vec![
+            serde_json::json!({"role":"system","content":"you route requests to the server that holds their cache"}),
+        ];
+        for i in 0..n {
+            msgs.push(serde_json::json!({"role":"user","content":format!("question {i}: where is my prefix held today?")}));
+            if i + 1 < n {
+                msgs.push(serde_json::json!({"role":"assistant","content":format!("answer {i}: on the second server, most likely")}));
+            }
+        }
+        serde_json::json!({"model":"m","messages":msgs}).to_string()
+    };
+    let mut rng = Rng::new(3);
+    // Turn 1: not hashed yet; its job, once processed, stores its prefixes.
+    let r = routed(route(
+        &e,
+        &s,
+        ApiKind::ChatCompletions,
+        turn(1).as_bytes(),
+        1000,
+        &mut rng,
+    ));
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::NotHashedYet,
+            blocks: 0
+        })
+    );
+    let job = Job::decode(&r.tokenize.as_ref().unwrap().job).unwrap();
+    assert!(!r.tokenize.as_ref().unwrap().partial);
+    process(&job, &t, &s).unwrap();
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    // Endpoint 3 holds turn 1's prompt blocks.
+    let ids = tok.chat_ids(turn(1).as_bytes()).unwrap();
+    let held = p.hasher.block_hashes_u64(&ids, 4, None, usize::MAX);
+    assert!(held.len() > 8);
+    held_snapshots(&e, &s, &[vec![], vec![], held.clone()], 1100);
+    // Turn 2: its stored prefix (turn 1 up to the generation prompt's
+    // `<s>`) is matched on endpoint 3; its new text is estimated and
+    // handed over.
+    let r = routed(route(
+        &e,
+        &s,
+        ApiKind::ChatCompletions,
+        turn(2).as_bytes(),
+        1200,
+        &mut rng,
+    ));
+    assert_eq!(primary(&r), "127.0.0.1:3");
+    let tk = r.tokenize.as_ref().unwrap();
+    assert!(tk.partial);
+    let Some(PreciseUse::Matched { blocks }) = r.precise else {
+        panic!("{:?}", r.precise)
+    };
+    let whole = p.hasher.block_hashes_u64(
+        &tok.chat_ids(turn(2).as_bytes()).unwrap(),
+        4,
+        None,
+        usize::MAX,
+    );
+    assert!(
+        blocks as usize + 2 >= held.len() && (blocks as usize) < whole.len(),
+        "{blocks} of {}",
+        whole.len()
+    );
+    let job = Job::decode(&tk.job).unwrap();
+    assert!(job.base.is_some() && job.text.len() < turn(2).len() / 2);
+    process(&job, &t, &s).unwrap();
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    // Turn 2 again: all of it is known, exactly.
+    let r = routed(route(
+        &e,
+        &s,
+        ApiKind::ChatCompletions,
+        turn(2).as_bytes(),
+        1300,
+        &mut rng,
+    ));
+    assert!(r.tokenize.is_none());
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Matched {
+            blocks: whole.len() as u32
+        })
+    );
+}

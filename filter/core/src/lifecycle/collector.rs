@@ -132,6 +132,8 @@ pub struct Collector {
     mesh: Option<MeshLink>,
     /// Mesh posts that failed in a row (only the first is a warning).
     mesh_failures: u32,
+    /// `tokenizeIn: collector`: the tokenizers and their queue.
+    tokenizing: super::tokenizing::Tokenizing,
 }
 
 impl Collector {
@@ -166,6 +168,7 @@ impl Collector {
             None
         };
         Ok(Collector {
+            tokenizing: super::tokenizing::Tokenizing::new(&engine),
             mesh,
             mesh_failures: 0,
             engine,
@@ -280,6 +283,8 @@ impl Collector {
             return;
         }
         self.work(host, now);
+        self.tokenizing
+            .on_tick(host, &self.engine, &self.counts, now);
         // The workers publish how long ago this was
         // (`kvroute_collector_tick_age_ms`): a collector that stops is seen.
         if let Err(e) = collector_tick::stamp(host.store(), now) {
@@ -335,6 +340,16 @@ impl Collector {
                 Err(e) => self.host_error(host, "reaping", e),
             }
         }
+    }
+
+    /// `proxy_on_queue_ready`: tokenize jobs, while this VM collects.
+    pub fn on_queue_ready(&mut self, host: &dyn Host, queue: u32) {
+        if !self.is_leader() {
+            return;
+        }
+        let now = self.now_ms(host).unwrap_or(self.last_now_ms);
+        self.tokenizing
+            .on_queue_ready(host, &self.engine, &self.counts, queue, now);
     }
 
     /// The VM is going away: this VM no longer runs the collector.
@@ -678,6 +693,19 @@ impl Collector {
         num_headers: usize,
         body_size: usize,
     ) {
+        if self.tokenizing.owns_call(token) {
+            let now = self.now_ms(host).unwrap_or(self.last_now_ms);
+            self.tokenizing.on_http_call_response(
+                host,
+                &self.engine,
+                &self.counts,
+                token,
+                num_headers,
+                body_size,
+                now,
+            );
+            return;
+        }
         let Some(kind) = self.pending.remove(&token) else {
             return;
         };

@@ -21,6 +21,7 @@ mod stream;
 pub mod telemetry;
 #[cfg(test)]
 mod tests;
+pub mod tokenizing;
 
 pub use collector::{Collector, Timers};
 pub use stream::{Stream, DECISION_HEADER};
@@ -137,6 +138,17 @@ pub trait Host {
     /// In `on_http_call_response`: the response body.
     fn http_call_body(&self, size: usize) -> HostResult<Option<Vec<u8>>>;
 
+    /// `proxy_register_shared_queue`: this VM is told of the queue's
+    /// items (`on_queue_ready`); returns its token.
+    fn register_queue(&self, name: &str) -> HostResult<u32>;
+    /// `proxy_resolve_shared_queue` in this VM's `vm_id` (`None`: nobody
+    /// registered it yet).
+    fn resolve_queue(&self, name: &str) -> HostResult<Option<u32>>;
+    /// `proxy_enqueue_shared_queue`.
+    fn enqueue(&self, queue: u32, value: &[u8]) -> HostResult<()>;
+    /// `proxy_dequeue_shared_queue` (`None`: empty).
+    fn dequeue(&self, queue: u32) -> HostResult<Option<Vec<u8>>>;
+
     fn define_counter(&self, name: &str) -> HostResult<u32>;
     fn increment_counter(&self, id: u32, by: i64) -> HostResult<()>;
     /// `proxy_define_metric` of a gauge.
@@ -186,6 +198,22 @@ pub enum Counter {
     PreciseFallbackTokenize,
     PreciseFallbackUnsupported,
     PreciseFallbackNoHeldView,
+    PreciseFallbackNotHashedYet,
+    PreciseFallbackTokenizerLoading,
+    /// Precise mode (`tokenizeIn: collector`): routed on a stored prefix of
+    /// the prompt, its new text estimated (a conversation's next turn).
+    PrecisePrefixPartial,
+    /// `tokenizeIn: collector`: texts handed to the collector, and those
+    /// dropped (its queue full or not found).
+    TokenizeQueued,
+    TokenizeDropped,
+    /// The collector: jobs tokenized and stored, jobs dropped (base gone,
+    /// tokenizer failed), bytes tokenized, tokenizer loads and failures.
+    TokenizeJobsDone,
+    TokenizeJobsFailed,
+    TokenizeBytes,
+    TokenizerLoaded,
+    TokenizerLoadFailures,
     /// Mesh exchange: posts to a relay that were answered.
     MeshExchanges,
     /// Mesh exchange: posts that failed (no relay, timeout, non-200,
@@ -203,7 +231,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 35] = [
+    pub const ALL: [Counter; 45] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -233,6 +261,16 @@ impl Counter {
         Counter::PreciseFallbackTokenize,
         Counter::PreciseFallbackUnsupported,
         Counter::PreciseFallbackNoHeldView,
+        Counter::PreciseFallbackNotHashedYet,
+        Counter::PreciseFallbackTokenizerLoading,
+        Counter::PrecisePrefixPartial,
+        Counter::TokenizeQueued,
+        Counter::TokenizeDropped,
+        Counter::TokenizeJobsDone,
+        Counter::TokenizeJobsFailed,
+        Counter::TokenizeBytes,
+        Counter::TokenizerLoaded,
+        Counter::TokenizerLoadFailures,
         Counter::MeshExchanges,
         Counter::MeshExchangeFailures,
         Counter::MeshDecisionsSent,
@@ -272,6 +310,18 @@ impl Counter {
             Counter::PreciseFallbackTokenize => "kvroute_precise_fallback_tokenize",
             Counter::PreciseFallbackUnsupported => "kvroute_precise_fallback_unsupported",
             Counter::PreciseFallbackNoHeldView => "kvroute_precise_fallback_no_held_view",
+            Counter::PreciseFallbackNotHashedYet => "kvroute_precise_fallback_not_hashed_yet",
+            Counter::PreciseFallbackTokenizerLoading => {
+                "kvroute_precise_fallback_tokenizer_loading"
+            }
+            Counter::PrecisePrefixPartial => "kvroute_precise_prefix_partial",
+            Counter::TokenizeQueued => "kvroute_tokenize_queued",
+            Counter::TokenizeDropped => "kvroute_tokenize_dropped",
+            Counter::TokenizeJobsDone => "kvroute_tokenize_jobs_done",
+            Counter::TokenizeJobsFailed => "kvroute_tokenize_jobs_failed",
+            Counter::TokenizeBytes => "kvroute_tokenize_bytes",
+            Counter::TokenizerLoaded => "kvroute_tokenizer_loaded",
+            Counter::TokenizerLoadFailures => "kvroute_tokenizer_load_failures",
             Counter::MeshExchanges => "kvroute_mesh_exchanges",
             Counter::MeshExchangeFailures => "kvroute_mesh_exchange_failures",
             Counter::MeshDecisionsSent => "kvroute_mesh_decisions_sent",
@@ -293,6 +343,8 @@ impl Counter {
                 Fallback::Tokenize => Counter::PreciseFallbackTokenize,
                 Fallback::Unsupported => Counter::PreciseFallbackUnsupported,
                 Fallback::NoHeldView => Counter::PreciseFallbackNoHeldView,
+                Fallback::NotHashedYet => Counter::PreciseFallbackNotHashedYet,
+                Fallback::TokenizerLoading => Counter::PreciseFallbackTokenizerLoading,
             },
         }
     }
@@ -433,6 +485,8 @@ pub struct Worker {
     last_now_ms: Cell<u64>,
     /// `kvroute_collector_tick_age_ms`, which every worker publishes.
     tick_age: RefCell<telemetry::TickAge>,
+    /// The tokenize queue's token, once resolved.
+    tokenize_queue: Cell<Option<u32>>,
 }
 
 impl Worker {
@@ -444,6 +498,59 @@ impl Worker {
             samples: telemetry::Samples::new(seed),
             last_now_ms: Cell::new(0),
             tick_age: RefCell::new(telemetry::TickAge::default()),
+            tokenize_queue: Cell::new(None),
+        }
+    }
+
+    /// Hands an accepted request's new text to the collector
+    /// (`tokenizeIn: collector`): dropped, counted, when the queue is not
+    /// registered yet or its bound is reached.
+    pub fn send_job(&self, host: &dyn Host, job: &[u8]) {
+        let queue = match self.tokenize_queue.get() {
+            Some(q) => Some(q),
+            None => match host.resolve_queue(tokenizing::TOKENIZE_QUEUE) {
+                Ok(q) => {
+                    self.tokenize_queue.set(q);
+                    q
+                }
+                Err(e) => {
+                    self.host_error(host, "resolving the tokenize queue", e);
+                    None
+                }
+            },
+        };
+        let Some(queue) = queue else {
+            self.counts.inc(host, Counter::TokenizeDropped);
+            return;
+        };
+        let len = job.len() as u64;
+        match kvroute_shared_state::hashed::reserve(
+            host.store(),
+            len,
+            tokenizing::MAX_PENDING_BYTES,
+        ) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.counts.inc(host, Counter::TokenizeDropped);
+                return;
+            }
+            Err(e) => {
+                self.host_error(host, "reserving room in the tokenize queue", e);
+                self.counts.inc(host, Counter::TokenizeDropped);
+                return;
+            }
+        }
+        match host.enqueue(queue, job) {
+            Ok(()) => self.counts.inc(host, Counter::TokenizeQueued),
+            Err(e) => {
+                self.host_error(host, "enqueueing a tokenize job", e);
+                self.counts.inc(host, Counter::TokenizeDropped);
+                // The queue may have gone (a new collector): resolve again.
+                self.tokenize_queue.set(None);
+                if let Err(e) = kvroute_shared_state::hashed::release(host.store(), len) {
+                    self.host_error(host, "releasing room in the tokenize queue", e);
+                }
+            }
         }
     }
 
@@ -531,6 +638,13 @@ impl Role {
         }
         if let Role::Filter { worker, .. } = self {
             worker.on_tick(host);
+        }
+    }
+
+    /// `proxy_on_queue_ready`: the tokenize queue is the collector's.
+    pub fn on_queue_ready(&mut self, host: &dyn Host, queue: u32) {
+        if let Some(c) = self.collector() {
+            c.on_queue_ready(host, queue);
         }
     }
 

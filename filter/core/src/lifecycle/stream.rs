@@ -57,6 +57,9 @@ pub struct Stream {
     /// Bytes of request body buffered so far (a body that ends with
     /// trailers is routed in the trailers callback, with this size).
     buffered: usize,
+    /// `tokenizeIn: collector`: the prompt's new text for the collector,
+    /// sent when a server accepts the request.
+    tokenize_job: Option<Vec<u8>>,
 }
 
 impl Stream {
@@ -74,6 +77,7 @@ impl Stream {
             explanation: None,
             passthrough: false,
             buffered: 0,
+            tokenize_job: None,
         }
     }
 
@@ -338,7 +342,7 @@ impl Stream {
         w.samples
             .on_decision(host, now_ns.filter(|_| timed), &outcome);
         match outcome {
-            Outcome::Routed(r) => {
+            Outcome::Routed(mut r) => {
                 let header = &w.engine.config.routing.destination_header;
                 if let Err(e) = host.set_request_header(header, &r.destination) {
                     // The request goes on unrouted; give the charge back,
@@ -356,6 +360,12 @@ impl Stream {
                 w.counts.inc(host, Counter::for_branch(r.decision.branch));
                 if let Some(u) = r.precise {
                     w.counts.inc(host, Counter::for_precise(u));
+                }
+                if let Some(t) = r.tokenize.take() {
+                    if t.partial {
+                        w.counts.inc(host, Counter::PrecisePrefixPartial);
+                    }
+                    self.tokenize_job = Some(t.job);
                 }
                 if r.ticket.is_none() {
                     w.host_error(
@@ -383,6 +393,15 @@ impl Stream {
 
     pub fn on_response_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
         self.follow_retry(host);
+        // Only a request a server accepted is tokenized (`tokenizeIn:
+        // collector`).
+        if let (Some(job), Some(w)) = (self.tokenize_job.take(), &self.worker) {
+            let ok = matches!(host.response_header(":status"),
+                Ok(Some(v)) if v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit));
+            if ok {
+                w.send_job(host, &job);
+            }
+        }
         if self.provisional.is_some() {
             self.accepted = match host.response_header(":status") {
                 Ok(Some(v)) => v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit),

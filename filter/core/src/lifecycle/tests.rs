@@ -39,6 +39,9 @@ struct FakeHost {
     call_body: RefCell<Option<Vec<u8>>>,
     tick_ms: Cell<Option<u32>>,
     failing: RefCell<HashSet<&'static str>>,
+    /// Shared queues: name → token, and each token's items.
+    queues: RefCell<HashMap<String, u32>>,
+    queue_items: RefCell<HashMap<u32, std::collections::VecDeque<Vec<u8>>>>,
 }
 
 /// A POST: cluster, headers, body.
@@ -208,6 +211,33 @@ impl Host for FakeHost {
     fn http_call_body(&self, _size: usize) -> HostResult<Option<Vec<u8>>> {
         self.fail("proxy_get_buffer_bytes")?;
         Ok(self.call_body.borrow().clone())
+    }
+    fn register_queue(&self, name: &str) -> HostResult<u32> {
+        self.fail("proxy_register_shared_queue")?;
+        let mut q = self.queues.borrow_mut();
+        let n = q.len() as u32 + 1;
+        Ok(*q.entry(name.to_owned()).or_insert(n))
+    }
+    fn resolve_queue(&self, name: &str) -> HostResult<Option<u32>> {
+        self.fail("proxy_resolve_shared_queue")?;
+        Ok(self.queues.borrow().get(name).copied())
+    }
+    fn enqueue(&self, queue: u32, value: &[u8]) -> HostResult<()> {
+        self.fail("proxy_enqueue_shared_queue")?;
+        self.queue_items
+            .borrow_mut()
+            .entry(queue)
+            .or_default()
+            .push_back(value.to_vec());
+        Ok(())
+    }
+    fn dequeue(&self, queue: u32) -> HostResult<Option<Vec<u8>>> {
+        self.fail("proxy_dequeue_shared_queue")?;
+        Ok(self
+            .queue_items
+            .borrow_mut()
+            .get_mut(&queue)
+            .and_then(|q| q.pop_front()))
     }
     fn define_counter(&self, name: &str) -> HostResult<u32> {
         self.fail("proxy_define_metric")?;
@@ -1923,3 +1953,7 @@ fn a_lease_follower_does_not_stamp_the_collectors_tick() {
     );
     assert_eq!(host.gauge(telemetry::TICK_AGE_GAUGE), Some(0));
 }
+
+#[cfg(feature = "tokenizer")]
+#[path = "tokenizing_tests.rs"]
+mod tokenizing_tests;

@@ -56,9 +56,76 @@ pub struct TokenizerConfig {
     /// (vLLM's `--served-model-name`).
     pub model_names: Vec<String>,
     /// `None`: configured without a loadable tokenizer (llm-d's UDS
-    /// tokenizer, which a wasm VM cannot reach); text and chat prompts fall
-    /// back.
+    /// tokenizer, which a wasm VM cannot reach), or `tokenizeIn:
+    /// collector` (then `offpath`); text and chat prompts fall back.
     pub tokenizer: Option<Arc<ModelTokenizer>>,
+    /// `tokenizeIn: collector`: the tokenizer is loaded by the collector
+    /// only, and workers look prompts up ([`offpath`]).
+    pub offpath: Option<Arc<OffPathModel>>,
+}
+
+#[cfg(feature = "tokenizer")]
+pub use offpath::OffPathModel;
+#[cfg(not(feature = "tokenizer"))]
+pub use tokenizer::OffPathModel;
+
+/// Where a `tokenizeIn: collector` tokenizer comes from (opaque to the
+/// config: the build without a tokenizer refuses it in [`offpath_model`]).
+#[cfg(feature = "tokenizer")]
+pub type OffPathSource = offpath::TokenizerSource;
+/// (This build has no tokenizer: a source is refused by [`offpath_model`].)
+#[cfg(not(feature = "tokenizer"))]
+#[derive(Debug)]
+pub struct OffPathSource;
+
+/// An inline `tokenizer.json` for the collector.
+pub fn offpath_source_inline(bytes: Vec<u8>) -> OffPathSource {
+    #[cfg(feature = "tokenizer")]
+    return offpath::TokenizerSource::Inline(bytes);
+    #[cfg(not(feature = "tokenizer"))]
+    {
+        drop(bytes);
+        OffPathSource
+    }
+}
+
+/// A pinned `tokenizer.json` the collector fetches.
+pub fn offpath_source_url(
+    cluster: String,
+    authority: String,
+    path: String,
+    sha256: [u8; 32],
+    timeout_ms: u32,
+) -> OffPathSource {
+    #[cfg(feature = "tokenizer")]
+    return offpath::TokenizerSource::Url {
+        cluster,
+        authority,
+        path,
+        sha256,
+        timeout_ms,
+    };
+    #[cfg(not(feature = "tokenizer"))]
+    {
+        drop((cluster, authority, path, sha256, timeout_ms));
+        OffPathSource
+    }
+}
+
+/// The workers' side of a `tokenizeIn: collector` model (its chat template
+/// compiled), or why it cannot be had.
+pub fn offpath_model(
+    source: OffPathSource,
+    tokenizer_config: Option<serde_json::Value>,
+    chat_template: Option<String>,
+) -> Result<OffPathModel, String> {
+    #[cfg(feature = "tokenizer")]
+    return OffPathModel::new(source, tokenizer_config, chat_template);
+    #[cfg(not(feature = "tokenizer"))]
+    {
+        drop((source, tokenizer_config, chat_template));
+        Err(OffPathModel::refused())
+    }
 }
 
 /// The precise producer's configuration (`precise-prefix-cache-producer`).
@@ -82,7 +149,9 @@ impl PartialEq for PreciseConfig {
             && self.max_blocks == o.max_blocks
             && self.tokenizers.len() == o.tokenizers.len()
             && self.tokenizers.iter().zip(&o.tokenizers).all(|(a, b)| {
-                a.model_names == b.model_names && a.tokenizer.is_some() == b.tokenizer.is_some()
+                a.model_names == b.model_names
+                    && a.tokenizer.is_some() == b.tokenizer.is_some()
+                    && a.offpath.is_some() == b.offpath.is_some()
             })
     }
 }
@@ -104,16 +173,24 @@ pub enum Fallback {
     /// No fresh held-blocks view of the servers to match against (no relay
     /// data yet, or stale).
     NoHeldView,
+    /// `tokenizeIn: collector`: no prefix of the prompt is hashed yet (its
+    /// text goes to the collector once a server accepts it).
+    NotHashedYet,
+    /// `tokenizeIn: collector`: the collector has not loaded the tokenizer
+    /// yet (or could not).
+    TokenizerLoading,
 }
 
 impl Fallback {
-    pub const ALL: [Fallback; 6] = [
+    pub const ALL: [Fallback; 8] = [
         Fallback::NoTokenizer,
         Fallback::UnknownModel,
         Fallback::Template,
         Fallback::Tokenize,
         Fallback::Unsupported,
         Fallback::NoHeldView,
+        Fallback::NotHashedYet,
+        Fallback::TokenizerLoading,
     ];
 
     /// A short stable label (the counter's suffix).
@@ -125,6 +202,8 @@ impl Fallback {
             Fallback::Tokenize => "tokenize",
             Fallback::Unsupported => "unsupported",
             Fallback::NoHeldView => "no_held_view",
+            Fallback::NotHashedYet => "not_hashed_yet",
+            Fallback::TokenizerLoading => "tokenizer_loading",
         }
     }
 }
@@ -157,11 +236,17 @@ impl PreciseConfig {
             .tokenizers
             .iter()
             .find(|t| t.model_names.iter().any(|n| n == model))
-            .ok_or(if self.tokenizers.iter().any(|t| t.tokenizer.is_some()) {
-                Fallback::UnknownModel
-            } else {
-                Fallback::NoTokenizer
-            })?;
+            .ok_or(
+                if self
+                    .tokenizers
+                    .iter()
+                    .any(|t| t.tokenizer.is_some() || t.offpath.is_some())
+                {
+                    Fallback::UnknownModel
+                } else {
+                    Fallback::NoTokenizer
+                },
+            )?;
         t.tokenizer.as_deref().ok_or(Fallback::NoTokenizer)
     }
 
@@ -169,7 +254,20 @@ impl PreciseConfig {
     /// then the request parser also takes what the template reads
     /// (`request::parse_request_for_template`).
     pub fn reads_chat_templates(&self) -> bool {
-        self.tokenizers.iter().any(|t| t.tokenizer.is_some())
+        self.tokenizers
+            .iter()
+            .any(|t| t.tokenizer.is_some() || t.offpath.is_some())
+    }
+
+    /// The off-path model (`tokenizeIn: collector`) for a request's model,
+    /// and its index among the tokenizers.
+    pub fn offpath_for(&self, model: &str) -> Option<(u8, &OffPathModel)> {
+        let (i, t) = self
+            .tokenizers
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.model_names.iter().any(|n| n == model))?;
+        Some((i.min(255) as u8, t.offpath.as_deref()?))
     }
 
     /// The request's prompt as vLLM token IDs (a token-ID prompt is

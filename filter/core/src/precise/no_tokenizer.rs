@@ -43,3 +43,18 @@ impl ModelTokenizer {
         match *self {}
     }
 }
+
+/// A model tokenized off the request path: this build has none (no values).
+#[derive(Debug)]
+pub enum OffPathModel {}
+
+impl OffPathModel {
+    /// Always an error: this build has no tokenizer (the message
+    /// [`ModelTokenizer::load`] gives).
+    pub fn refused() -> String {
+        match ModelTokenizer::load(b"", None, None) {
+            Err(e) => e,
+            Ok(t) => match t {},
+        }
+    }
+}

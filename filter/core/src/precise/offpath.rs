@@ -37,14 +37,171 @@
 //! server without its cache; the answer never changes.
 
 use super::segments::Segmenter;
-use super::tokenizer::ModelTokenizer;
+use super::tokenizer::{ChatRenderer, ModelTokenizer};
 use super::vllm_hash::{encode_block, low64, VllmBlockHasher};
 use super::TokenizeError;
 use kvroute_shared_state::codec::{Reader, Writer};
-use kvroute_shared_state::hashed::{self, HashedPrefix, PrefixKey};
+use kvroute_shared_state::hashed::{self, HashedPrefix, PrefixKey, TokenizerMeta};
 use kvroute_shared_state::{Store, StoreError};
 use sha2::{Digest, Sha256};
 use xxhash_rust::xxh3::{xxh3_128_with_seed, Xxh3};
+
+/// Where the collector gets a model's `tokenizer.json`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenizerSource {
+    /// Inline in the plugin JSON (`tokenizerJson`).
+    Inline(Vec<u8>),
+    /// Fetched with an HTTP GET through an Envoy cluster (`tokenizerUrl`,
+    /// `tokenizerCluster`), refused unless its SHA-256 is `sha256`.
+    Url {
+        cluster: String,
+        authority: String,
+        path: String,
+        sha256: [u8; 32],
+        timeout_ms: u32,
+    },
+}
+
+/// A model whose tokenizer only the collector loads (`tokenizeIn:
+/// collector`): what the workers need (the chat renderer, the fingerprint
+/// their keys and the tokenizer's published cuts are named by) and what
+/// the collector loads from.
+pub struct OffPathModel {
+    pub fingerprint: u64,
+    pub renderer: ChatRenderer,
+    pub source: TokenizerSource,
+    pub tokenizer_config: Option<serde_json::Value>,
+    pub chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for OffPathModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffPathModel")
+            .field("fingerprint", &self.fingerprint)
+            .field("renderer", &self.renderer)
+            .finish()
+    }
+}
+
+impl OffPathModel {
+    /// A model for the workers: the chat template compiles, the tokenizer
+    /// is loaded later, by the collector.
+    pub fn new(
+        source: TokenizerSource,
+        tokenizer_config: Option<serde_json::Value>,
+        chat_template: Option<String>,
+    ) -> Result<OffPathModel, String> {
+        Ok(OffPathModel {
+            fingerprint: Self::fingerprint_of(&source),
+            renderer: ChatRenderer::load(tokenizer_config.as_ref(), chat_template.as_deref())?,
+            source,
+            tokenizer_config,
+            chat_template,
+        })
+    }
+
+    /// The fingerprint of an inline `tokenizer.json`, or of a pinned one.
+    pub fn fingerprint_of(source: &TokenizerSource) -> u64 {
+        match source {
+            TokenizerSource::Inline(b) => xxhash_rust::xxh3::xxh3_64(b),
+            TokenizerSource::Url { sha256, .. } => {
+                u64::from_le_bytes(sha256[..8].try_into().unwrap_or([0; 8]))
+            }
+        }
+    }
+
+    /// Loads the tokenizer from `bytes` (the inline JSON, or a fetched
+    /// body, which must match the pin).
+    pub fn load(&self, bytes: &[u8]) -> Result<ModelTokenizer, String> {
+        if let TokenizerSource::Url { sha256, path, .. } = &self.source {
+            let got: [u8; 32] = Sha256::digest(bytes).into();
+            if got != *sha256 {
+                return Err(format!(
+                    "the tokenizer fetched from {path} has sha256 {}, not the pinned {}",
+                    hex(&got),
+                    hex(sha256)
+                ));
+            }
+        }
+        ModelTokenizer::load(
+            bytes,
+            self.tokenizer_config.as_ref(),
+            self.chat_template.as_deref(),
+        )
+    }
+
+    /// What the workers need of a loaded tokenizer.
+    pub fn meta(tok: &ModelTokenizer) -> TokenizerMeta {
+        match tok.segmenter() {
+            Ok(s) => TokenizerMeta {
+                cuts: Some(s.cuts()),
+                post_adds: s.post_adds(),
+            },
+            Err(_) => TokenizerMeta {
+                cuts: None,
+                post_adds: false,
+            },
+        }
+    }
+}
+
+/// Lower-case hex.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A worker's answer for one prompt: its known hashes and exact-or-estimated
+/// tokens (or why there are none), the full blocks it is estimated to have
+/// past the known ones, and the job for the collector.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerHashes {
+    pub hashes: Result<(Vec<u64>, u64), super::Fallback>,
+    pub unknown_blocks: u32,
+    pub job: Option<Job>,
+}
+
+/// The worker's side for a text: look it up, and say what to route on.
+/// `cut`: the published cuts (`None` inside: handled whole); `bytes_per_token`
+/// estimates the new text's tokens.
+#[allow(clippy::too_many_arguments)]
+pub fn worker_hashes(
+    store: &dyn Store,
+    slots: u32,
+    cut: Option<&Segmenter>,
+    text: &str,
+    seed: u64,
+    req: JobFor,
+    block_size: u32,
+    bytes_per_token: u64,
+) -> Result<WorkerHashes, StoreError> {
+    Ok(match lookup(store, slots, cut, text, seed, req)? {
+        Lookup::Full(p) => WorkerHashes {
+            hashes: Ok((p.hashes, u64::from(p.tokens))),
+            unknown_blocks: 0,
+            job: None,
+        },
+        Lookup::Partial {
+            prefix,
+            rest_bytes,
+            job,
+        } => {
+            let tokens =
+                u64::from(prefix.tokens) + (rest_bytes as u64).div_ceil(bytes_per_token.max(1));
+            let blocks = tokens / u64::from(block_size.max(1));
+            let unknown = blocks.saturating_sub(prefix.hashes.len() as u64);
+            WorkerHashes {
+                hashes: Ok((prefix.hashes, tokens)),
+                unknown_blocks: unknown.min(u64::from(u32::MAX)) as u32,
+                job: Some(job),
+            }
+        }
+        Lookup::Miss(job) => WorkerHashes {
+            hashes: Err(super::Fallback::NotHashedYet),
+            unknown_blocks: 0,
+            job,
+        },
+    })
+}
 
 /// What a request's prefix keys are seeded with, besides its text: the
 /// tokenizer, vLLM's block size and hash seed, `add_special_tokens` and

@@ -20,6 +20,7 @@ fn cfg(with_tokenizer: bool) -> PreciseConfig {
         tokenizers: vec![TokenizerConfig {
             model_names: vec!["tiny".into()],
             tokenizer: tok,
+            offpath: None,
         }],
     }
 }
@@ -126,7 +127,9 @@ fn fallback_reasons() {
         Err(Fallback::Template)
     );
     let labels: Vec<&str> = Fallback::ALL.iter().map(|f| f.label()).collect();
-    assert_eq!(labels.len(), 6);
+    assert_eq!(labels.len(), 8);
+    let distinct: std::collections::HashSet<&&str> = labels.iter().collect();
+    assert_eq!(distinct.len(), labels.len());
 }
 
 #[test]

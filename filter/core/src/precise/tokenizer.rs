@@ -320,13 +320,7 @@ impl ModelTokenizer {
 
     /// Token IDs of a `/v1/completions` body's text prompt.
     pub fn completion_ids(&self, body: &[u8], prompt: &str) -> Result<Vec<u32>, TokenizeError> {
-        #[derive(Deserialize)]
-        struct Flags {
-            add_special_tokens: Option<bool>,
-        }
-        let flags: Flags =
-            serde_json::from_slice(body).map_err(|e| TokenizeError::Tokenize(e.to_string()))?;
-        self.encode(prompt, flags.add_special_tokens.unwrap_or(true))
+        self.encode(prompt, completion_add_special(body)?)
     }
 
     /// The chat template's text for a `/v1/chat/completions` body
@@ -404,4 +398,15 @@ fn string_content(m: &Value) -> Result<Value, TokenizeError> {
     }
     out.insert("content".into(), Value::from(texts.join("\n")));
     Ok(Value::from(out))
+}
+
+/// A `/v1/completions` body's `add_special_tokens` (vLLM's default: true).
+pub fn completion_add_special(body: &[u8]) -> Result<bool, TokenizeError> {
+    #[derive(Deserialize)]
+    struct Flags {
+        add_special_tokens: Option<bool>,
+    }
+    let flags: Flags =
+        serde_json::from_slice(body).map_err(|e| TokenizeError::Tokenize(e.to_string()))?;
+    Ok(flags.add_special_tokens.unwrap_or(true))
 }
