@@ -410,6 +410,37 @@ def relay_cluster_yaml(name=RELAY_CLUSTER):
 """
 
 
+def tokenizer_clusters_yaml(config):
+    """A cluster for each token-producer's `tokenizerUrl` (the collector
+    fetches tokenizer.json through `tokenizerCluster`): STATIC for an IP
+    address, STRICT_DNS for a host name; port 80 unless the URL names one."""
+    out = ""
+    seen = set()
+    for p in config.get("plugins", []):
+        params = p.get("parameters") or {}
+        url, name = params.get("tokenizerUrl"), params.get("tokenizerCluster")
+        if p.get("type") not in ("token-producer", "tokenizer") or not url or not name or name in seen:
+            continue
+        seen.add(name)
+        m = re.fullmatch(r"http://([^/:]+)(?::(\d+))?(/.*)?", url)
+        if not m:
+            raise ValueError(f"tokenizerUrl {url!r} must be http://host[:port]/path")
+        host, port = m.group(1), int(m.group(2) or 80)
+        kind = "STATIC" if re.fullmatch(r"[0-9.]+", host) else "STRICT_DNS"
+        out += f"""  # The collector fetches the tokenizer of model {params.get("modelName", "")} from here
+  # (tokenizerUrl, pinned by tokenizerSha256). No route uses this cluster.
+  - name: {name}
+    connect_timeout: 2s
+    type: {kind}
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {port}}}}}}}
+"""
+    return out
+
+
 def render(
     *,
     listen_address="127.0.0.1",
@@ -493,6 +524,7 @@ bootstrap_extensions:
     title = "Envoy 1.40 bootstrap for kvroute"
     kv_events = config.get("kvEvents") or {}
     relays = relay_cluster_yaml(kv_events.get("cluster", RELAY_CLUSTER)) if kv_events.get("enabled") else ""
+    relays += tokenizer_clusters_yaml(config)
     metrics_cluster = config.get("collector", {}).get("metricsCluster")
     if metrics_cluster not in (None, VLLM_CLUSTER, ADMIN_CLUSTER, kv_events.get("cluster", RELAY_CLUSTER)):
         relays = metrics_cluster_yaml(metrics_cluster) + relays
