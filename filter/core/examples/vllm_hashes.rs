@@ -10,8 +10,81 @@
 //! Prints one JSON line: `{"token_ids":[…],"hashes":[…]}` (hashes as u64,
 //! vLLM's event form), or `{"fallback":"REASON"}` and exits 3.
 
-use kvroute_core::config::Config;
-use kvroute_core::request::{parse_request_for_template, ApiKind, ParseLimits};
+use kvroute_core::config::{Config, SharedStateConfig};
+use kvroute_core::precise::offpath::{
+    key_seed, lookup, process, JobFor, Lookup, TokenizerSource, Tokenizing,
+};
+use kvroute_core::precise::tokenizer::{completion_add_special, ModelTokenizer};
+use kvroute_core::precise::{OffPathModel, PreciseConfig};
+use kvroute_core::request::{
+    parse_request_for_template, ApiKind, ChatTemplateInputs, InferenceRequest, ParseLimits,
+};
+use kvroute_shared_state::memory::MemoryStore;
+use std::sync::Arc;
+
+fn offpath_load(m: &OffPathModel) -> Arc<ModelTokenizer> {
+    let TokenizerSource::Inline(bytes) = &m.source else {
+        panic!("give the tokenizer inline (tokenizerJson) to this example");
+    };
+    Arc::new(m.load(bytes).unwrap_or_else(|e| panic!("{e}")))
+}
+
+/// The off-path pipeline on an empty store: look up (a miss), process the
+/// job as the collector does, look up again (the whole prompt).
+fn offpath_hashes(
+    p: &PreciseConfig,
+    i: u8,
+    tok: &ModelTokenizer,
+    req: &InferenceRequest,
+    body: &[u8],
+    chat: Option<&ChatTemplateInputs>,
+    shared: &SharedStateConfig,
+) -> (Vec<u64>, u32) {
+    let m = p.tokenizers[usize::from(i)].offpath.as_deref().unwrap();
+    let (text, add_special) = match chat {
+        Some(c) => m.renderer.render_inputs(c).expect("renders"),
+        None => (
+            String::from_utf8(match &req.prompt {
+                kvroute_core::request::Prompt::Text(t) => t.to_vec(),
+                _ => panic!("a text prompt"),
+            })
+            .unwrap(),
+            completion_add_special(body).unwrap(),
+        ),
+    };
+    let seed = key_seed(
+        m.fingerprint,
+        p.block_size,
+        &p.hasher,
+        add_special,
+        req.cache_salt.as_deref(),
+    );
+    let store = MemoryStore::new();
+    let slots = shared.hashed_prefix_slots;
+    let cut = tok.segmenter().ok();
+    let jf = JobFor {
+        model: i,
+        add_special,
+        salt: req.cache_salt.clone(),
+    };
+    let Lookup::Miss(Some(job)) = lookup(&store, slots, cut, &text, seed, jf.clone()).unwrap()
+    else {
+        panic!("an empty store holds nothing")
+    };
+    let t = Tokenizing {
+        tok,
+        fingerprint: m.fingerprint,
+        block_size: p.block_size,
+        hasher: &p.hasher,
+        max_blocks: p.max_blocks,
+        slots,
+    };
+    process(&job, &t, &store).unwrap();
+    match lookup(&store, slots, cut, &text, seed, jf).unwrap() {
+        Lookup::Full(h) => (h.hashes, h.tokens),
+        other => panic!("after its job: {other:?}"),
+    }
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -21,7 +94,7 @@ fn main() {
     }
     let read = |p: &str| std::fs::read(p).unwrap_or_else(|e| panic!("read {p}: {e}"));
     let config = Config::from_json(&read(&args[1])).unwrap_or_else(|e| panic!("{e}"));
-    let precise = config
+    let mut precise = config
         .precise
         .expect("the config has no precise-prefix-cache-producer");
     let kind = match args[2].as_str() {
@@ -32,6 +105,15 @@ fn main() {
     let body = read(&args[3]);
     let (req, chat) =
         parse_request_for_template(kind, &body, &ParseLimits::default()).expect("the body parses");
+    // `tokenizeIn: collector` (the default): load the tokenizer as the
+    // collector does, for the request path's IDs below, and hash the prompt
+    // the off-path way too (a job, then the stored prefix).
+    let offpath = precise
+        .offpath_for(&req.model)
+        .map(|(i, m)| (i, offpath_load(m)));
+    if let Some((i, tok)) = &offpath {
+        precise.tokenizers[usize::from(*i)].tokenizer = Some(tok.clone());
+    }
     match precise.token_ids(&req, &body, chat.as_ref()) {
         Ok(ids) => {
             let hashes = precise.hasher.block_hashes_u64(
@@ -40,6 +122,22 @@ fn main() {
                 req.cache_salt.as_deref(),
                 precise.max_blocks,
             );
+            if let Some((i, tok)) = &offpath {
+                let (off, tokens) = offpath_hashes(
+                    &precise,
+                    *i,
+                    tok,
+                    &req,
+                    &body,
+                    chat.as_ref(),
+                    &config.shared_state,
+                );
+                assert_eq!(tokens as usize, ids.len(), "off-path token count differs");
+                assert_eq!(
+                    off, hashes,
+                    "off-path hashes differ from the request path's"
+                );
+            }
             println!(
                 "{}",
                 serde_json::json!({"token_ids": ids, "hashes": hashes})

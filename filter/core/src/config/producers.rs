@@ -194,9 +194,9 @@ struct TokenizerParams {
     /// kvroute: other names requests use for the model (vLLM's
     /// `--served-model-name`).
     served_model_names: Option<Vec<String>>,
-    /// kvroute: `worker` (each VM loads the tokenizer and tokenizes on the
-    /// request path) or `collector` (only the collector loads it; workers
-    /// look prompts up: `precise::offpath`).
+    /// kvroute: `collector` (the default: only the collector loads the
+    /// tokenizer; workers look prompts up, `precise::offpath`) or `worker`
+    /// (each VM loads it and tokenizes on the request path).
     tokenize_in: Option<String>,
     /// kvroute: `tokenizer.json` by reference: an `http://` URL fetched by
     /// the collector through `tokenizerCluster`, pinned by
@@ -260,7 +260,7 @@ pub(crate) fn token(p: &Params) -> Result<TokenizerConfig, ConfigError> {
     // prompts fall back to the approximate index (counted).
     let _ = q.uds_tokenizer_config;
     let collector = match q.tokenize_in.as_deref() {
-        None => q.tokenizer_url.is_some(),
+        None => true,
         Some("collector") => true,
         Some("worker") if q.tokenizer_url.is_some() => {
             return Err(err(
@@ -367,6 +367,13 @@ pub(crate) fn token(p: &Params) -> Result<TokenizerConfig, ConfigError> {
                 ));
             }
             if collector {
+                // Loaded by the collector only: here, its JSON syntax.
+                if let Err(e) = serde_json::from_slice::<serde::de::IgnoredAny>(&bytes) {
+                    return Err(err(
+                        p.field("tokenizerJson"),
+                        format!("tokenizer.json does not load: {e}"),
+                    ));
+                }
                 offpath = Some(precise::offpath_source_inline(bytes));
                 None
             } else {

@@ -289,7 +289,17 @@ fn precise_producer_with_an_inline_tokenizer_loads() {
         let p = c.precise.unwrap();
         assert_eq!(p.block_size, 32);
         assert_eq!(p.tokenizers[0].model_names, vec!["org/tiny", "tiny"]);
+        // `tokenizeIn: collector` by default: the workers do not load it.
+        assert!(p.tokenizers[0].tokenizer.is_none());
+        assert!(p.tokenizers[0].offpath.is_some());
+        let doc = precise_doc(
+            serde_json::json!({"modelName": "org/tiny", "tokenizeIn": "worker",
+                               "tokenizerJson": tokenizer_json, "tokenizerConfig": cfg}),
+            serde_json::json!({}),
+        );
+        let p = Config::from_json(doc.as_bytes()).unwrap().precise.unwrap();
         assert!(p.tokenizers[0].tokenizer.is_some());
+        assert!(p.tokenizers[0].offpath.is_none());
     }
     // Defaults: vLLM's block size 16, and vLLM's seed when PYTHONHASHSEED is unset.
     let doc = precise_doc(serde_json::json!({"modelName": "m"}), serde_json::json!({}));
@@ -1093,5 +1103,85 @@ fn kvroute_plugin_parameters_are_checked() {
     for wrong in [r#""learn""#, "2.5", "-1", "0", "65"] {
         let e = producer(wrong).unwrap_err();
         assert!(e.to_string().contains("charsPerToken"), "{wrong}: {e}");
+    }
+}
+
+#[test]
+fn tokenizer_by_reference_and_tokenize_in_errors_name_the_field() {
+    let pin = "ab".repeat(32);
+    let ok = |params: Value| {
+        Config::from_json(precise_doc(params, serde_json::json!({})).as_bytes())
+            .unwrap()
+            .precise
+            .unwrap()
+    };
+    let p = ok(
+        serde_json::json!({"modelName": "m", "tokenizerUrl": "http://models:8080/q/tokenizer.json",
+        "tokenizerSha256": pin.to_uppercase(), "tokenizerCluster": "models"}),
+    );
+    let t = &p.tokenizers[0];
+    assert!(t.tokenizer.is_none() && t.offpath.is_some());
+    let cases = [
+        (
+            serde_json::json!({"tokenizeIn": "gpu", "tokenizerUrl": "http://a/b"}),
+            "tokenizeIn",
+            "not allowed",
+        ),
+        (
+            serde_json::json!({"tokenizeIn": "collector"}),
+            "tokenizeIn",
+            "tokenizerJson",
+        ),
+        (
+            serde_json::json!({"tokenizeIn": "worker", "tokenizerUrl": "http://a/b", "tokenizerSha256": pin, "tokenizerCluster": "c"}),
+            "tokenizeIn",
+            "collector",
+        ),
+        (
+            serde_json::json!({"tokenizerUrl": "https://a/b", "tokenizerSha256": pin, "tokenizerCluster": "c"}),
+            "tokenizerUrl",
+            "http://",
+        ),
+        (
+            serde_json::json!({"tokenizerUrl": "http://a/b", "tokenizerCluster": "c"}),
+            "tokenizerSha256",
+            "required",
+        ),
+        (
+            serde_json::json!({"tokenizerUrl": "http://a/b", "tokenizerSha256": "abc", "tokenizerCluster": "c"}),
+            "tokenizerSha256",
+            "64 hex",
+        ),
+        (
+            serde_json::json!({"tokenizerUrl": "http://a/b", "tokenizerSha256": pin}),
+            "tokenizerCluster",
+            "required",
+        ),
+        (
+            serde_json::json!({"tokenizerSha256": pin}),
+            "tokenizerUrl",
+            "required",
+        ),
+        (
+            serde_json::json!({"tokenizerUrl": "http://a/b", "tokenizerSha256": pin, "tokenizerCluster": "c", "tokenizerJson": "{}"}),
+            "tokenizerUrl",
+            "not both",
+        ),
+        (
+            serde_json::json!({"tokenizerUrl": "http://a/b", "tokenizerSha256": pin, "tokenizerCluster": "c", "tokenizerTimeoutMs": 5}),
+            "tokenizerTimeoutMs",
+            "",
+        ),
+    ];
+    for (mut params, field, says) in cases {
+        params["modelName"] = "m".into();
+        let e = Config::from_json(precise_doc(params.clone(), serde_json::json!({})).as_bytes())
+            .expect_err(&params.to_string());
+        assert_eq!(
+            e.path,
+            format!("plugins[0].parameters.{field}"),
+            "{params}: {e}"
+        );
+        assert!(e.message.contains(says), "{params}: {e}");
     }
 }
