@@ -1185,3 +1185,25 @@ fn tokenizer_by_reference_and_tokenize_in_errors_name_the_field() {
         assert!(e.message.contains(says), "{params}: {e}");
     }
 }
+
+/// The Istio singleton shape's precise-mode example: the tokenizer by
+/// reference (an `outbound|…` cluster, a sha256 pin), loaded by the
+/// collector only; small enough for a Kubernetes object.
+#[test]
+fn the_istio_precise_example_gives_the_tokenizer_by_reference() {
+    let bytes = &include_bytes!("../../../../istio/singleton/kvroute-plugin-precise.json")[..];
+    assert!(bytes.len() < 16 * 1024, "{} bytes", bytes.len());
+    let mut v: Value = serde_json::from_slice(bytes).unwrap();
+    v["endpoints"] = serde_json::json!({"static": ["127.0.0.1:1"]});
+    let c = Config::from_json(v.to_string().as_bytes()).unwrap();
+    assert_eq!(c.collector.mode, crate::config::CollectorMode::Singleton);
+    let p = c.precise.unwrap();
+    let t = &p.tokenizers[0];
+    assert!(t.tokenizer.is_none());
+    match &t.offpath.as_ref().unwrap().source {
+        crate::precise::offpath::TokenizerSource::Url { cluster, .. } => {
+            assert!(cluster.starts_with("outbound|80||"))
+        }
+        other => panic!("{other:?}"),
+    }
+}
