@@ -20,10 +20,11 @@
 //! - The collector runs [`process`]: it tokenizes the job's pieces alone
 //!   (exact: `precise::segments`), continues the found prefix's block
 //!   hashes from its last full block, and stores the new prefixes: at the
-//!   text's end, at the last added token's end before it (where the next
-//!   turn of a chat continues), and at the first added token's end after
-//!   each power of two of blocks (so new conversations sharing a system
-//!   prompt find it), `log2` of the blocks at most.
+//!   text's end, at the last three added tokens' ends before it (where the
+//!   next turn of a chat continues, and where a retried or edited last
+//!   message starts: [`LAST_ADDED`]), and at the first added token's end
+//!   after each power of two of blocks (so new conversations sharing a
+//!   system prompt find it), `log2` of the blocks at most.
 //!
 //! Why it is exact: a piece's IDs do not depend on the text around it
 //! (`precise::segments`), so the IDs of a text that extends a stored
@@ -449,6 +450,13 @@ pub fn lookup(
     Ok(Lookup::Miss(Some(job(None, 0))))
 }
 
+/// Added tokens' ends before a text's end where [`process`] stores the
+/// prefix: a chat prompt ends `…<|im_end|>\n<|im_start|>user\n{U}<|im_end|>\n
+/// <|im_start|>assistant\n`, so the last three are where the next turn
+/// continues (after the last `<|im_start|>`), and where a retried or
+/// edited last message starts (before `user`).
+pub const LAST_ADDED: usize = 3;
+
 /// What [`process`] did with a job.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Processed {
@@ -522,13 +530,31 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
     let cut = t.tok.segmenter().ok();
     let is_whole = whole(cut, job.add_special);
     let cut = if is_whole { None } else { cut };
+    if job.base.is_some() && is_whole {
+        return Err(JobError::BaseGone);
+    }
+    let from = job.base.unwrap_or_else(|| root(seed));
+    let ps = pieces(cut, &job.text);
+    let bounds = chain(&ps, seed, from);
+    let Some(last) = bounds.len().checked_sub(1) else {
+        return Ok(Processed {
+            already: true,
+            ..Processed::default()
+        });
+    };
+    // Another request's job stored this text already.
+    if hashed::holds(store, t.slots, &bounds[last].key)? {
+        return Ok(Processed {
+            already: true,
+            ..Processed::default()
+        });
+    }
     let base = match job.base {
-        Some(_) if is_whole => return Err(JobError::BaseGone),
         Some(k) => hashed::get(store, t.slots, &k)?
             .filter(|p| p.extendable)
             .ok_or(JobError::BaseGone)?,
         None => HashedPrefix {
-            key: root(seed),
+            key: from,
             tokens: 0,
             hashes: Vec::new(),
             parent: None,
@@ -536,20 +562,6 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
             extendable: true,
         },
     };
-    let ps = pieces(cut, &job.text);
-    let bounds = chain(&ps, seed, base.key);
-    let Some(last) = bounds.len().checked_sub(1) else {
-        return Ok(Processed {
-            already: true,
-            ..Processed::default()
-        });
-    };
-    if hashed::holds(store, t.slots, &bounds[last].key)? {
-        return Ok(Processed {
-            already: true,
-            ..Processed::default()
-        });
-    }
     let bs = t.block_size.max(1) as usize;
     let salt = job.salt.as_deref().filter(|s| !s.is_empty());
     if is_whole {
@@ -575,9 +587,14 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
             already: false,
         });
     }
-    // Where to store: the end, the last added token's end before it, and
-    // the first added token's end after each power of two of blocks.
-    let last_added = (0..last).rev().find(|&i| bounds[i].added);
+    // Where to store: the end, the last LAST_ADDED added tokens' ends
+    // before it, and the first added token's end after each power of two
+    // of blocks.
+    let near_end: Vec<usize> = (0..last)
+        .rev()
+        .filter(|&i| bounds[i].added)
+        .take(LAST_ADDED)
+        .collect();
     let mut mark = base.hashes.len().max(1).next_power_of_two();
     if mark == base.hashes.len() {
         mark *= 2;
@@ -617,7 +634,7 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
         if at_mark {
             mark = (hashes.len() + 1).next_power_of_two();
         }
-        if i == last || Some(i) == last_added || at_mark {
+        if i == last || near_end.contains(&i) || at_mark {
             hashed::put(
                 store,
                 t.slots,
