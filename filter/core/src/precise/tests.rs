@@ -252,3 +252,58 @@ fn the_one_parse_renders_like_reading_the_body_again() {
         bodies.len()
     );
 }
+
+/// vLLM renders templates with transformers' `tojson` (Python's
+/// `json.dumps(…, ensure_ascii=False)`), which kvroute's renderer runs
+/// too: the expected strings are Python's own output.
+#[test]
+fn tojson_prints_what_pythons_json_dumps_prints() {
+    let template = "{{ x | tojson }}|{{ x | tojson(indent=2) }}";
+    let tok = ModelTokenizer::load(TINY_TOKENIZER, None, Some(template)).unwrap();
+    // A raw body: the keys' order is the client's (serde_json's own map
+    // would sort them).
+    let body = r#"{"model": "tiny", "messages": [], "chat_template_kwargs": {
+        "x": {"type": "function", "b": [1, 2.0, "<&>", true, null, {}], "c": null,
+              "ü": "é\n\t\u0001", "e": []}}}"#;
+    let (text, _) = tok.render_chat(body.as_bytes()).unwrap();
+    let (compact, indented) = text.split_once('|').unwrap();
+    assert_eq!(
+        compact,
+        r#"{"type": "function", "b": [1, 2.0, "<&>", true, null, {}], "c": null, "ü": "é\n\t\u0001", "e": []}"#
+    );
+    assert_eq!(
+        indented,
+        "{\n  \"type\": \"function\",\n  \"b\": [\n    1,\n    2.0,\n    \"<&>\",\n    true,\n    null,\n    {}\n  ],\n  \"c\": null,\n  \"ü\": \"é\\n\\t\\u0001\",\n  \"e\": []\n}"
+    );
+}
+
+/// Messages as vLLM hands them to the template: a null or missing content
+/// is "", a tool call's `arguments` string is parsed to an object (printed
+/// by `tojson` as Python does), an unparsable one is {}, an empty
+/// `tool_calls` list is dropped.
+#[test]
+fn messages_are_normalised_as_vllm_does() {
+    let template = "{% for m in messages %}[{{ m.role }}|{{ m.content }}|\
+        {% if m.tool_calls is defined %}{% for c in m.tool_calls %}{{ c.function.arguments | tojson }};{% endfor %}\
+        {% else %}none{% endif %}]{% endfor %}";
+    let tok = ModelTokenizer::load(TINY_TOKENIZER, None, Some(template)).unwrap();
+    let body = serde_json::json!({"model": "tiny", "messages": [
+        {"role": "user"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{\"city\":\"Paris\",\"days\":3}"}},
+            {"id": "b", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+            {"id": "c", "type": "function", "function": {"name": "h", "arguments": "[1]"}},
+            {"id": "d", "type": "function", "function": {"name": "i", "arguments": ""}}]},
+        {"role": "assistant", "content": "x", "tool_calls": []},
+        {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]});
+    let want = "[user||none][assistant||{\"city\": \"Paris\", \"days\": 3};{};{};{};][assistant|x|none][tool|a\nb|none]";
+    let bytes = body.to_string();
+    assert_eq!(tok.render_chat(bytes.as_bytes()).unwrap().0, want);
+    let (_, chat) = parse_request_for_template(
+        ApiKind::ChatCompletions,
+        bytes.as_bytes(),
+        &ParseLimits::default(),
+    )
+    .unwrap();
+    assert_eq!(tok.render_inputs(&chat.unwrap()).unwrap().0, want);
+}

@@ -127,6 +127,9 @@ impl ChatRenderer {
                     minijinja_contrib::pycompat::unknown_method_callback,
                 );
                 env.add_function("raise_exception", raise_exception);
+                // transformers' tojson (json.dumps), which vLLM's templates
+                // run, not minijinja's compact, HTML-escaped one.
+                env.add_filter("tojson", py_tojson);
                 env.add_template_owned("chat", t)
                     .map_err(|e| format!("the chat template does not compile: {e}"))?;
                 Some(env)
@@ -219,7 +222,7 @@ impl ChatRenderer {
             return Err(TokenizeError::Unsupported("continue_final_message"));
         }
         let messages = messages
-            .map(string_content)
+            .map(vllm_message)
             .collect::<Result<Vec<Value>, _>>()?;
         let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
         for (k, v) in &self.special {
@@ -363,15 +366,68 @@ impl ModelTokenizer {
     }
 }
 
-/// A message with a list `content` of text parts turned into one string
-/// (texts joined by `\n`); other messages unchanged.
-fn string_content(m: &Value) -> Result<Value, TokenizeError> {
-    let Ok(content) = m.get_attr("content") else {
-        return Ok(m.clone());
+/// A message as vLLM 0.32 hands it to the template
+/// (`chat_utils.parse_chat_messages`, "string" content format):
+/// - `content`: a list of text parts becomes their texts joined by `\n`;
+///   a missing or null `content` becomes `""`;
+/// - an assistant message's `tool_calls`: an empty list is dropped, and
+///   each call's `function.arguments` becomes an object (a JSON string is
+///   parsed; anything else, or a string that is not a JSON object, is `{}`),
+///   so templates print it with `tojson` as vLLM does.
+///
+/// A message needing none of this is returned as is.
+fn vllm_message(m: &Value) -> Result<Value, TokenizeError> {
+    let content = m.get_attr("content").unwrap_or_default();
+    let new_content = if content.is_undefined() || content.is_none() {
+        Some(Value::from(""))
+    } else if content.kind() == minijinja::value::ValueKind::Seq {
+        Some(Value::from(text_parts(&content)?))
+    } else {
+        None
     };
-    if content.kind() != minijinja::value::ValueKind::Seq {
+    let is_assistant = m
+        .get_attr("role")
+        .ok()
+        .is_some_and(|r| r.as_str() == Some("assistant"));
+    let calls = m.get_attr("tool_calls").unwrap_or_default();
+    let new_calls = if is_assistant && calls.kind() == minijinja::value::ValueKind::Seq {
+        Some(tool_calls_as_vllm(&calls))
+    } else {
+        None
+    };
+    if new_content.is_none() && new_calls.is_none() {
         return Ok(m.clone());
     }
+    let mut out: Vec<(Value, Value)> = Vec::new();
+    let mut has_content = false;
+    if let Ok(keys) = m.try_iter() {
+        for k in keys {
+            let Some(name) = k.as_str() else { continue };
+            match name {
+                "content" => {
+                    has_content = true;
+                    let v = new_content.clone().unwrap_or_else(|| content.clone());
+                    out.push((k.clone(), v));
+                }
+                "tool_calls" => match &new_calls {
+                    // An empty list is dropped.
+                    Some(None) => {}
+                    Some(Some(c)) => out.push((k.clone(), c.clone())),
+                    None => out.push((k.clone(), calls.clone())),
+                },
+                _ => out.push((k.clone(), m.get_attr(name).unwrap_or_default())),
+            }
+        }
+    }
+    if !has_content {
+        out.push((Value::from("content"), new_content.unwrap_or_default()));
+    }
+    Ok(Value::from_iter(out))
+}
+
+/// The texts of a list of content parts, joined by `\n` (any part that is
+/// not text makes the request unsupported here).
+fn text_parts(content: &Value) -> Result<String, TokenizeError> {
     let mut texts = Vec::new();
     for part in content
         .try_iter()
@@ -388,16 +444,217 @@ fn string_content(m: &Value) -> Result<Value, TokenizeError> {
             _ => return Err(TokenizeError::Unsupported("non-text content part")),
         }
     }
-    let mut out: BTreeMap<String, Value> = BTreeMap::new();
-    if let Ok(keys) = m.try_iter() {
-        for k in keys {
-            if let Some(name) = k.as_str() {
-                out.insert(name.to_owned(), m.get_attr(name).unwrap_or_default());
+    Ok(texts.join("\n"))
+}
+
+/// An assistant's `tool_calls` as vLLM renders them: `None` for an empty
+/// list (dropped), else each call with `function.arguments` an object.
+fn tool_calls_as_vllm(calls: &Value) -> Option<Value> {
+    let items: Vec<Value> = calls.try_iter().map(|i| i.collect()).unwrap_or_default();
+    if items.is_empty() {
+        return None;
+    }
+    let fixed = items.into_iter().map(|call| {
+        let f = call.get_attr("function").unwrap_or_default();
+        if f.kind() != minijinja::value::ValueKind::Map {
+            return call;
+        }
+        let args = f.get_attr("arguments").unwrap_or_default();
+        let object = |v: Value| {
+            if v.kind() == minijinja::value::ValueKind::Map {
+                v
+            } else {
+                Value::from_iter(std::iter::empty::<(Value, Value)>())
+            }
+        };
+        let args = match args.as_str() {
+            Some(s) if !s.is_empty() => {
+                object(serde_json::from_str::<Value>(s).unwrap_or_default())
+            }
+            _ if args.is_true() => object(args),
+            _ => object(Value::UNDEFINED),
+        };
+        let with = |m: &Value, key: &str, v: &Value| -> Value {
+            let keys: Vec<Value> = m.try_iter().map(|k| k.collect()).unwrap_or_default();
+            Value::from_iter(keys.into_iter().map(|k| {
+                let val = if k.as_str() == Some(key) {
+                    v.clone()
+                } else {
+                    k.as_str()
+                        .and_then(|n| m.get_attr(n).ok())
+                        .unwrap_or_default()
+                };
+                (k, val)
+            }))
+        };
+        let f = with(&f, "arguments", &args);
+        with(&call, "function", &f)
+    });
+    Some(Value::from_iter(fixed))
+}
+
+/// transformers' `tojson` (what vLLM's templates run): Python's
+/// `json.dumps(value, ensure_ascii=False, indent=…, separators=…,
+/// sort_keys=…)`. minijinja's own is compact and HTML-escaped.
+fn py_tojson(value: &Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let separators: Option<Value> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(n.clamp(0, 64) as usize)),
+            (None, Some(s)) => Some(s.to_owned()),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: bad indent",
+                ))
+            }
+        },
+    };
+    let (item_sep, key_sep) = match separators {
+        Some(s) if !s.is_none() => {
+            let parts: Vec<Value> = s.try_iter()?.collect();
+            match &parts[..] {
+                [a, b] => (
+                    a.as_str().unwrap_or(",").to_owned(),
+                    b.as_str().unwrap_or(": ").to_owned(),
+                ),
+                _ => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: bad separators",
+                    ))
+                }
             }
         }
+        _ if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        _ => (", ".to_owned(), ": ".to_owned()),
+    };
+    let opts = PyJson {
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+    };
+    let mut out = String::new();
+    opts.write(&mut out, value, 0, 0)?;
+    Ok(Value::from_safe_string(out))
+}
+
+struct PyJson {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson {
+    fn write(&self, out: &mut String, v: &Value, level: usize, depth: usize) -> Result<(), Error> {
+        use minijinja::value::ValueKind;
+        if depth > 512 {
+            return Err(Error::new(ErrorKind::InvalidOperation, "tojson: too deep"));
+        }
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => {
+                // serde_json keeps a float a float (`3.0`) and an integer an
+                // integer, as Python does.
+                let s = serde_json::to_string(v)
+                    .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+                out.push_str(match s.as_str() {
+                    "null" => "NaN",
+                    other => other,
+                });
+            }
+            ValueKind::String => self.string(out, v.as_str().unwrap_or_default()),
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.open_close(out, '[', ']', items.len(), level, |out, i, level| {
+                    self.write(out, &items[i], level, depth + 1)
+                })?;
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = v.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort();
+                }
+                self.open_close(out, '{', '}', keys.len(), level, |out, i, level| {
+                    let k = &keys[i];
+                    match k.as_str() {
+                        Some(s) => self.string(out, s),
+                        None => self.string(out, &k.to_string()),
+                    }
+                    out.push_str(&self.key_sep);
+                    self.write(out, &v.get_item(k)?, level, depth + 1)
+                })?;
+            }
+            _ => self.string(out, &v.to_string()),
+        }
+        Ok(())
     }
-    out.insert("content".into(), Value::from(texts.join("\n")));
-    Ok(Value::from(out))
+
+    fn open_close(
+        &self,
+        out: &mut String,
+        open: char,
+        close: char,
+        n: usize,
+        level: usize,
+        mut item: impl FnMut(&mut String, usize, usize) -> Result<(), Error>,
+    ) -> Result<(), Error> {
+        out.push(open);
+        if n == 0 {
+            out.push(close);
+            return Ok(());
+        }
+        for i in 0..n {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            if let Some(ind) = &self.indent {
+                out.push('\n');
+                out.push_str(&ind.repeat(level + 1));
+            }
+            item(out, i, level + 1)?;
+        }
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            out.push_str(&ind.repeat(level));
+        }
+        out.push(close);
+        Ok(())
+    }
+
+    fn string(&self, out: &mut String, s: &str) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{8}' => out.push_str("\\b"),
+                '\u{c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 || (self.ensure_ascii && !c.is_ascii()) => {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        out.push_str(&format!("\\u{:04x}", unit));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
 }
 
 /// A `/v1/completions` body's `add_special_tokens` (vLLM's default: true).
