@@ -572,7 +572,7 @@ def markdown(result):
     if mem:
         lines += ["", "Envoy memory, MiB (VmRSS after warm-up / at the end; VmHWM at the end), and start time "
                   "(serving within s of launch):", "",
-                  "| concurrency | arm | RSS warm | RSS end | HWM | precise − approximate (RSS end) | start s |",
+                  "| concurrency | arm | RSS warm | RSS end | HWM | minus kvroute's RSS end (precise − approximate) | start s |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for conc in sorted(mem, key=int):
             m = mem[conc]
@@ -718,7 +718,7 @@ def main(argv=None):
     memory_out, hol_out = {}, {}
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "args": {
         k: v for k, v in vars(args).items() if k != "extra_specs"}, "arms": arms, "bodies": measured,
-        "rounds": rounds, "seconds": secs, "modes": modes, "nproc": os.cpu_count(),
+        "rounds": rounds, "seconds": {b: secs[b] for b in measured}, "modes": modes, "nproc": os.cpu_count(),
         "loadavg_start": os.getloadavg(), "git_head": bench._git("rev-parse", "HEAD"),
         "module_sources_dirty": bool(bench._git("status", "--porcelain", "filter", "shared-state")),
         "next_turn_check": check, "hol_rate": args.hol_rate, "hol_seconds": args.hol_seconds,
