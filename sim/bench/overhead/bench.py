@@ -235,15 +235,16 @@ def admin_stats(admin_port, pattern):
 _salts = itertools.count(1)
 
 
-def run_wrk(url, bodies_file, connections, seconds, offset, lua, fresh=False):
+def run_wrk(url, bodies_file, connections, seconds, offset, lua, fresh=False, timeout_s=10):
     """One wrk run; with `fresh`, the bodies carry bodies.MARKER and every
-    request gets a prompt of its own (post.lua's SALT, new for every run)."""
-    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s", "-s", lua,
+    request gets a prompt of its own (post.lua's SALT, new for every run).
+    A request not answered within `timeout_s` counts as a timeout."""
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", f"{timeout_s}s", "-s", lua,
             url, "--", bodies_file, path_of(bodies_file), str(offset)]
     if fresh:
         argv.append(f"{next(_salts):08x}")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + max(120, timeout_s + 60))
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     for line in reversed(r.stdout.splitlines()):
         if line.startswith("{"):
@@ -353,7 +354,8 @@ def start_everything(args, work, endpoints_n, arms):
 
     def render(name, port, admin, spec):
         cfg = os.path.join(work, f"{name}.yaml")
-        plugin = args.plugin_config
+        # A spec may bring a ready plugin config file of its own (precise_cost.py's arms).
+        plugin = spec.get("plugin_file", args.plugin_config)
         if spec.get("plugin"):
             plugin = _plugin_variant(args.plugin_config, spec["plugin"], work, name)
         argv = [sys.executable, os.path.join(REPO, "envoy", "render.py"), "--endpoints", ",".join(endpoints),
@@ -378,6 +380,8 @@ def start_everything(args, work, endpoints_n, arms):
     specs = {"envoy-rr": {"baseline": True}, "kvroute": {}}
     specs.update(PROFILE_ARMS)
     specs.update({name: {"wasm": path} for name, path in getattr(args, "variants", {}).items()})
+    # Arms a caller adds (precise_cost.py): name -> spec, as above.
+    specs.update(getattr(args, "extra_specs", {}))
     for i, name in enumerate(envoy_arms):
         port, admin = rest[2 * i], rest[2 * i + 1]
         cfg = render(name, port, admin, specs[name])
@@ -399,7 +403,8 @@ def start_everything(args, work, endpoints_n, arms):
 
     startup = {}
     for arm in arms:
-        startup[arm] = wait_ready(arm, urls[arm], proxy_of[arm] or procs["stub"])
+        startup[arm] = wait_ready(arm, urls[arm], proxy_of[arm] or procs["stub"],
+                                  getattr(args, "ready_timeout", 60.0))
     return procs, urls, proxy_of, admins, startup, {"smg_argv": smg_argv, "endpoints": endpoints}
 
 
@@ -414,12 +419,12 @@ def kvroute_counters(admin):
 
 
 def measure(arm, url, bodies_file, connections, seconds, offset, proxy, stub, stub_admin, n_endpoints, lua,
-            fresh=False):
+            fresh=False, timeout_s=10):
     before_proxy = proxy.cpu_ns() if proxy else 0
     before_stub = stub.cpu_ns()
     before_counts = stub_counts(stub_admin, n_endpoints)
     t0 = time.monotonic()
-    res = run_wrk(url, bodies_file, connections, seconds, offset, lua, fresh)
+    res = run_wrk(url, bodies_file, connections, seconds, offset, lua, fresh, timeout_s)
     wall = time.monotonic() - t0
     after_counts = stub_counts(stub_admin, n_endpoints)
     res["proxy_cpu_ns"] = (proxy.cpu_ns() - before_proxy) if proxy else 0
