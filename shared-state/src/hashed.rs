@@ -193,6 +193,121 @@ pub fn put(store: &dyn Store, slots: u32, p: &HashedPrefix) -> Result<(), StoreE
     store.set(&key_entry(n), &w.buf, 0)
 }
 
+/// Bytes a slot's key entry takes.
+const KEY_ENTRY_BYTES: u64 = 21;
+
+/// The collector's account of what each slot holds, so the stored prefixes
+/// stay within a byte budget whatever their sizes (many short prompts, or
+/// a few long conversations). Only the collector writes the slots, so its
+/// count is the truth; a collector starting (a new VM, a lease handover)
+/// reads every slot's size once, on its first put.
+#[derive(Clone, Debug)]
+pub struct Budget {
+    sizes: Vec<u32>,
+    /// Read since the hand last passed (CLOCK): a prefix jobs continue from
+    /// (a conversation's earlier turns) is kept over one nobody continued.
+    referenced: Vec<bool>,
+    total: u64,
+    max: u64,
+    hand: usize,
+    scanned: bool,
+}
+
+impl Budget {
+    pub fn new(slots: u32, max_bytes: u64) -> Budget {
+        Budget {
+            sizes: vec![0; slots.max(1) as usize],
+            referenced: vec![false; slots.max(1) as usize],
+            total: 0,
+            max: max_bytes,
+            hand: 0,
+            scanned: false,
+        }
+    }
+
+    /// The slots.
+    pub fn slots(&self) -> u32 {
+        self.sizes.len() as u32
+    }
+
+    /// A job continued `key`'s prefix: keep it over unreferenced ones.
+    pub fn touch(&mut self, key: &PrefixKey) {
+        let n = key.slot(self.slots()) as usize;
+        self.referenced[n] = true;
+    }
+
+    /// Bytes held (values and their key entries).
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    fn scan(&mut self, store: &dyn Store) -> Result<(), StoreError> {
+        self.total = 0;
+        for (n, size) in self.sizes.iter_mut().enumerate() {
+            let len = store
+                .get(&value_entry(n as u32))?
+                .map_or(0, |(v, _)| v.len() as u64);
+            *size = if len == 0 {
+                0
+            } else {
+                (len + KEY_ENTRY_BYTES) as u32
+            };
+            self.total += u64::from(*size);
+        }
+        self.scanned = true;
+        Ok(())
+    }
+}
+
+/// Stores `p` in its slot within `budget`: other slots are emptied, in
+/// turn (a clock hand: the oldest writes go first, but a prefix touched
+/// since the hand last passed gets another turn), until it fits. A
+/// prefix larger than the whole budget is not stored (false).
+pub fn put_within(
+    store: &dyn Store,
+    budget: &mut Budget,
+    p: &HashedPrefix,
+) -> Result<bool, StoreError> {
+    if !budget.scanned {
+        budget.scan(store)?;
+    }
+    let slots = budget.slots();
+    let n = p.key.slot(slots) as usize;
+    let value = p.encode();
+    let cost = value.len() as u64 + KEY_ENTRY_BYTES;
+    if cost > budget.max {
+        return Ok(false);
+    }
+    budget.total -= u64::from(budget.sizes[n]);
+    budget.sizes[n] = 0;
+    let mut steps = 0;
+    // Two turns of the hand at most: the first may only clear bits.
+    while budget.total + cost > budget.max && steps < 2 * slots as usize {
+        let h = budget.hand;
+        budget.hand = (h + 1) % slots as usize;
+        steps += 1;
+        if h == n || budget.sizes[h] == 0 {
+            continue;
+        }
+        if std::mem::take(&mut budget.referenced[h]) {
+            continue;
+        }
+        store.set(&value_entry(h as u32), &[], 0)?;
+        store.set(&key_entry(h as u32), &[], 0)?;
+        budget.total -= u64::from(budget.sizes[h]);
+        budget.sizes[h] = 0;
+    }
+    store.set(&value_entry(n as u32), &value, 0)?;
+    let mut w = Writer::with_capacity(21);
+    w.u8(MAGIC);
+    p.key.write(&mut w);
+    store.set(&key_entry(n as u32), &w.buf, 0)?;
+    budget.sizes[n] = cost as u32;
+    budget.referenced[n] = false;
+    budget.total += cost;
+    Ok(true)
+}
+
 /// What a worker needs of a tokenizer it does not load: the added tokens
 /// the tokenizer cuts raw text at (content, ID), and whether its
 /// post-processor adds tokens to a single sequence. Written once by the
@@ -375,6 +490,56 @@ mod tests {
         for n in 0..slots {
             let (v, _) = s.get(&value_entry(n)).unwrap().unwrap();
             assert!(v.len() <= max_value_bytes(49, 16), "{n}: {}", v.len());
+        }
+    }
+
+    #[test]
+    fn a_byte_budget_holds_whatever_is_put_and_a_new_collector_counts_what_is_there() {
+        let s = MemoryStore::new();
+        let (slots, max) = (256u32, 40_000u64);
+        let mut b = Budget::new(slots, max);
+        let mut stored = 0;
+        for i in 0..3_000u128 {
+            // Mostly small prefixes, some long ones.
+            let n = if i % 17 == 0 { 900 } else { (i % 40) as usize };
+            let p = prefix(i.wrapping_mul(0x9e37_79b9_7f4a_7c15), n);
+            let fits = p.encode().len() as u64 + KEY_ENTRY_BYTES <= max;
+            assert_eq!(put_within(&s, &mut b, &p).unwrap(), fits);
+            if fits {
+                stored += 1;
+                assert_eq!(
+                    get(&s, slots, &p.key).unwrap(),
+                    Some(p),
+                    "the last put is there"
+                );
+            }
+            let held = s.bytes_with_prefix("kvroute/hashed/");
+            assert!(held as u64 <= max, "{held} bytes after {i}");
+            assert_eq!(
+                b.total(),
+                held as u64,
+                "the count is what shared data holds"
+            );
+        }
+        assert!(stored > 2_500);
+        // A touched prefix outlives the writes that evict its neighbours.
+        let keep = prefix(0xabc, 30);
+        put_within(&s, &mut b, &keep).unwrap();
+        for i in 0..400u128 {
+            b.touch(&keep.key);
+            put_within(
+                &s,
+                &mut b,
+                &prefix(i.wrapping_mul(0x1234_5678_9abc_def1) | 1, 30),
+            )
+            .unwrap();
+        }
+        assert_eq!(get(&s, slots, &keep.key).unwrap(), Some(keep));
+        // A new collector (a new VM) reads what is there and keeps the bound.
+        let mut again = Budget::new(slots, max);
+        for i in 0..500u128 {
+            put_within(&s, &mut again, &prefix(i ^ 0x55, 30)).unwrap();
+            assert!(s.bytes_with_prefix("kvroute/hashed/") as u64 <= max);
         }
     }
 

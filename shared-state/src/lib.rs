@@ -16,7 +16,7 @@
 //! | `kvroute/mesh/outbox` | workers (append), collector (take) | [`mesh::Outbox`]: accepted decisions the other proxies of a mesh have not been told of, bounded |
 //! | `kvroute/mesh/id` | collector (once) | [`mesh::proxy_id`]: this Envoy process's id on the relays |
 //! | `kvroute/collector/tick` | collector | [`collector_tick`]: when it last ticked, ms (workers publish the age) |
-//! | `kvroute/hashed/k/<n>`, `kvroute/hashed/v/<n>` | collector (`tokenizeIn: collector`) | [`hashed`]: prompt prefixes with their vLLM hashes, in `sharedState.hashedPrefixSlots` slots |
+//! | `kvroute/hashed/k/<n>`, `kvroute/hashed/v/<n>` | collector (`tokenizeIn: collector`) | [`hashed`]: prompt prefixes with their vLLM hashes, in `sharedState.hashedPrefixSlots` slots, within `sharedState.hashedPrefixBytes` ([`hashed::Budget`]) |
 //! | `kvroute/tok/<fingerprint>` | collector | [`hashed::TokenizerMeta`]: a loaded tokenizer's added tokens, for the workers' cuts |
 //! | `kvroute/tokenize/pending` | workers (reserve), collector (release) | [`hashed::reserve`]: bytes of jobs waiting in the tokenize queue |
 //!

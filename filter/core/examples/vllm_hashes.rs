@@ -71,13 +71,17 @@ fn offpath_hashes(
     else {
         panic!("an empty store holds nothing")
     };
+    let budget = std::cell::RefCell::new(kvroute_shared_state::hashed::Budget::new(
+        shared.hashed_prefix_slots,
+        shared.hashed_prefix_bytes,
+    ));
     let t = Tokenizing {
         tok,
         fingerprint: m.fingerprint,
         block_size: p.block_size,
         hasher: &p.hasher,
         max_blocks: p.max_blocks,
-        slots,
+        budget: &budget,
     };
     process(&job, &t, &store).unwrap();
     match lookup(&store, slots, cut, &text, seed, jf).unwrap() {

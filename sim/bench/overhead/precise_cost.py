@@ -56,6 +56,7 @@ Only the Python standard library is used (plus wrk and envoy).
 """
 
 import argparse
+import hashlib
 import http.client
 import json
 import os
@@ -91,33 +92,71 @@ QWEN3_SCRIPT = os.path.join(REPO, "scripts", "qwen3-tokenizer.sh")
 # ---------------------------------------------------------------- the precise plugins
 
 
-def qwen3_precise_plugins(tok_dir):
+TOKENIZER_CLUSTER = "kvroute_tokenizer"
+
+
+def qwen3_precise_plugins(tok_dir, url=None):
     """The plugins that put precise mode with Qwen3's tokenizer in front of
     the kvroute arm's: the one place that says how the tokenizer reaches the
-    module (now: inline, tokenizer.json's text as a JSON string and
-    tokenizer_config.json as an object)."""
-    with open(os.path.join(tok_dir, "tokenizer.json")) as f:
-        tok_text = f.read()
+    module. With `url` (the default delivery): by reference, `tokenizerUrl`
+    with its sha256 pin, fetched by the collector through
+    TOKENIZER_CLUSTER (envoy/render.py renders that cluster); without:
+    inline, tokenizer.json's text as a JSON string. tokenizer_config.json
+    (the chat template) is inline either way."""
     with open(os.path.join(tok_dir, "tokenizer_config.json")) as f:
         tok_cfg = json.load(f)
+    params = {"modelName": bodies_mod.MODEL, "tokenizerConfig": tok_cfg}
+    if url:
+        with open(os.path.join(tok_dir, "tokenizer.json"), "rb") as f:
+            params.update(tokenizerUrl=url, tokenizerSha256=hashlib.sha256(f.read()).hexdigest(),
+                          tokenizerCluster=TOKENIZER_CLUSTER)
+    else:
+        with open(os.path.join(tok_dir, "tokenizer.json")) as f:
+            params["tokenizerJson"] = f.read()
     return [
-        {"type": "token-producer", "parameters": {"modelName": bodies_mod.MODEL, "tokenizerJson": tok_text,
-                                                  "tokenizerConfig": tok_cfg}},
+        {"type": "token-producer", "parameters": params},
         {"type": "precise-prefix-cache-producer", "parameters": {"tokenProcessorConfig": {"blockSizeTokens": 16,
                                                                                           "hashSeed": "0"}}},
     ]
 
 
-def precise_plugin_file(base_path, tok_dir, work):
+def precise_plugin_file(base_path, tok_dir, work, url=None):
     """The kvroute arm's plugin config plus precise mode (kvEvents on, no relay)."""
     with open(base_path) as f:
         cfg = json.load(f)
-    cfg["plugins"] = qwen3_precise_plugins(tok_dir) + cfg["plugins"]
+    cfg["plugins"] = qwen3_precise_plugins(tok_dir, url) + cfg["plugins"]
     cfg["kvEvents"] = {"enabled": True}
     path = os.path.join(work, f"{PRECISE_ARM}-plugin.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def serve_tokenizer(tok_dir, work, port):
+    """A loopback HTTP server over tok_dir on `port` (Python's http.server,
+    stopped with the other processes); returns tokenizer.json's URL."""
+    bench.Proc("tokenizer-files", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                    "--directory", tok_dir], os.path.join(work, "tokenizer-files.log"))
+    url = f"http://127.0.0.1:{port}/tokenizer.json"
+    deadline = time.monotonic() + 30
+    while bench.http("HEAD", url)[0] != 200:
+        if time.monotonic() > deadline:
+            sys.exit("precise_cost.py: the tokenizer's file server did not start")
+        time.sleep(0.2)
+    return url
+
+
+def wait_tokenizers(admins, arms, timeout_s=300):
+    """Waits until each precise arm's collector has loaded its tokenizer
+    (`tokenizeIn: collector`); returns the seconds waited."""
+    t0 = time.monotonic()
+    for arm in arms:
+        while bench.admin_stats(admins[arm], "kvroute_tokenizer_loaded").get(
+                "wasmcustom.kvroute_tokenizer_loaded", 0) < 1:
+            if time.monotonic() - t0 > timeout_s:
+                sys.exit(f"precise_cost.py: {arm} did not load its tokenizer in {timeout_s} s")
+            time.sleep(0.2)
+    return time.monotonic() - t0
 
 
 # ---------------------------------------------------------------- bodies
@@ -640,6 +679,8 @@ def main(argv=None):
     p.add_argument("--plugin-config", default=os.path.join(HERE, "kvroute-bench.json"))
     p.add_argument("--tokenizer-dir", help="dir with Qwen3's tokenizer.json and tokenizer_config.json "
                    "(default: what scripts/qwen3-tokenizer.sh prints; it fetches them once)")
+    p.add_argument("--tokenizer-delivery", choices=("url", "inline"), default="url",
+                   help="how the precise arms get tokenizer.json: by URL with a sha256 pin (default), or inline")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=WASM",
                    help="an extra arm: the kvroute (approximate) arm with another module build; repeatable")
     p.add_argument("--precise-variant", action="append", default=[], metavar="NAME=WASM",
@@ -688,7 +729,10 @@ def main(argv=None):
     if not tok_dir:
         tok_dir = subprocess.run(["bash", QWEN3_SCRIPT], check=True, capture_output=True, text=True).stdout.strip()
     args.tokenizer_dir = tok_dir
-    plugin_file = precise_plugin_file(args.plugin_config, tok_dir, work)
+    files_port = bench.free_ports(1)[0]
+    url = serve_tokenizer(tok_dir, work, files_port) if args.tokenizer_delivery == "url" else None
+    precise_arms = [a for a in arms if a == PRECISE_ARM or a in precise_variants]
+    plugin_file = precise_plugin_file(args.plugin_config, tok_dir, work, url)
     args.extra_specs = {PRECISE_ARM: {"plugin_file": plugin_file}}
     args.extra_specs.update({n: {"plugin_file": plugin_file, "wasm": w} for n, w in precise_variants.items()})
 
@@ -727,10 +771,12 @@ def main(argv=None):
     try:
         print(f"[precise] starting Envoy arms at --concurrency {args.concurrency}: {arms}", flush=True)
         procs, urls, proxy_of, admins, since = start(args, work, arms, args.concurrency)
+        loaded = wait_tokenizers(admins, precise_arms)
         mem = memory_out.setdefault(str(args.concurrency), {})
         for arm in arms:
             print(f"[precise] {arm} serving within {since[arm]:.1f} s of launch", flush=True)
             mem[arm] = {"start_s": since[arm]}
+        print(f"[precise] tokenizers loaded {loaded:.1f} s after the arms served", flush=True)
         for b in measured:
             for arm in arms:
                 r = bench.run_wrk(urls[arm], files[b], 4, 1 if args.quick else 2, 0, lua, b != "8k",
@@ -807,7 +853,10 @@ def main(argv=None):
 
         if mem_conc:
             print(f"[precise] memory: Envoy arms at --concurrency {mem_conc}", flush=True)
+            if url:
+                serve_tokenizer(tok_dir, work, files_port)
             procs, urls, proxy_of, admins, since = start(args, work, arms, mem_conc)
+            wait_tokenizers(admins, precise_arms)
             mem = memory_out.setdefault(str(mem_conc), {})
             for arm in arms:
                 print(f"[precise] {arm} serving within {since[arm]:.1f} s of launch", flush=True)

@@ -135,6 +135,8 @@ pub struct SharedStateConfig {
     /// slots of prompt prefixes with known vLLM hashes (precise mode with
     /// `tokenizeIn: collector`; `kvroute_shared_state::hashed`)
     pub hashed_prefix_slots: u32,
+    /// bytes those prefixes may hold in all
+    pub hashed_prefix_bytes: u64,
 }
 
 // ---------------------------------------------------------------------------
@@ -212,6 +214,7 @@ pub(super) struct RawKvEvents {
 pub(super) struct RawSharedState {
     index_budget_bytes: Option<u64>,
     hashed_prefix_slots: Option<u64>,
+    hashed_prefix_bytes: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -372,11 +375,19 @@ pub(super) fn shared_state(s: RawSharedState) -> Result<SharedStateConfig, Confi
         hashed_prefix_slots: range_u64(
             "sharedState.hashedPrefixSlots",
             s.hashed_prefix_slots,
-            512,
+            16_384,
             1,
-            65_536,
+            262_144,
             "prefixes",
         )? as u32,
+        hashed_prefix_bytes: range_u64(
+            "sharedState.hashedPrefixBytes",
+            s.hashed_prefix_bytes,
+            32 << 20,
+            64 << 10,
+            1 << 30,
+            "bytes",
+        )?,
     })
 }
 

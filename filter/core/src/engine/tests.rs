@@ -1338,13 +1338,17 @@ fn an_offpath_next_turn_goes_where_its_earlier_turns_are_held() {
     // The collector's side: load and publish.
     let tok = m.load(TINY_JSON.as_bytes()).unwrap();
     kvroute_shared_state::hashed::put_meta(&s, m.fingerprint, &OffPathModel::meta(&tok)).unwrap();
+    let budget = std::cell::RefCell::new(kvroute_shared_state::hashed::Budget::new(
+        e.config.shared_state.hashed_prefix_slots,
+        e.config.shared_state.hashed_prefix_bytes,
+    ));
     let t = Tokenizing {
         tok: &tok,
         fingerprint: m.fingerprint,
         block_size: 4,
         hasher: &p.hasher,
         max_blocks: p.max_blocks,
-        slots: e.config.shared_state.hashed_prefix_slots,
+        budget: &budget,
     };
     let turn = |n: usize| {
         let mut msgs = vec![

@@ -49,6 +49,8 @@ pub struct Tokenizing {
     /// Fetches in flight: call token → model index.
     fetches: HashMap<u32, usize>,
     queue: Option<u32>,
+    /// The stored prefixes' byte budget (`sharedState.hashedPrefixBytes`).
+    budget: Option<std::cell::RefCell<kvroute_shared_state::hashed::Budget>>,
 }
 
 impl Tokenizing {
@@ -68,8 +70,15 @@ impl Tokenizing {
                     })
                 })
                 .collect();
+            let ss = &engine.config.shared_state;
             Tokenizing {
                 models,
+                budget: Some(std::cell::RefCell::new(
+                    kvroute_shared_state::hashed::Budget::new(
+                        ss.hashed_prefix_slots,
+                        ss.hashed_prefix_bytes,
+                    ),
+                )),
                 ..Tokenizing::default()
             }
         }
@@ -182,7 +191,10 @@ impl Tokenizing {
             counts.inc(host, Counter::TokenizeJobsFailed);
             return;
         };
-        let Some(m) = p.tokenizers.get(i).and_then(|t| t.offpath.as_deref()) else {
+        let (Some(m), Some(budget)) = (
+            p.tokenizers.get(i).and_then(|t| t.offpath.as_deref()),
+            self.budget.as_ref(),
+        ) else {
             return;
         };
         let t = T {
@@ -191,7 +203,7 @@ impl Tokenizing {
             block_size: p.block_size,
             hasher: &p.hasher,
             max_blocks: p.max_blocks,
-            slots: engine.config.shared_state.hashed_prefix_slots,
+            budget,
         };
         match process(&job, &t, host.store()) {
             Ok(done) => {

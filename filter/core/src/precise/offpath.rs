@@ -514,7 +514,8 @@ pub struct Tokenizing<'a> {
     pub block_size: u32,
     pub hasher: &'a VllmBlockHasher,
     pub max_blocks: usize,
-    pub slots: u32,
+    /// The stored prefixes' slots and byte budget (the collector's account).
+    pub budget: &'a std::cell::RefCell<hashed::Budget>,
 }
 
 /// Tokenizes a job's text, continuing its base prefix's hashes, and
@@ -543,16 +544,21 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
         });
     };
     // Another request's job stored this text already.
-    if hashed::holds(store, t.slots, &bounds[last].key)? {
+    let slots = t.budget.borrow().slots();
+    if hashed::holds(store, slots, &bounds[last].key)? {
         return Ok(Processed {
             already: true,
             ..Processed::default()
         });
     }
     let base = match job.base {
-        Some(k) => hashed::get(store, t.slots, &k)?
-            .filter(|p| p.extendable)
-            .ok_or(JobError::BaseGone)?,
+        Some(k) => {
+            let p = hashed::get(store, slots, &k)?
+                .filter(|p| p.extendable)
+                .ok_or(JobError::BaseGone)?;
+            t.budget.borrow_mut().touch(&k);
+            p
+        }
         None => HashedPrefix {
             key: from,
             tokens: 0,
@@ -569,9 +575,9 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
         let hashes = t
             .hasher
             .block_hashes_u64(&ids, t.block_size, salt, t.max_blocks);
-        hashed::put(
+        hashed::put_within(
             store,
-            t.slots,
+            &mut t.budget.borrow_mut(),
             &HashedPrefix {
                 key: bounds[last].key,
                 tokens: ids.len().min(u32::MAX as usize) as u32,
@@ -635,9 +641,9 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
             mark = (hashes.len() + 1).next_power_of_two();
         }
         if i == last || near_end.contains(&i) || at_mark {
-            hashed::put(
+            hashed::put_within(
                 store,
-                t.slots,
+                &mut t.budget.borrow_mut(),
                 &HashedPrefix {
                     key: bounds[i].key,
                     tokens,

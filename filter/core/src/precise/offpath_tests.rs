@@ -23,6 +23,14 @@ struct Setup<'a> {
     t: Tokenizing<'a>,
 }
 
+/// A budget that never evicts (the tests check equality, not eviction).
+fn roomy() -> &'static std::cell::RefCell<hashed::Budget> {
+    Box::leak(Box::new(std::cell::RefCell::new(hashed::Budget::new(
+        SLOTS,
+        1 << 40,
+    ))))
+}
+
 impl<'a> Setup<'a> {
     fn new(tok: &'a ModelTokenizer, hasher: &'a VllmBlockHasher, max_blocks: usize) -> Self {
         Setup {
@@ -32,7 +40,7 @@ impl<'a> Setup<'a> {
                 block_size: 16,
                 hasher,
                 max_blocks,
-                slots: SLOTS,
+                budget: roomy(),
             },
         }
     }
