@@ -383,7 +383,7 @@ pub(super) fn shared_state(s: RawSharedState) -> Result<SharedStateConfig, Confi
         hashed_prefix_bytes: range_u64(
             "sharedState.hashedPrefixBytes",
             s.hashed_prefix_bytes,
-            32 << 20,
+            16 << 20,
             64 << 10,
             1 << 30,
             "bytes",

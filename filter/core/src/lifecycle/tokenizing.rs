@@ -18,7 +18,7 @@ use std::collections::HashMap;
 pub const TOKENIZE_QUEUE: &str = "kvroute/tokenize";
 /// Bytes of jobs waiting in the queue, at most (the workers reserve them in
 /// `kvroute/tokenize/pending`).
-pub const MAX_PENDING_BYTES: u64 = 64 << 20;
+pub const MAX_PENDING_BYTES: u64 = 16 << 20;
 /// Time one queue callback or tick may spend on jobs, ms.
 const JOB_BUDGET_MS: u64 = 50;
 #[cfg(feature = "tokenizer")]

@@ -373,13 +373,17 @@ fn take_str(r: &mut Reader) -> Option<String> {
     String::from_utf8(s).ok()
 }
 
+/// The most new text one job carries (bytes), unless its first piece is
+/// longer: about 40 ms of Qwen3 tokenizing in the collector.
+pub const MAX_JOB_BYTES: usize = 64 * 1024;
+
 /// What a worker found for a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Lookup {
     /// The whole prompt is stored.
     Full(HashedPrefix),
     /// A prefix is stored; `rest_bytes` of text follow it, handed over in
-    /// `job`.
+    /// `job` (up to [`MAX_JOB_BYTES`] of it).
     Partial {
         prefix: HashedPrefix,
         rest_bytes: usize,
@@ -419,12 +423,25 @@ pub fn lookup(
     };
     let ps = pieces(cut, text);
     let bounds = chain(&ps, seed, root(seed));
-    let job = |base: Option<PrefixKey>, from: usize| Job {
-        model: req.model,
-        add_special: req.add_special,
-        salt: req.salt.clone(),
-        base,
-        text: text[from..].to_owned(),
+    // A job is the text after the prefix found, up to MAX_JOB_BYTES (at a
+    // piece's end; at least one piece): a long new text is tokenized over
+    // several requests, each continuing from where the last one stopped,
+    // so no job holds the collector long.
+    let job = |base: Option<PrefixKey>, from: usize| {
+        let end = bounds
+            .iter()
+            .map(|b| b.end)
+            .filter(|&e| e > from && e - from <= MAX_JOB_BYTES)
+            .max()
+            .or_else(|| bounds.iter().map(|b| b.end).find(|&e| e > from))
+            .unwrap_or(text.len());
+        Job {
+            model: req.model,
+            add_special: req.add_special,
+            salt: req.salt.clone(),
+            base,
+            text: text[from..end].to_owned(),
+        }
     };
     let Some(last) = bounds.len().checked_sub(1) else {
         return Ok(Lookup::Miss(None));

@@ -282,3 +282,48 @@ fn jobs_round_trip_and_junk_is_refused() {
     assert_eq!(Job::decode(&none.encode()), Some(none));
     assert_eq!(Job::decode(&[JOB_MAGIC, 0, 9]), None);
 }
+
+/// A long new text is tokenized over several requests, at most
+/// MAX_JOB_BYTES (one piece more at worst) each, each continuing from the
+/// last; in the end the whole prompt is found with exactly its hashes.
+#[test]
+fn a_long_new_text_is_tokenized_a_job_at_a_time() {
+    let tok = tiny(Some(TOOLS_TEMPLATE));
+    let hasher = VllmBlockHasher::new(None);
+    let s = Setup::new(&tok, &hasher, usize::MAX);
+    let store = MemoryStore::new();
+    let mut rng = Rng(21);
+    let mut msgs = vec![json!({"role": "system", "content": text(&mut rng, 400).repeat(10)})];
+    for i in 0..24 {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        let t: String = (0..12).map(|_| text(&mut rng, 400)).collect();
+        msgs.push(json!({"role": role, "content": t}));
+    }
+    let body = json!({"model": "m", "messages": msgs});
+    let (text, special) = render(&tok, &body).unwrap();
+    assert!(text.len() > 3 * MAX_JOB_BYTES, "{}", text.len());
+    let (want, tokens) = s.whole(&text, special, None);
+    let mut rounds = 0;
+    loop {
+        rounds += 1;
+        assert!(rounds < 50);
+        let job = match s.lookup(&store, &text, special, None) {
+            Lookup::Full(p) => {
+                assert_eq!((p.hashes, p.tokens), (want, tokens));
+                break;
+            }
+            Lookup::Partial { job, prefix, .. } => {
+                assert!(want.starts_with(&prefix.hashes));
+                job
+            }
+            Lookup::Miss(job) => job.unwrap(),
+        };
+        assert!(
+            job.text.len() <= MAX_JOB_BYTES + 8 * 400,
+            "{}",
+            job.text.len()
+        );
+        process(&job, &s.t, &store).unwrap();
+    }
+    assert!(rounds >= 4, "{rounds} rounds");
+}
