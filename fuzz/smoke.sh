@@ -18,6 +18,7 @@
 #   relay_frames    vLLM ZMQ KV frames    seeds: fuzz/seeds/relay_frames/ (the real capture)
 #   relay_mesh      relay /mesh/exchange bodies, against a model  seeds: fuzz/seeds/relay_mesh/
 #   mesh_answer     relay answers to the collector's mesh posts    seeds: fuzz/seeds/mesh_answer/
+#   offpath         precise off-path codecs, cutter, lookup, jobs  seeds: fuzz/seeds/offpath/
 # The four before relay_mesh are what the collector and the relay parse from servers,
 # relays and Envoy, each driven through the real path into shared data.
 #
@@ -56,7 +57,7 @@ export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares --cfg fuzzing -Cdebug-assertions \
 -Cllvm-args=-simplifycfg-branch-fold-threshold=0 -Cllvm-args=-sanitizer-coverage-stack-depth"
-all=(parse_request parse_differential config engine vllm_metrics kv_events envoy_clusters relay_frames relay_mesh mesh_answer)
+all=(parse_request parse_differential config engine vllm_metrics kv_events envoy_clusters relay_frames relay_mesh mesh_answer offpath)
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${all[@]}")
 bins=()
@@ -107,6 +108,8 @@ run envoy_clusters "$fuzz_dir/seeds/envoy_clusters" "$fuzz_dir/dicts/envoy_clust
 run relay_frames "$fuzz_dir/seeds/relay_frames" "$fuzz_dir/dicts/relay_frames.dict" 65536
 run relay_mesh "$fuzz_dir/seeds/relay_mesh" "$fuzz_dir/dicts/relay_mesh.dict" 16384
 run mesh_answer "$fuzz_dir/seeds/mesh_answer" "$fuzz_dir/dicts/mesh_answer.dict" 16384
+# Shared data and the tokenize queue hold a turn's few KB.
+run offpath "$fuzz_dir/seeds/offpath" "$fuzz_dir/dicts/offpath.dict" 4096
 
 shopt -s nullglob
 known=(../testdata/requests/crash-*)

@@ -14,7 +14,8 @@
 #   5. fuzz smoke: bash fuzz/smoke.sh (libFuzzer, 10 s per target over its seeds: the request
 #      parser, alone and against its frozen reference, the plugin config, the engine, and what
 #      the collector and relay parse from the network: vLLM /metrics, relay /kv/* answers,
-#      Envoy /clusters JSON, vLLM's ZMQ KV frames;
+#      Envoy /clusters JSON, vLLM's ZMQ KV frames; and precise mode's off-path jobs, stored
+#      prefixes and cuts;
 #      fails on a crash)
 #   6. the release module: target/wasm32-wasip1/release/kvroute_wasm.wasm, and the smaller one
 #      without the tokenizer feature: target/no-tokenizer/wasm32-wasip1/release/kvroute_wasm.wasm
@@ -103,7 +104,7 @@ fi
 CARGO_TARGET_WASM32_WASIP1_RUNNER="$runner" cargo test --target wasm32-wasip1 -p kvroute-core
 done_step
 
-step "fuzz smoke (bash fuzz/smoke.sh: parse_request, parse_differential, config, engine, vllm_metrics, kv_events, envoy_clusters, relay_frames, relay_mesh, mesh_answer; 10 s each)"
+step "fuzz smoke (bash fuzz/smoke.sh: parse_request, parse_differential, config, engine, vllm_metrics, kv_events, envoy_clusters, relay_frames, relay_mesh, mesh_answer, offpath; 10 s each)"
 bash fuzz/smoke.sh
 done_step
 

@@ -39,12 +39,24 @@
 //!   and its answers back into the collector;
 //! - [`relay_mesh::run`]: proxies' `POST /mesh/exchange` bodies → the
 //!   relay's request parser and mesh state, against a naive model.
+//!
+//! What one VM writes to shared data or a shared queue and another parses
+//! (the same Envoy; still, bad input never panics a VM):
+//!
+//! - [`offpath::run`]: precise mode off the request path: the job,
+//!   stored-prefix and tokenizer-meta codecs (what decodes re-encodes),
+//!   the cutter built from published cuts (pieces cover the text, hold no
+//!   cut, and split at cuts only), the workers' lookup over junk in
+//!   `kvroute/hashed/*` against a model of its order, and the collector's
+//!   processing with the tiny tokenizer (a processed text is then found
+//!   whole, with exactly the request path's hashes).
 
 pub mod alloc_count;
 pub mod engine;
 pub mod envoy_clusters;
 pub mod kv_events;
 pub mod mesh_answer;
+pub mod offpath;
 pub mod parse_differential;
 pub mod relay_frames;
 pub mod relay_mesh;
