@@ -58,12 +58,16 @@ fn accepted(w: &mut World, i: usize) {
         .facts(kvroute_core::request::ApiKind::ChatCompletions, &body)
         .expect("a chat body");
     let mut rng = kvroute_core::scheduling::Rng::new(i as u64);
-    if let kvroute_core::engine::Outcome::Routed(r) = w.engine.route(&w.store, facts, w.now_ms, &mut rng) {
+    if let kvroute_core::engine::Outcome::Routed(r) =
+        w.engine.route(&w.store, facts, w.now_ms, &mut rng)
+    {
         if let Some(p) = &r.provisional {
             w.engine.note_accepted(&w.store, p).expect("note_accepted");
         }
         if let Some(t) = &r.ticket {
-            w.engine.release_rest(&w.store, t, false).expect("release_rest");
+            w.engine
+                .release_rest(&w.store, t, false)
+                .expect("release_rest");
         }
     }
 }
@@ -77,7 +81,11 @@ pub fn run(data: &[u8]) {
     let eps = table.endpoints.clone();
     route_chat(&mut w, 0);
     let (base_bytes, base_keys) = w.store.usage();
-    let records = eps.iter().map(|e| usize::from(e.slot) + 1).max().unwrap_or(0);
+    let records = eps
+        .iter()
+        .map(|e| usize::from(e.slot) + 1)
+        .max()
+        .unwrap_or(0);
     for (step, answer) in data.split(|&b| b == 0).take(MAX_ANSWERS).enumerate() {
         w.now_ms += 100;
         let Some((&pick, body)) = answer.split_first() else {
@@ -95,7 +103,11 @@ pub fn run(data: &[u8]) {
             Err(ApplyError::Garbage(m)) => {
                 assert!(!m.is_empty());
                 assert!(parse_answer(body).is_err(), "refused what parses");
-                assert_eq!(load(&w), before_load, "a garbage answer changed the load table");
+                assert_eq!(
+                    load(&w),
+                    before_load,
+                    "a garbage answer changed the load table"
+                );
                 assert_eq!(
                     w.store.get("kvroute/ix/0").expect("MemoryStore get"),
                     before_ix,
@@ -109,7 +121,11 @@ pub fn run(data: &[u8]) {
                 let after = load(&w);
                 let rec = after.get(e.slot, e.generation).expect("its record");
                 assert_eq!(
-                    (rec.peer.prompt_tokens, rec.peer.output_tokens, rec.peer.requests),
+                    (
+                        rec.peer.prompt_tokens,
+                        rec.peer.output_tokens,
+                        rec.peer.requests
+                    ),
                     (a.load.prompt, a.load.output, a.load.requests)
                 );
                 assert_eq!(rec.peer.at_ms, w.now_ms);
@@ -128,7 +144,9 @@ pub fn run(data: &[u8]) {
         }
         if step % 4 == 3 {
             let out = w.engine.mesh_outgoing(&w.store).expect("mesh_outgoing");
-            assert!(out.decisions.iter().all(|d| eps.iter().any(|e| (e.slot, e.generation) == (d.slot, d.generation))));
+            assert!(out.decisions.iter().all(|d| eps
+                .iter()
+                .any(|e| (e.slot, e.generation) == (d.slot, d.generation))));
         }
         let (bytes, keys) = w.store.usage();
         let outbox = w
