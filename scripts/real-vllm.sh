@@ -4,6 +4,7 @@
 #
 #   bash scripts/real-vllm.sh setup                  # venv + tiny model + tokenizer (cached)
 #   bash scripts/real-vllm.sh start N BASEPORT [--blocks 256] [--event-baseport P] [--no-events]
+#                                    [--model tiny|qwen3]   # qwen3: Qwen3's tokenizer + template
 #                                                    # N servers on BASEPORT.., healthy on return;
 #                                                    # prints addresses, writes a pidfile
 #   bash scripts/real-vllm.sh status | stop          # the servers `start` started (pidfile)
