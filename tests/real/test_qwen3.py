@@ -70,7 +70,7 @@ def qwen3_fleet(tmp_path_factory):
             relays.append(r)
             _LIVE.append(r)
     f = vllm_tier.Fleet(2, log_dir=log_dir, blocks=NUM_BLOCKS, ports=ports[:2], event_ports=endpoints,
-                        pidfile=os.environ.get("KVROUTE_REAL_PIDFILE_QWEN3"), model=model)
+                        pidfile=_pidfile(), model=model)
     _LIVE.append(f)
     t0 = time.monotonic()
     f.start(timeout=900)
@@ -89,6 +89,13 @@ def qwen3_fleet(tmp_path_factory):
         for obj in [f] + sinks + relays:
             if obj in _LIVE:
                 _LIVE.remove(obj)
+
+
+def _pidfile():
+    """servers-qwen3.json beside KVROUTE_REAL_PIDFILE (scripts/real-vllm.sh
+    test stops what both list, also when pytest is killed)."""
+    p = os.environ.get("KVROUTE_REAL_PIDFILE")
+    return os.path.join(os.path.dirname(p), "servers-qwen3.json") if p else None
 
 
 def _tree_rss_mib(pid):
@@ -405,7 +412,7 @@ def test_qwen3_conversations_keep_their_cache_through_envoy(qwen3_fleet, envoy, 
     tag = secrets.token_hex(4)
     conv = {c: [{"role": "system", "content": f"{tag} conversation {c}. " + words(f"{tag}-{c}", 300)}]
             for c in range(CONVERSATIONS)}
-    placed, prev_prompt, sent = {}, {}, 0
+    placed, prev_prompt, sent, covered = {}, {}, 0, []
     for k in range(TURNS):
         for c in range(CONVERSATIONS):
             conv[c].append({"role": "user", "content": f"question {k}: " + words(f"{tag}-{c}-q{k}", 50) + "?"})
@@ -422,6 +429,7 @@ def test_qwen3_conversations_keep_their_cache_through_envoy(qwen3_fleet, envoy, 
             else:
                 assert d["endpoint"] == placed[c], (c, k, d)
                 assert cached >= 0.8 * prev_prompt[c], (c, k, usage, prev_prompt[c])
+                covered.append(cached / prev_prompt[c])
             prev_prompt[c] = usage["prompt_tokens"]
             conv[c].append({"role": "assistant", "content": f"Answer {k}: " + words(f"{tag}-{c}-a{k}", 20) + "."})
             # The collector tokenizes the turn's new text; the relays' next
@@ -434,7 +442,9 @@ def test_qwen3_conversations_keep_their_cache_through_envoy(qwen3_fleet, envoy, 
     assert len(set(placed.values())) == 2, placed
     assert tokenizer_files.gets == ["/tokenizer.json"], tokenizer_files.gets
     fallbacks = stats_with(g, "kvroute_precise_fallback_")
-    print(f"\n[qwen3] fallbacks {fallbacks}; matched {stat(g, 'wasmcustom.kvroute_precise_matched')}, "
+    print(f"\n[qwen3] later turns: cached_tokens / previous prompt min {min(covered):.3f}, "
+          f"mean {sum(covered) / len(covered):.3f}; last prompts {sorted(prev_prompt.values())} tokens")
+    print(f"[qwen3] fallbacks {fallbacks}; matched {stat(g, 'wasmcustom.kvroute_precise_matched')}, "
           f"prefix_partial {stat(g, 'wasmcustom.kvroute_precise_prefix_partial')}")
     assert fallbacks, "no kvroute_precise_fallback_* counter in Envoy's stats"
     assert {k: v for k, v in fallbacks.items() if v and not k.endswith("not_hashed_yet")} == {}, fallbacks
