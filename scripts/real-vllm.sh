@@ -4,6 +4,7 @@
 #
 #   bash scripts/real-vllm.sh setup                  # venv + tiny model + tokenizer (cached)
 #   bash scripts/real-vllm.sh start N BASEPORT [--blocks 256] [--event-baseport P] [--no-events]
+#                                    [--model tiny|qwen3]   # qwen3: Qwen3's tokenizer + template
 #                                                    # N servers on BASEPORT.., healthy on return;
 #                                                    # prints addresses, writes a pidfile
 #   bash scripts/real-vllm.sh status | stop          # the servers `start` started (pidfile)
@@ -49,7 +50,10 @@ case "$cmd" in
     # The fixtures stop every server they start (also on failure and on
     # SIGTERM/SIGINT); their pidfile is the safety net for a killed pytest.
     export KVROUTE_REAL_PIDFILE="${KVROUTE_REAL_PIDFILE:-$(mktemp -d)/servers.json}"
-    trap 'python3 "$helper" stop --pidfile "$KVROUTE_REAL_PIDFILE" >/dev/null 2>&1 || true' EXIT
+    # test_qwen3.py's fleet lists its servers in servers-qwen3.json beside it.
+    qwen3_pidfile="$(dirname "$KVROUTE_REAL_PIDFILE")/servers-qwen3.json"
+    trap 'python3 "$helper" stop --pidfile "$KVROUTE_REAL_PIDFILE" >/dev/null 2>&1 || true
+          python3 "$helper" stop --pidfile "$qwen3_pidfile" >/dev/null 2>&1 || true' EXIT
     rc=0
     KVROUTE_E2E_NO_BUILD=1 "$cache/venv/bin/python" -m pytest tests/real -v -rs "$@" || rc=$?
     echo "real-vllm test: exit $rc in $(( $(date +%s) - started ))s"

