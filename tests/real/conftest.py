@@ -253,7 +253,7 @@ def real_plugin_config():
     return cfg
 
 
-def precise_plugins(real_fleet):
+def precise_plugins(real_fleet, tokenize_in=None):
     """A `token-producer` with this tier's tokenizer.json and
     tokenizer_config.json inline, and a `precise-prefix-cache-producer` with
     the servers' block size and PYTHONHASHSEED: precise mode as the servers
@@ -264,7 +264,8 @@ def precise_plugins(real_fleet):
         {"type": "token-producer", "parameters": {
             "modelName": str(md), "servedModelNames": [MODEL],
             "tokenizerJson": json.loads((md / "tokenizer.json").read_text()),
-            "tokenizerConfig": json.loads((md / "tokenizer_config.json").read_text())}},
+            "tokenizerConfig": json.loads((md / "tokenizer_config.json").read_text()),
+            **({"tokenizeIn": tokenize_in} if tokenize_in else {})}},
         {"type": "precise-prefix-cache-producer", "parameters": {
             "tokenProcessorConfig": {"blockSizeTokens": BLOCK_SIZE, "hashSeed": seed}}},
     ]

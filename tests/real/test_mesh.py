@@ -61,7 +61,13 @@ def mesh_config(real_fleet, precise):
         "relays": {s.address: r.address for s, r in zip(real_fleet.servers, real_fleet.relays)},
     }
     if precise:
-        cfg["plugins"] = precise_plugins(real_fleet) + [
+        # Each gateway routes each conversation's turns in turn, so with
+        # `tokenizeIn: collector` (the default) a gateway would meet every
+        # turn of a conversation for the first time: nothing of it hashed
+        # in its own shared data (`not_hashed_yet`, routed on the mesh's
+        # approximate view). Tokenizing on the request path makes every
+        # turn precise, which is what this test checks across gateways.
+        cfg["plugins"] = precise_plugins(real_fleet, tokenize_in="worker") + [
             p for p in cfg["plugins"] if p["type"] != "approx-prefix-cache-producer"]
     return cfg
 

@@ -12,8 +12,8 @@ content and a `cache_salt`, kvroute's hashes (the `vllm_hashes` example,
 which also asserts that the off-path hashes equal the request path's) and
 token IDs equal, block for block, the chain of the server's `BlockStored`
 events, and the token IDs equal vLLM's own `/tokenize` of the same
-messages. A case where vLLM renders the template otherwise is xfail (strict)
-with the exact difference as its reason.
+messages, tools printed with `tojson` and tool-call arguments in another
+JSON form included.
 
 (b) Routing through Envoy in precise mode (`tokenizeIn: collector`, the
 default) with Qwen3's tokenizer given by reference (`tokenizerUrl` on a
@@ -287,24 +287,16 @@ def test_everything_in_one_chat(qwen3_fleet, hasher, decode):
     assert _check(qwen3_fleet, hasher, decode, body) >= 6
 
 
-# Found on vLLM 0.32 (2026-12-07): where kvroute's minijinja render and
-# vLLM's render of Qwen3's template differ. Each is strict: it fails the
-# day the renders agree.
-
-TOJSON = ("kvroute renders `tool | tojson` with minijinja's tojson (compact, HTML-escaped: "
-          "'{\"type\":\"function\",...\"Weather \\u003cfor\\u003e a city \\u0026 day\"') while vLLM uses "
-          "transformers' tojson = json.dumps(ensure_ascii=False) ('{\"type\": \"function\", ... \"Weather <for> "
-          "a city & day\"'): from the tools block on (in the system turn) no hash of the request matches")
-ARGUMENTS = ("vLLM parses each tool call's `arguments` string into a dict (renderers/chat_utils.py "
-             "_postprocess_messages) and Qwen3's template prints it with tojson = json.dumps(ensure_ascii=False): "
-             "'{\"city\": \"Paris\", \"days\": 3}'; kvroute prints the string as sent: '{\"city\":\"Paris\",\"days\":3}' "
-             "(and '\\u00fc' for '\u00fc'); equal only when the client sent json.dumps's own form")
-NULL_CONTENT = ("an assistant turn with `content: null` and `tool_calls` (the OpenAI clients' form): vLLM renders "
-                "its content as '' (chat_utils: None -> [] -> ''); kvroute's render fails in Qwen3's "
-                "`'</think>' in message.content` and the request falls back (`template`)")
+# Three cases where kvroute's minijinja render of Qwen3's template differed
+# from vLLM 0.32's, found here on 2026-12-07 and fixed in
+# `precise/tokenizer.rs` (transformers' tojson, vLLM's message
+# normalisation): `tools` printed with `tojson` (vLLM: Python's
+# json.dumps(ensure_ascii=False), not compact and HTML-escaped), tool-call
+# `arguments` sent in another JSON form than json.dumps's (vLLM parses them
+# into an object first), and an assistant turn with `content: null` (vLLM
+# renders ''; the render used to fail).
 
 
-@pytest.mark.xfail(strict=True, reason=TOJSON)
 def test_tools(qwen3_fleet, hasher, decode):
     seed = secrets.randbelow(1 << 30)
     tools = [{"type": "function", "function": {
@@ -316,7 +308,6 @@ def test_tools(qwen3_fleet, hasher, decode):
     assert _check(qwen3_fleet, hasher, decode, _body(messages, tools=tools)) >= 5
 
 
-@pytest.mark.xfail(strict=True, reason=ARGUMENTS)
 def test_tool_call_arguments_in_another_json_form(qwen3_fleet, hasher, decode):
     seed = secrets.randbelow(1 << 30)
     messages = ([_system(seed)] + _tool_exchange('{"city":"Paris","days":3}')
@@ -324,7 +315,6 @@ def test_tool_call_arguments_in_another_json_form(qwen3_fleet, hasher, decode):
     assert _check(qwen3_fleet, hasher, decode, _body(messages)) >= 5
 
 
-@pytest.mark.xfail(strict=True, reason=NULL_CONTENT)
 def test_tool_call_with_null_content(qwen3_fleet, hasher, decode):
     seed = secrets.randbelow(1 << 30)
     exchange = _tool_exchange(json.dumps({"city": "Paris", "days": 3}))
