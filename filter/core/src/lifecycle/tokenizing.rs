@@ -50,6 +50,7 @@ pub struct Tokenizing {
     fetches: HashMap<u32, usize>,
     queue: Option<u32>,
     /// The stored prefixes' byte budget (`sharedState.hashedPrefixBytes`).
+    #[cfg_attr(not(feature = "tokenizer"), allow(dead_code))]
     budget: Option<std::cell::RefCell<kvroute_shared_state::hashed::Budget>>,
 }
 
