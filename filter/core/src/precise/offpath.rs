@@ -657,7 +657,9 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
         if at_mark {
             mark = (hashes.len() + 1).next_power_of_two();
         }
-        if i == last || near_end.contains(&i) || at_mark {
+        // A prefix without a full block matches nothing on a server: only
+        // the text's end is stored then (its exact token count).
+        if i == last || ((near_end.contains(&i) || at_mark) && !hashes.is_empty()) {
             hashed::put_within(
                 store,
                 &mut t.budget.borrow_mut(),
