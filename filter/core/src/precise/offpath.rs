@@ -479,7 +479,7 @@ pub const LAST_ADDED: usize = 3;
 pub struct Processed {
     /// Bytes of text tokenized.
     pub tokenized_bytes: u64,
-    /// Prefixes stored.
+    /// Prefixes stored (one larger than the whole budget is not).
     pub stored: u32,
     /// The text's end was stored already (another request's job): nothing
     /// done.
@@ -592,7 +592,7 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
         let hashes = t
             .hasher
             .block_hashes_u64(&ids, t.block_size, salt, t.max_blocks);
-        hashed::put_within(
+        let stored = hashed::put_within(
             store,
             &mut t.budget.borrow_mut(),
             &HashedPrefix {
@@ -606,7 +606,7 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
         )?;
         return Ok(Processed {
             tokenized_bytes: job.text.len() as u64,
-            stored: 1,
+            stored: u32::from(stored),
             already: false,
         });
     }
@@ -660,7 +660,7 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
         // A prefix without a full block matches nothing on a server: only
         // the text's end is stored then (its exact token count).
         if i == last || ((near_end.contains(&i) || at_mark) && !hashes.is_empty()) {
-            hashed::put_within(
+            let stored = hashed::put_within(
                 store,
                 &mut t.budget.borrow_mut(),
                 &HashedPrefix {
@@ -672,7 +672,7 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
                     extendable: true,
                 },
             )?;
-            out.stored += 1;
+            out.stored += u32::from(stored);
         }
     }
     Ok(out)
