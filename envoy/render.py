@@ -196,7 +196,8 @@ def _state_listener_yaml(host, port, wasm, config, state_path):
 # Envoy stats of the module (docs/observability.md). The slot of a
 # per-endpoint gauge (`wasmcustom.kvroute_endpoint_*.slot.<n>`) becomes the
 # Prometheus label `slot`; the regex is kvroute_core::lifecycle::telemetry's
-# SLOT_TAG_REGEX. Histogram buckets fit each stat's unit (Envoy's default
+# SLOT_TAG_REGEX; a flow-control stat's band (`wasmcustom.kvroute_flow_*.band.<p>`,
+# `m5` for priority -5) becomes `band` (lifecycle::flow's BAND_TAG_REGEX). Histogram buckets fit each stat's unit (Envoy's default
 # buckets are for milliseconds).
 STATS_CONFIG_YAML = r"""
 # kvroute's stats: the endpoint slot as a Prometheus label, and buckets that
@@ -205,11 +206,15 @@ stats_config:
   stats_tags:
   - tag_name: slot
     regex: '^wasmcustom\.kvroute_endpoint_[a-z_]+(\.slot\.([0-9]+))$'
+  - tag_name: band
+    regex: '^wasmcustom\.kvroute_flow_[a-z_]+(\.band\.(m?[0-9]+))$'
   histogram_bucket_settings:
   - match: {prefix: wasmcustom.kvroute_decision_time_us}
     buckets: [10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 100000]
   - match: {prefix: wasmcustom.kvroute_affinity_percent}
     buckets: [0.5, 10, 25, 50, 75, 90, 95, 99, 100]
+  - match: {prefix: wasmcustom.kvroute_flow_wait_ms}
+    buckets: [1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000]
 """
 
 

@@ -8,6 +8,7 @@
 pub mod blocks;
 pub mod config;
 pub mod engine;
+pub mod flow;
 pub mod learners;
 pub mod lifecycle;
 pub mod precise;

@@ -75,9 +75,9 @@ impl RootContext for Root {
 
     /// A stream of an unconfigured root (or of the collector) passes every
     /// request on untouched.
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let worker = self.role.as_ref().and_then(Role::worker);
-        Some(Box::new(Request(Stream::new(worker))))
+        Some(Box::new(Request(Stream::new(worker).with_id(context_id))))
     }
 
     fn get_type(&self) -> Option<ContextType> {

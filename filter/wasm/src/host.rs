@@ -130,6 +130,26 @@ impl Host for SdkHost {
         .map_err(err("proxy_send_local_response"))
     }
 
+    fn send_json_response_with(
+        &self,
+        status: u32,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> HostResult<()> {
+        let mut h = vec![("content-type", "application/json")];
+        h.extend_from_slice(headers);
+        hostcalls::send_http_response(status, h, Some(body.as_bytes()))
+            .map_err(err("proxy_send_local_response"))
+    }
+
+    fn set_effective_context(&self, context_id: u32) -> HostResult<()> {
+        hostcalls::set_effective_context(context_id).map_err(err("proxy_set_effective_context"))
+    }
+
+    fn resume_request(&self) -> HostResult<()> {
+        hostcalls::resume_http_request().map_err(err("proxy_continue_stream"))
+    }
+
     fn http_call(
         &self,
         cluster: &str,

@@ -25,9 +25,12 @@ pub(crate) enum Inert {
     /// decode role *or absent*. kvroute's endpoints carry no labels, so it
     /// keeps every endpoint.
     DecodeFilter,
-    /// `utilization-detector`, `concurrency-detector`: saturation detectors
-    /// for llm-d's admission and flow control, which kvroute does not have.
+    /// `utilization-detector`, `concurrency-detector`: saturation detectors,
+    /// read by flow control (`flow::config`), which checks their parameters.
     Detector,
+    /// Flow control's fairness, ordering and usage-limit policies, read by
+    /// `flow::config` when a band or `flowControl` names them.
+    FlowPolicy,
     /// `openai-parser`: kvroute parses the OpenAI API itself.
     Parser,
     /// llm-d's data-layer sources and extractors: kvroute's collector polls
@@ -45,6 +48,7 @@ impl Inert {
             Inert::Detector => Some("is a saturation detector; kvroute accepts it for `saturationDetector` but does not run its filter role (dropping endpoints over queue/KV limits) in a profile"),
             Inert::Parser => Some("is a request parser; reference it from `requestHandler.parsers`, not from a profile"),
             Inert::DataLayer => Some("is a data-layer plugin; reference it from `dataLayer`, not from a profile"),
+            Inert::FlowPolicy => Some("is a flow-control policy; reference it from `flowControl`, not from a profile"),
         }
     }
 }
@@ -62,11 +66,10 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         "latency-scorer" | "predicted-latency-producer" | "slo-headroom-tier-filter"
         | "latency-slo-admitter" => "it needs llm-d's latency-predictor sidecars; use prefix-cache-affinity-filter with token-load-scorer or active-request-scorer",
         "random-picker" => "kvroute has max-score-picker and weighted-random-picker",
-        "global-strict-fairness-policy" | "round-robin-fairness-policy" | "program-aware-fairness"
-        | "fcfs-ordering-policy" | "edf-ordering-policy" | "slo-deadline-ordering-policy"
-        | "static-usage-limit-policy" | "priority-holdback-policy"
-        | "soft-reflective-ceiling-policy" | "sheddable-eviction-filter"
-        | "priority-then-time-eviction-order-policy" | "probabilistic-admitter" => "it is part of llm-d's flow control and admission (queueing and shedding at the gateway), which kvroute does not have: every request is routed at once",
+        "program-aware-fairness" | "slo-deadline-ordering-policy" | "priority-holdback-policy"
+        | "soft-reflective-ceiling-policy" => "kvroute's flow control runs global-strict-fairness-policy, round-robin-fairness-policy, fcfs-ordering-policy, edf-ordering-policy and static-usage-limit-policy only",
+        "sheddable-eviction-filter" | "priority-then-time-eviction-order-policy" => "kvroute does not evict in-flight requests (flowControl.enableEviction)",
+        "probabilistic-admitter" => "kvroute's admission is flow control's (featureGates: flowControl); it has no probabilistic admitter",
         "session-affinity-filter" | "session-affinity-scorer" | "lora-affinity-scorer"
         | "load-aware-scorer" | "running-requests-size-scorer" | "context-length-aware"
         | "label-selector-filter" | "by-label" | "by-label-selector"
@@ -99,9 +102,9 @@ const FEATURE_GATES: &[(&str, bool)] = &[
     ("enableLegacyMetrics", false),
 ];
 
-/// Validates `featureGates`; refuses the one gate that would change what a
-/// request meets (`flowControl`).
-pub(super) fn feature_gates(gates: &[String]) -> Result<(), ConfigError> {
+/// Validates `featureGates`; returns whether the `flowControl` gate is on
+/// (flow control, `flow/`).
+pub(super) fn feature_gates(gates: &[String]) -> Result<bool, ConfigError> {
     let mut flow_control = false;
     for (i, g) in gates.iter().enumerate() {
         let path = format!("featureGates[{i}]");
@@ -130,13 +133,7 @@ pub(super) fn feature_gates(gates: &[String]) -> Result<(), ConfigError> {
             flow_control = on;
         }
     }
-    if flow_control {
-        return Err(err(
-            "featureGates",
-            "the flowControl gate is on, but kvroute has no flow control (queueing, priority bands and shedding at the gateway): every request is routed at once; remove the gate or set \"flowControl=false\"",
-        ));
-    }
-    Ok(())
+    Ok(flow_control)
 }
 
 #[derive(Deserialize)]
@@ -163,31 +160,6 @@ struct DataLayer {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct FlowControl {
-    #[serde(default)]
-    max_bytes: Option<Value>,
-    #[serde(default)]
-    max_requests: Option<Value>,
-    #[serde(default, rename = "defaultRequestTTL")]
-    default_request_ttl: Option<Value>,
-    #[serde(default, rename = "noEndpointRequestTTL")]
-    no_endpoint_request_ttl: Option<Value>,
-    #[serde(default)]
-    default_priority_band: Option<Value>,
-    #[serde(default)]
-    default_negative_priority_band: Option<Value>,
-    #[serde(default)]
-    priority_bands: Option<Value>,
-    #[serde(default)]
-    usage_limit_policy_plugin_ref: Option<String>,
-    #[serde(default)]
-    saturation_detector: Option<PluginRef>,
-    #[serde(default)]
-    enable_eviction: Option<bool>,
-}
-
-#[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RequestHandler {
     #[serde(default)]
@@ -198,7 +170,6 @@ struct RequestHandler {
 #[derive(Default)]
 pub(super) struct Sections {
     pub data_layer: Option<Value>,
-    pub flow_control: Option<Value>,
     pub request_handler: Option<Value>,
     pub parser: Option<Value>,
     pub saturation_detector: Option<Value>,
@@ -232,30 +203,6 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
             DETECTORS,
             "it must name a utilization-detector or concurrency-detector",
         )?;
-    }
-    if let Some(v) = &s.flow_control {
-        // llm-d reads this section only with the flowControl gate on, which
-        // kvroute refuses; so it is checked for shape and otherwise unread.
-        let fc: FlowControl = super::check::strict_value_req(v, "flowControl")?;
-        if let Some(r) = &fc.saturation_detector {
-            refers_to(
-                "flowControl.saturationDetector.pluginRef",
-                &r.plugin_ref,
-                DETECTORS,
-                "it must name a utilization-detector or concurrency-detector",
-            )?;
-        }
-        let _ = (
-            fc.max_bytes,
-            fc.max_requests,
-            fc.default_request_ttl,
-            fc.no_endpoint_request_ttl,
-            fc.default_priority_band,
-            fc.default_negative_priority_band,
-            fc.priority_bands,
-            fc.usage_limit_policy_plugin_ref,
-            fc.enable_eviction,
-        );
     }
     if let Some(v) = &s.data_layer {
         let dl: DataLayer = super::check::strict_value_req(v, "dataLayer")?;
@@ -381,6 +328,16 @@ pub(crate) fn inert_params(
         // Data-layer plugins configure llm-d's metric scraping; kvroute's
         // `collector` section does that job, so their parameters are not read.
         (Inert::DataLayer, _) => {}
+        // `threshold`, checked by `flow::config` when flowControl names it.
+        (Inert::FlowPolicy, "static-usage-limit-policy") => {
+            #[derive(Deserialize, Default)]
+            #[serde(deny_unknown_fields)]
+            struct Threshold {
+                #[allow(dead_code)]
+                threshold: Option<f64>,
+            }
+            super::check::strict_value::<Threshold>(params, ppath)?;
+        }
         _ => {
             strict_value_no_params(params, ppath)?;
         }

@@ -73,6 +73,9 @@ pub struct Config {
     pub shared_state: SharedStateConfig,
     /// The mesh exchange between proxies (`mesh`; `engine` `mesh`).
     pub mesh: MeshConfig,
+    /// Flow control (`featureGates: ["flowControl"]`, `flowControl`,
+    /// `inferenceObjectives`); `None`: every request is routed at once.
+    pub flow: Option<crate::flow::FlowConfig>,
 }
 
 /// How this proxy shares its routing with the other proxies of a mesh.
@@ -137,6 +140,10 @@ struct RawConfig {
     shared_state: RawSharedState,
     #[serde(default)]
     mesh: RawMesh,
+    /// kvroute's stand-in for llm-d's `InferenceObjective` resources
+    /// (`flow::config`).
+    #[serde(default)]
+    inference_objectives: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -209,7 +216,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     }
     let _ = raw.api_version;
-    llm_d::feature_gates(&raw.feature_gates)?;
+    let flow_gate = llm_d::feature_gates(&raw.feature_gates)?;
 
     // Names: `name` defaults to `type`; must be unique.
     let names: Vec<String> = raw
@@ -292,7 +299,6 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     llm_d::sections(
         &llm_d::Sections {
             data_layer: raw.data_layer.clone(),
-            flow_control: raw.flow_control.clone(),
             request_handler: raw.request_handler.clone(),
             parser: raw.parser.clone(),
             saturation_detector: raw.saturation_detector.clone(),
@@ -445,6 +451,28 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let shared_state = sections::shared_state(raw.shared_state)?;
     let mesh = sections::mesh(raw.mesh, &kv_events)?;
 
+    let declared_params: Vec<crate::flow::config::Declared> = raw
+        .plugins
+        .iter()
+        .zip(&names)
+        .enumerate()
+        .map(|(i, (p, n))| crate::flow::config::Declared {
+            name: n,
+            kind: registry::canonical_type(&p.kind),
+            params: &p.parameters,
+            path: format!("plugins[{i}].parameters"),
+        })
+        .collect();
+    let flow = crate::flow::config::compile(&crate::flow::config::Inputs {
+        gate_on: flow_gate,
+        section: raw.flow_control.as_ref(),
+        top_detector: raw.saturation_detector.as_ref(),
+        objectives: raw.inference_objectives.as_ref(),
+        plugins: &declared_params,
+        metrics_stale_after_ms: collector.metrics_stale_after_ms,
+        metrics_poll_ms: collector.metrics_poll_interval_ms,
+    })?;
+
     Ok(Config {
         scheduler,
         prefix,
@@ -455,6 +483,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         kv_events,
         shared_state,
         mesh,
+        flow,
     })
 }
 

@@ -455,11 +455,17 @@ fn feature_gates() {
             "featureGates": serde_json::from_str::<Value>(ok).unwrap()
         })));
     }
-    let e = reject(&baseline_with(
-        serde_json::json!({"featureGates": ["flowControl"]}),
-    ));
-    assert_eq!(e.path, "featureGates");
-    assert!(e.message.contains("no flow control"), "{e}");
+    // The flowControl gate turns flow control on (`flow/`).
+    let on = Config::from_json(
+        baseline_with(serde_json::json!({"featureGates": ["flowControl"]})).as_bytes(),
+    )
+    .unwrap();
+    assert!(on.flow.is_some_and(|f| f.queueing));
+    let off = Config::from_json(
+        baseline_with(serde_json::json!({"featureGates": ["flowControl=false"]})).as_bytes(),
+    )
+    .unwrap();
+    assert!(off.flow.is_none());
     let e = reject(&baseline_with(
         serde_json::json!({"featureGates": ["dataLayer", "fastMode"]}),
     ));
@@ -643,7 +649,8 @@ fn known_llm_d_types_are_refused_with_a_reason() {
         ("prefill-filter", "disaggregation"),
         ("latency-scorer", "latency-predictor"),
         ("random-picker", "weighted-random-picker"),
-        ("fcfs-ordering-policy", "flow control"),
+        ("slo-deadline-ordering-policy", "flow control runs"),
+        ("sheddable-eviction-filter", "does not evict"),
         ("multicluster-queue-scorer", "multi-cluster"),
         ("session-affinity-scorer", "does not implement"),
     ] {

@@ -43,6 +43,8 @@ pub struct RequestFacts {
     /// Full blocks of the prompt past its known vLLM hashes (a stored
     /// prefix and new text after it: estimated).
     pub precise_unknown_blocks: u32,
+    /// The body's `model` (flow control's objective by model).
+    pub model: String,
 }
 
 /// A prompt's rendered text, for the off-path lookup.
@@ -74,6 +76,7 @@ impl RequestFacts {
             scorer_scores: false,
             offpath: None,
             precise_unknown_blocks: 0,
+            model: String::new(),
         }
     }
 }
@@ -139,6 +142,7 @@ impl Engine {
             scorer_scores: false,
             offpath,
             precise_unknown_blocks: 0,
+            model: req.model,
         })
     }
 }

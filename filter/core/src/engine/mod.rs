@@ -96,6 +96,7 @@ use std::sync::{Arc, Mutex};
 
 mod collect;
 mod facts;
+mod flow;
 mod mesh;
 mod offpath;
 mod route;

@@ -15,6 +15,7 @@
 //!   tick), the collector's gauges and the collector-leader hook.
 
 mod collector;
+mod flow;
 pub mod lease;
 mod mesh_link;
 mod stream;
@@ -116,6 +117,21 @@ pub trait Host {
     fn request_body(&self, size: usize) -> HostResult<Option<Vec<u8>>>;
     /// Answers the request locally with a JSON body.
     fn send_json_response(&self, status: u32, body: &str) -> HostResult<()>;
+    /// [`Host::send_json_response`] with more response headers.
+    fn send_json_response_with(
+        &self,
+        status: u32,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> HostResult<()>;
+    /// `proxy_set_effective_context`: the stream calls that follow (headers,
+    /// local replies, resuming) act on that request. Flow control's
+    /// dispatch on the root's tick uses it; each host callback starts with
+    /// its own context effective again.
+    fn set_effective_context(&self, context_id: u32) -> HostResult<()>;
+    /// `proxy_continue_stream` of the effective context's request: a
+    /// request paused after its body goes on upstream.
+    fn resume_request(&self) -> HostResult<()>;
 
     /// Dispatches an HTTP call (no body) to `cluster`; returns its token.
     fn http_call(
@@ -487,6 +503,11 @@ pub struct Worker {
     tick_age: RefCell<telemetry::TickAge>,
     /// The tokenize queue's token, once resolved.
     tokenize_queue: Cell<Option<u32>>,
+    /// Flow control (`featureGates: ["flowControl"]`), when configured.
+    pub flow: Option<flow::FlowState>,
+    /// When the counts were last handed to Envoy (the tick is faster with
+    /// flow control).
+    last_flush_ms: Cell<u64>,
 }
 
 impl Worker {
@@ -499,7 +520,21 @@ impl Worker {
             last_now_ms: Cell::new(0),
             tick_age: RefCell::new(telemetry::TickAge::default()),
             tokenize_queue: Cell::new(None),
+            flow: None,
+            last_flush_ms: Cell::new(0),
         }
+    }
+
+    /// Adds flow control from the engine's config (its metrics defined;
+    /// `id`: this worker's record on the board).
+    pub fn with_flow(mut self, host: &dyn Host, id: u64) -> Worker {
+        self.flow = self
+            .engine
+            .config
+            .flow
+            .clone()
+            .map(|cfg| flow::FlowState::new(host, cfg, id));
+        self
     }
 
     /// Hands an accepted request's new text to the collector
@@ -589,8 +624,20 @@ impl Worker {
     /// (`kvroute_collector_tick_age_ms`), then flushes. A clock error skips
     /// the gauge (counted) rather than compute an age from a stale time.
     pub fn on_tick(&self, host: &dyn Host) {
-        if let Some(ns) = self.clock_ns(host) {
-            self.tick_age.borrow_mut().on_tick(host, ns / 1_000_000);
+        let now = self.clock_ns(host).map(|ns| ns / 1_000_000);
+        if let (Some(f), Some(now)) = (&self.flow, now) {
+            f.on_tick(self, host, now);
+        }
+        // With flow control the tick is FLOW_TICK_MS; the gauge and the
+        // counts still go every FLUSH_PERIOD_MS.
+        if let Some(now) = now {
+            if self.flow.is_some()
+                && now.saturating_sub(self.last_flush_ms.get()) < u64::from(FLUSH_PERIOD_MS)
+            {
+                return;
+            }
+            self.last_flush_ms.set(now);
+            self.tick_age.borrow_mut().on_tick(host, now);
         }
         self.flush(host);
     }
@@ -734,11 +781,18 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
     let tick_ms = collector
         .as_ref()
         .map_or(FLUSH_PERIOD_MS, |c| c.timers().tick_ms.min(FLUSH_PERIOD_MS));
+    // Flow control dispatches on the tick.
+    let queueing = engine.config.flow.as_ref().is_some_and(|f| f.queueing);
+    let tick_ms = if queueing {
+        tick_ms.min(crate::flow::FLOW_TICK_MS)
+    } else {
+        tick_ms
+    };
     let batched = match host.set_tick_period_ms(tick_ms) {
         Ok(()) => true,
-        Err(e) if collector.is_some() => {
+        Err(e) if collector.is_some() || queueing => {
             return Err(format!(
-                "kvroute: collector.mode lease needs a tick, and the host refused it: {e}"
+                "kvroute: collector.mode lease and flow control need a tick, and the host refused it: {e}"
             ))
         }
         Err(e) => {
@@ -751,8 +805,9 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
     };
     let counts = Counts::define(host, batched);
     host.log(Level::Info, "kvroute filter configured");
+    let flow_id = crate::scheduling::Rng::derive(seed, 0xF10E).next_u64();
     Ok(Role::Filter {
-        worker: Rc::new(Worker::new(engine, seed, counts)),
+        worker: Rc::new(Worker::new(engine, seed, counts).with_flow(host, flow_id)),
         collector,
     })
 }

@@ -21,11 +21,15 @@
 //! a few microseconds later (at the end of the stream) would only cost
 //! three more VM crossings per request.
 
+use super::flow::{Admit, Arrival};
 use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
 use crate::engine::{openai_error, Outcome, Provisional, Unrouted};
 use crate::request::{ApiKind, ParseError};
 use kvroute_shared_state::load::Ticket;
 use std::rc::Rc;
+
+/// The objective and fairness headers' values, as sent.
+type FlowHeaders = (Option<Vec<u8>>, Option<Vec<u8>>);
 
 /// Response header carrying the decision explanation (`routing.debugHeader`).
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
@@ -60,6 +64,13 @@ pub struct Stream {
     /// `tokenizeIn: collector`: the prompt's new text for the collector,
     /// sent when a server accepts the request.
     tokenize_job: Option<Vec<u8>>,
+    /// The stream's context id (flow control acts on it from the tick).
+    id: u32,
+    /// Flow control: the objective and fairness headers as sent.
+    flow_headers: Option<FlowHeaders>,
+    /// Flow control holds (or held) the request: its decision, if any, is
+    /// the dispatch's (taken over at the next callback or the end).
+    queued: bool,
 }
 
 impl Stream {
@@ -78,6 +89,33 @@ impl Stream {
             passthrough: false,
             buffered: 0,
             tokenize_job: None,
+            id: 0,
+            flow_headers: None,
+            queued: false,
+        }
+    }
+
+    /// The stream's context id (flow control needs it to dispatch).
+    pub fn with_id(mut self, id: u32) -> Stream {
+        self.id = id;
+        self
+    }
+
+    /// Flow control: takes over what a dispatch decided for this request,
+    /// once (`queued` stays set while it still waits).
+    fn settle_flow(&mut self, host: &dyn Host) {
+        if !self.queued {
+            return;
+        }
+        let Some(w) = self.worker.clone() else {
+            return;
+        };
+        let Some(f) = &w.flow else {
+            return;
+        };
+        if let Some(d) = f.take_dispatched(self.id) {
+            self.queued = false;
+            self.adopt(host, d);
         }
     }
 
@@ -136,6 +174,23 @@ impl Stream {
         Action::Pause
     }
 
+    /// Flow control refused the request: 429 (with `Retry-After`) or 503,
+    /// an OpenAI-style error and llm-d's dropped-reason header.
+    fn shed(w: &Worker, host: &dyn Host, why: crate::flow::Shed) -> Action {
+        let body = openai_error(why.message(), "rate_limit_exceeded", why.status());
+        let retry = crate::flow::RETRY_AFTER_S.to_string();
+        let mut headers: Vec<(&str, &str)> =
+            vec![(crate::flow::DROPPED_REASON_HEADER, why.reason())];
+        if why.status() == 429 {
+            headers.push(("retry-after", &retry));
+        }
+        if let Err(e) = host.send_json_response_with(why.status(), &body, &headers) {
+            w.host_error(host, "sending a local response", e);
+            return Action::Continue;
+        }
+        Action::Pause
+    }
+
     fn unrouted(w: &Worker, host: &dyn Host, why: &Unrouted) -> Action {
         w.counts.inc(host, Counter::FailOpen);
         host.log(
@@ -151,6 +206,18 @@ impl Stream {
     /// The stream's end, on every exit path (success, reset, abort, local
     /// reply, timeout): releases what the request still holds.
     pub fn on_end(&mut self, host: &dyn Host) {
+        if self.queued {
+            self.settle_flow(host);
+            if self.queued {
+                // Still waiting (the client went away): out of the queue.
+                self.queued = false;
+                if let Some(w) = self.worker.clone() {
+                    if let Some(f) = &w.flow {
+                        f.cancel(&w, host, self.id);
+                    }
+                }
+            }
+        }
         self.release_rest(host);
     }
 
@@ -209,6 +276,13 @@ impl Stream {
             }
             PathClass::Routable(kind) => kind,
         };
+        if w.flow.is_some() {
+            let first = |names: [&str; 2]| names.iter().find_map(|n| header(n)).map(<[u8]>::to_vec);
+            self.flow_headers = Some((
+                first(crate::flow::OBJECTIVE_HEADERS),
+                first(crate::flow::FAIRNESS_HEADERS),
+            ));
+        }
         if end_of_stream {
             // A POST without a body cannot be routed.
             let why = Unrouted::BadBody(ParseError::Empty);
@@ -233,7 +307,7 @@ impl Stream {
         let (Some(w), Some(kind)) = (self.worker.clone(), self.kind) else {
             return Action::Continue;
         };
-        if self.passthrough || self.ticket.is_some() {
+        if self.passthrough || self.ticket.is_some() || self.queued {
             return Action::Continue;
         }
         let limit = w.engine.config.routing.max_body_bytes;
@@ -268,7 +342,7 @@ impl Stream {
         let (Some(w), Some(kind)) = (self.worker.clone(), self.kind) else {
             return Action::Continue;
         };
-        if self.passthrough || self.ticket.is_some() {
+        if self.passthrough || self.ticket.is_some() || self.queued {
             return Action::Continue;
         }
         let size = self.buffered;
@@ -332,66 +406,69 @@ impl Stream {
         let timed = w.samples.time_decision();
         let now_ns = w.clock_ns(host);
         let now = now_ns.map_or_else(|| w.now_ms_cached(), |ns| ns / 1_000_000);
+        let facts = w.engine.facts(kind, &body);
+        drop(body);
+        // Flow control: the request may wait, or be shed, before routing.
+        let facts = match (facts, &w.flow) {
+            (Ok(facts), Some(f)) => {
+                let (objective, flow) = self.flow_headers.take().unwrap_or_default();
+                let class = f
+                    .cfg
+                    .classify(objective.as_deref(), &facts.model, flow.as_deref());
+                let arrival = Arrival {
+                    id: self.id,
+                    class,
+                    bytes: body_size as u64,
+                    facts,
+                };
+                match f.admit(w, host, arrival, now) {
+                    Admit::Go(facts) => Ok(*facts),
+                    Admit::Queued => {
+                        self.queued = true;
+                        return Action::Pause;
+                    }
+                    Admit::Shed(why) => return Self::shed(w, host, why),
+                }
+            }
+            (other, _) => other,
+        };
         let outcome = {
             let mut rng = w.rng.borrow_mut();
-            match w.engine.facts(kind, &body) {
+            match facts {
                 Ok(facts) => w.engine.route(host.store(), facts, now, &mut rng),
                 Err(why) => w.engine.fail_for(why),
             }
         };
         w.samples
             .on_decision(host, now_ns.filter(|_| timed), &outcome);
-        match outcome {
-            Outcome::Routed(mut r) => {
-                let header = &w.engine.config.routing.destination_header;
-                if let Err(e) = host.set_request_header(header, &r.destination) {
-                    // The request goes on unrouted; give the charge back,
-                    // and what the decision wrote (the endpoint never
-                    // saw the request).
-                    w.host_error(host, "setting the destination header", e);
-                    self.ticket = r.ticket;
-                    self.provisional = r.provisional;
-                    self.release_rest(host);
-                    return Action::Continue;
-                }
-                w.counts.inc(host, Counter::Routed);
-                w.counts
-                    .add(host, Counter::CasRetries, u64::from(r.cas_retries));
-                w.counts.inc(host, Counter::for_branch(r.decision.branch));
-                if let Some(u) = r.precise {
-                    w.counts.inc(host, Counter::for_precise(u));
-                }
-                if let Some(t) = r.tokenize.take() {
-                    if t.partial {
-                        w.counts.inc(host, Counter::PrecisePrefixPartial);
-                    }
-                    self.tokenize_job = Some(t.job);
-                }
-                if r.ticket.is_none() {
-                    w.host_error(
-                        host,
-                        "charging the endpoint",
-                        "shared data refused the write",
-                    );
-                }
-                self.ticket = r.ticket;
-                self.streaming = r.stream;
-                if w.engine.config.routing.debug_header {
-                    self.explanation = Some(r.explanation());
-                }
-                self.provisional = r.provisional;
-                self.destination = Some(r.destination);
+        match apply_outcome(w, host, outcome) {
+            Applied::Routed(d) => {
+                self.adopt(host, d);
                 Action::Continue
             }
-            Outcome::FailOpen(why) => Self::unrouted(w, host, &why),
-            Outcome::Reject { status, body, .. } => {
-                w.counts.inc(host, Counter::Rejected);
-                Self::reply(w, host, status, &body)
-            }
+            Applied::Unrouted => Action::Continue,
+            Applied::Replied => Action::Pause,
+        }
+    }
+
+    /// Takes over what a decision made for this request wrote (the charge,
+    /// the destination); a destination header that could not be set gives
+    /// it all back at once.
+    fn adopt(&mut self, host: &dyn Host, d: Box<Decided>) {
+        self.ticket = d.ticket;
+        self.streaming = d.streaming;
+        self.explanation = d.explanation;
+        self.provisional = d.provisional;
+        self.tokenize_job = d.tokenize_job;
+        if d.header_failed {
+            self.release_rest(host);
+        } else {
+            self.destination = Some(d.destination);
         }
     }
 
     pub fn on_response_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
+        self.settle_flow(host);
         self.follow_retry(host);
         // Only a request a server accepted is tokenized (`tokenizeIn:
         // collector`).
@@ -451,5 +528,100 @@ impl Stream {
             self.release_prompt(host);
         }
         Action::Continue
+    }
+}
+
+/// What a routing decision left for the request's stream to hold.
+pub(super) struct Decided {
+    ticket: Option<Ticket>,
+    provisional: Option<Provisional>,
+    destination: String,
+    streaming: bool,
+    explanation: Option<String>,
+    tokenize_job: Option<Vec<u8>>,
+    /// The destination header could not be set: the request goes on
+    /// unrouted and the stream gives everything back when it adopts this.
+    header_failed: bool,
+}
+
+/// How a decision was acted on.
+pub(super) enum Applied {
+    /// Routed: the destination header is set (or `header_failed`).
+    Routed(Box<Decided>),
+    /// Not routed (fail-open): Envoy's load balancer decides.
+    Unrouted,
+    /// Answered locally.
+    Replied,
+}
+
+/// Acts on a decision for the request whose stream is the effective
+/// context: sets the destination header, counts, or answers locally.
+/// Shared by the body callback and flow control's dispatch on the tick.
+pub(super) fn apply_outcome(w: &Worker, host: &dyn Host, outcome: Outcome) -> Applied {
+    match outcome {
+        Outcome::Routed(mut r) => {
+            let header = &w.engine.config.routing.destination_header;
+            if let Err(e) = host.set_request_header(header, &r.destination) {
+                // The request goes on unrouted; the charge goes back, and
+                // what the decision wrote (the endpoint never saw it).
+                w.host_error(host, "setting the destination header", e);
+                return Applied::Routed(Box::new(Decided {
+                    ticket: r.ticket,
+                    provisional: r.provisional,
+                    destination: String::new(),
+                    streaming: r.stream,
+                    explanation: None,
+                    tokenize_job: None,
+                    header_failed: true,
+                }));
+            }
+            w.counts.inc(host, Counter::Routed);
+            w.counts
+                .add(host, Counter::CasRetries, u64::from(r.cas_retries));
+            w.counts.inc(host, Counter::for_branch(r.decision.branch));
+            if let Some(u) = r.precise {
+                w.counts.inc(host, Counter::for_precise(u));
+            }
+            let mut tokenize_job = None;
+            if let Some(t) = r.tokenize.take() {
+                if t.partial {
+                    w.counts.inc(host, Counter::PrecisePrefixPartial);
+                }
+                tokenize_job = Some(t.job);
+            }
+            if r.ticket.is_none() {
+                w.host_error(
+                    host,
+                    "charging the endpoint",
+                    "shared data refused the write",
+                );
+            }
+            let explanation = w
+                .engine
+                .config
+                .routing
+                .debug_header
+                .then(|| r.explanation());
+            Applied::Routed(Box::new(Decided {
+                ticket: r.ticket,
+                provisional: r.provisional,
+                destination: r.destination,
+                streaming: r.stream,
+                explanation,
+                tokenize_job,
+                header_failed: false,
+            }))
+        }
+        Outcome::FailOpen(why) => {
+            Stream::unrouted(w, host, &why);
+            Applied::Unrouted
+        }
+        Outcome::Reject { status, body, .. } => {
+            w.counts.inc(host, Counter::Rejected);
+            match Stream::reply(w, host, status, &body) {
+                Action::Pause => Applied::Replied,
+                Action::Continue => Applied::Unrouted,
+            }
+        }
     }
 }

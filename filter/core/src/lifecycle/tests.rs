@@ -42,7 +42,18 @@ struct FakeHost {
     /// Shared queues: name → token, and each token's items.
     queues: RefCell<HashMap<String, u32>>,
     queue_items: RefCell<HashMap<u32, std::collections::VecDeque<Vec<u8>>>>,
+    /// `proxy_set_effective_context` (flow control's dispatch).
+    effective: Cell<Option<u32>>,
+    /// Requests resumed: the effective context at each resume.
+    resumed: RefCell<Vec<Option<u32>>>,
+    /// Local replies with headers: effective context, status, body, headers.
+    ctx_replies: RefCell<Vec<ReplyWith>>,
+    /// Destination headers set: effective context, value.
+    ctx_headers: RefCell<Vec<(Option<u32>, String, String)>>,
 }
+
+/// A local reply with headers: effective context, status, body, headers.
+type ReplyWith = (Option<u32>, u32, String, Vec<(String, String)>);
 
 /// A POST: cluster, headers, body.
 type Post = (String, Vec<(String, String)>, Vec<u8>);
@@ -130,6 +141,11 @@ impl Host for FakeHost {
     }
     fn set_request_header(&self, name: &str, value: &str) -> HostResult<()> {
         self.fail("proxy_replace_header_map_value")?;
+        self.ctx_headers.borrow_mut().push((
+            self.effective.get(),
+            name.to_string(),
+            value.to_string(),
+        ));
         let mut h = self.request_headers.borrow_mut();
         h.retain(|(k, _)| k != name);
         h.push((name.to_string(), value.as_bytes().to_vec()));
@@ -165,6 +181,35 @@ impl Host for FakeHost {
     fn send_json_response(&self, status: u32, body: &str) -> HostResult<()> {
         self.fail("proxy_send_local_response")?;
         self.replies.borrow_mut().push((status, body.to_string()));
+        Ok(())
+    }
+    fn send_json_response_with(
+        &self,
+        status: u32,
+        body: &str,
+        headers: &[(&str, &str)],
+    ) -> HostResult<()> {
+        self.fail("proxy_send_local_response")?;
+        self.replies.borrow_mut().push((status, body.to_string()));
+        self.ctx_replies.borrow_mut().push((
+            self.effective.get(),
+            status,
+            body.to_string(),
+            headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        ));
+        Ok(())
+    }
+    fn set_effective_context(&self, context_id: u32) -> HostResult<()> {
+        self.fail("proxy_set_effective_context")?;
+        self.effective.set(Some(context_id));
+        Ok(())
+    }
+    fn resume_request(&self) -> HostResult<()> {
+        self.fail("proxy_continue_stream")?;
+        self.resumed.borrow_mut().push(self.effective.get());
         Ok(())
     }
     fn http_post(
@@ -241,7 +286,16 @@ impl Host for FakeHost {
     }
     fn define_counter(&self, name: &str) -> HostResult<u32> {
         self.fail("proxy_define_metric")?;
-        Ok(Counter::ALL.iter().position(|c| c.name() == name).unwrap() as u32)
+        match Counter::ALL.iter().position(|c| c.name() == name) {
+            Some(i) => Ok(i as u32),
+            // Other counters (flow control's per band): by name, with the
+            // gauges (`increment_counter` adds to them).
+            None => {
+                let id = metric_id(3, name);
+                self.metric_names.borrow_mut().insert(id, name.to_string());
+                Ok(id)
+            }
+        }
     }
     fn increment_counter(&self, id: u32, by: i64) -> HostResult<()> {
         self.fail("proxy_increment_metric")?;
@@ -1957,3 +2011,290 @@ fn a_lease_follower_does_not_stamp_the_collectors_tick() {
 #[cfg(feature = "tokenizer")]
 #[path = "tokenizing_tests.rs"]
 mod tokenizing_tests;
+
+/// Flow control in a worker: admission, dispatch on the tick, shedding,
+/// and every charge released on every exit path.
+mod flow_control {
+    use super::*;
+
+    /// A filter worker with flow control: two endpoints, a
+    /// concurrency-detector at `max` requests per endpoint, `flow` as the
+    /// `flowControl` section and `objectives` as `inferenceObjectives`.
+    fn flow_filter(
+        host: &FakeHost,
+        seed: u64,
+        max: u32,
+        flow: &str,
+        objectives: &str,
+    ) -> Rc<Worker> {
+        host.now_ns.set(5_000_000_000);
+        *host.config.borrow_mut() = format!(
+            r#"{{"endpoints":{{"static":["127.0.0.1:1","127.0.0.1:2"]}},
+            "featureGates":["flowControl"],
+            "plugins":[{{"type":"approx-prefix-cache-producer","parameters":{{"blockSizeTokens":16}}}},
+               {{"type":"queue-scorer"}},{{"type":"max-score-picker"}},
+               {{"type":"concurrency-detector","parameters":{{"maxConcurrency":{max}}}}},
+               {{"type":"round-robin-fairness-policy"}}],
+            "schedulingProfiles":[{{"name":"d","plugins":[{{"pluginRef":"queue-scorer"}},{{"pluginRef":"max-score-picker"}}]}}],
+            "flowControl":{{"saturationDetector":{{"pluginRef":"concurrency-detector"}}{flow}}},
+            "inferenceObjectives":[{objectives}],
+            "routing":{{"seed":{seed}}}}}"#
+        )
+        .into_bytes();
+        *host.root_id.borrow_mut() = b"kvroute".to_vec();
+        match configure(host) {
+            Ok(Role::Filter { worker, .. }) => worker,
+            Ok(Role::Collector(_)) => panic!("configured as the collector"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Headers (with `extra`) and the whole body of stream `id`; returns the
+    /// stream and the body callback's action.
+    fn send(
+        host: &FakeHost,
+        w: &Rc<Worker>,
+        id: u32,
+        user: &str,
+        extra: &[(&str, &[u8])],
+    ) -> (Stream, Action) {
+        host.set_request("POST", "/v1/chat/completions", extra);
+        host.effective.set(None);
+        let mut s = Stream::new(Some(w.clone())).with_id(id);
+        assert_eq!(s.on_request_headers(host, false), Action::Pause);
+        let body = chat_body(user);
+        let n = body.len();
+        *host.body.borrow_mut() = body;
+        let a = s.on_request_body(host, n, true);
+        (s, a)
+    }
+
+    fn metric(host: &FakeHost, name: &str) -> i64 {
+        host.gauge(name).unwrap_or(0)
+    }
+
+    fn tick(host: &FakeHost, w: &Worker, advance_ms: u64) {
+        host.now_ns.set(host.now_ns.get() + advance_ms * 1_000_000);
+        host.effective.set(None);
+        w.on_tick(host);
+    }
+
+    #[test]
+    fn a_saturated_pool_holds_requests_and_dispatches_them_as_capacity_frees() {
+        let host = FakeHost::default();
+        let w = flow_filter(&host, 7, 1, "", "");
+        assert_eq!(host.tick_ms.get(), Some(crate::flow::FLOW_TICK_MS));
+        // Two endpoints × 1: two go at once, the third waits.
+        let (mut a, act) = send(&host, &w, 1, "a", &[]);
+        assert_eq!(act, Action::Continue);
+        let (mut b, act) = send(&host, &w, 2, "b", &[]);
+        assert_eq!(act, Action::Continue);
+        let (mut c, act) = send(&host, &w, 3, "c", &[]);
+        assert_eq!(act, Action::Pause, "the pool is saturated: c waits");
+        let (mut d, act) = send(&host, &w, 4, "d", &[]);
+        assert_eq!(act, Action::Pause);
+        assert_eq!(
+            inflight(&host, &w).1,
+            2,
+            "a waiting request holds no charge"
+        );
+        assert_eq!(metric(&host, "kvroute_flow_queued.band.0"), 2);
+        // Nothing frees: the tick dispatches nothing.
+        tick(&host, &w, 5);
+        assert!(host.resumed.borrow().is_empty());
+        assert_eq!(w.flow.as_ref().unwrap().waiting(), 2);
+        // a ends: c (first come) goes, on its own context, routed.
+        serve(&host, &mut a, "200");
+        tick(&host, &w, 5);
+        assert_eq!(*host.resumed.borrow(), vec![Some(3)]);
+        let set = host.ctx_headers.borrow().last().cloned().unwrap();
+        assert_eq!(
+            (set.0, set.1.as_str()),
+            (Some(3), "x-gateway-destination-endpoint")
+        );
+        assert_eq!(inflight(&host, &w).1, 2);
+        assert_eq!(metric(&host, "kvroute_flow_dispatched.band.0"), 1);
+        assert_eq!(host.samples("kvroute_flow_wait_ms.band.0"), vec![10]);
+        // d's client goes away while it waits: out of the queue, nothing
+        // charged, counted.
+        d.on_end(&host);
+        assert_eq!(metric(&host, "kvroute_flow_cancelled.band.0"), 1);
+        assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
+        // c's stream takes over its charge and releases it at its end.
+        serve(&host, &mut c, "200");
+        serve(&host, &mut b, "200");
+        assert_eq!(inflight(&host, &w), (0, 0), "every charge released");
+        // The board holds nothing once the queue is empty.
+        tick(&host, &w, 5);
+        let board = crate::flow::board::read(host.store()).unwrap();
+        assert!(board.records.is_empty(), "{board:?}");
+    }
+
+    #[test]
+    fn a_dispatched_request_whose_client_left_before_its_response_releases_its_charge() {
+        let host = FakeHost::default();
+        let w = flow_filter(&host, 7, 1, "", "");
+        let (mut a, _) = send(&host, &w, 1, "a", &[]);
+        let (_b, _) = send(&host, &w, 2, "b", &[]);
+        let (mut c, act) = send(&host, &w, 3, "c", &[]);
+        assert_eq!(act, Action::Pause);
+        serve(&host, &mut a, "200");
+        tick(&host, &w, 5);
+        assert_eq!(inflight(&host, &w).1, 2, "c dispatched and charged");
+        // Reset before any response: the stream's end takes the dispatch
+        // over and gives back everything it wrote.
+        c.on_end(&host);
+        assert_eq!(inflight(&host, &w).1, 1);
+    }
+
+    #[test]
+    fn the_higher_band_goes_first_and_a_full_band_or_a_long_wait_is_shed() {
+        let host = FakeHost::default();
+        let w = flow_filter(
+            &host,
+            7,
+            1,
+            r#","defaultRequestTTL":"1s","priorityBands":[{"priority":-5,"maxRequests":"1"}]"#,
+            r#"{"name":"premium","priority":10},{"name":"batch","priority":-5}"#,
+        );
+        let obj: &str = crate::flow::OBJECTIVE_HEADERS[1];
+        let (mut a, _) = send(&host, &w, 1, "a", &[]);
+        let (_b, _) = send(&host, &w, 2, "b", &[]);
+        let (_lo, act) = send(&host, &w, 3, "lo", &[(obj, b"batch")]);
+        assert_eq!(act, Action::Pause);
+        // The batch band holds one: the next batch request is shed.
+        let (_lo2, act) = send(&host, &w, 4, "lo2", &[(obj, b"batch")]);
+        assert_eq!(act, Action::Pause, "answered locally");
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        assert_eq!(r.1, 429);
+        assert!(
+            r.3.contains(&("retry-after".to_string(), "1".to_string())),
+            "{r:?}"
+        );
+        assert!(r.3.contains(&(
+            crate::flow::DROPPED_REASON_HEADER.to_string(),
+            "rejected-saturated".to_string()
+        )));
+        assert!(r.2.contains("\"error\""), "an OpenAI-style error: {}", r.2);
+        assert_eq!(metric(&host, "kvroute_flow_shed_capacity.band.m5"), 1);
+        let (_hi, act) = send(&host, &w, 5, "hi", &[(obj, b"premium")]);
+        assert_eq!(act, Action::Pause);
+        // One slot frees: premium goes first although batch came earlier.
+        serve(&host, &mut a, "200");
+        tick(&host, &w, 5);
+        assert_eq!(*host.resumed.borrow(), vec![Some(5)]);
+        // batch waits past its TTL: 429 on its own context.
+        tick(&host, &w, 1_000);
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        assert_eq!((r.0, r.1), (Some(3), 429));
+        assert!(r.3.contains(&(
+            crate::flow::DROPPED_REASON_HEADER.to_string(),
+            "rejected-ttl-expired".to_string()
+        )));
+        assert_eq!(metric(&host, "kvroute_flow_shed_ttl.band.m5"), 1);
+        assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
+    }
+
+    #[test]
+    fn workers_agree_on_band_and_arrival_order_through_the_board() {
+        // Two workers of one Envoy (one store), each with its own queue.
+        let host = FakeHost::default();
+        let w1 = flow_filter(&host, 7, 1, "", r#"{"name":"premium","priority":10}"#);
+        let w2 = flow_filter(&host, 8, 1, "", r#"{"name":"premium","priority":10}"#);
+        let obj: &str = crate::flow::OBJECTIVE_HEADERS[0];
+        let (mut a, _) = send(&host, &w1, 1, "a", &[]);
+        let (_b, _) = send(&host, &w2, 2, "b", &[]);
+        // w1 holds an older default-band request, w2 a newer one.
+        let (c, act) = send(&host, &w1, 3, "c", &[]);
+        assert_eq!(act, Action::Pause);
+        host.now_ns.set(host.now_ns.get() + 3_000_000);
+        let (_d, act) = send(&host, &w2, 4, "d", &[]);
+        assert_eq!(
+            act,
+            Action::Pause,
+            "the pool is saturated and w1 has an older request"
+        );
+        // One slot frees: w2 ticks first but yields to w1's older request.
+        serve(&host, &mut a, "200");
+        tick(&host, &w2, 1);
+        assert!(
+            host.resumed.borrow().is_empty(),
+            "w2 waited for w1's older request"
+        );
+        tick(&host, &w1, 1);
+        assert_eq!(*host.resumed.borrow(), vec![Some(3)]);
+        // A premium request on w1 waits behind nothing of its band, but the
+        // pool is full; w2's default-band request must not pass it.
+        let (_p, act) = send(&host, &w1, 5, "p", &[(obj, b"premium")]);
+        assert_eq!(act, Action::Pause);
+        let w2_flow = w2.flow.as_ref().unwrap();
+        assert_eq!(w2_flow.waiting(), 1);
+        // Capacity for one (c's dispatched request ends): w2 yields to
+        // w1's premium band.
+        let mut c = c;
+        serve(&host, &mut c, "200");
+        tick(&host, &w2, 1);
+        assert_eq!(
+            host.resumed.borrow().len(),
+            1,
+            "w2 yields to a higher band elsewhere"
+        );
+        tick(&host, &w1, 1);
+        assert_eq!(host.resumed.borrow().last(), Some(&Some(5)));
+    }
+
+    #[test]
+    fn a_stale_worker_record_does_not_block_the_others() {
+        let host = FakeHost::default();
+        let w1 = flow_filter(&host, 7, 1, "", "");
+        let w2 = flow_filter(&host, 8, 1, "", "");
+        let (mut a, _) = send(&host, &w1, 1, "a", &[]);
+        let (_b, _) = send(&host, &w1, 2, "b", &[]);
+        let (_c, _) = send(&host, &w1, 3, "c", &[]);
+        host.now_ns.set(host.now_ns.get() + 1_000_000);
+        let (_d, act) = send(&host, &w2, 4, "d", &[]);
+        assert_eq!(act, Action::Pause);
+        serve(&host, &mut a, "200");
+        // w1 stops ticking (stuck or gone); after STALE_MS its record no
+        // longer holds w2 back.
+        tick(&host, &w2, 5);
+        assert!(host.resumed.borrow().is_empty());
+        tick(&host, &w2, crate::flow::board::STALE_MS + 1);
+        assert_eq!(*host.resumed.borrow(), vec![Some(4)]);
+    }
+
+    #[test]
+    fn gate_off_sheds_only_sheddable_requests_while_saturated() {
+        let host = FakeHost::default();
+        flow_filter(
+            &host,
+            7,
+            1,
+            "",
+            r#"{"name":"batch","priority":-1,"models":["m"]}"#,
+        );
+        // Same config with the gate off.
+        let cfg = String::from_utf8(host.config.borrow().clone()).unwrap();
+        *host.config.borrow_mut() = cfg
+            .replace(r#""featureGates":["flowControl"],"#, "")
+            .into_bytes();
+        let w = match configure(&host) {
+            Ok(Role::Filter { worker, .. }) => worker,
+            _ => panic!("configure"),
+        };
+        assert_eq!(host.tick_ms.get(), Some(FLUSH_PERIOD_MS));
+        // Model "m" is the batch objective's: sheddable.
+        let (_a, act) = send(&host, &w, 1, "a", &[]);
+        assert_eq!(act, Action::Continue);
+        let (_b, act) = send(&host, &w, 2, "b", &[]);
+        assert_eq!(act, Action::Continue);
+        let (_c, act) = send(&host, &w, 3, "c", &[]);
+        assert_eq!(
+            act,
+            Action::Pause,
+            "saturated: the sheddable request gets 429"
+        );
+        assert_eq!(host.ctx_replies.borrow().last().unwrap().1, 429);
+        assert_eq!(metric(&host, "kvroute_flow_shed_sheddable.band.m1"), 1);
+    }
+}
