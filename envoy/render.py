@@ -197,7 +197,7 @@ def _state_listener_yaml(host, port, wasm, config, state_path):
 # per-endpoint gauge (`wasmcustom.kvroute_endpoint_*.slot.<n>`) becomes the
 # Prometheus label `slot`; the regex is kvroute_core::lifecycle::telemetry's
 # SLOT_TAG_REGEX; a flow-control stat's band (`wasmcustom.kvroute_flow_*.band.<p>`,
-# `m5` for priority -5) becomes `band` (lifecycle::flow's BAND_TAG_REGEX). Histogram buckets fit each stat's unit (Envoy's default
+# `m5` for priority -5) becomes `band` (kvroute_core::flow::BAND_TAG_REGEX). Histogram buckets fit each stat's unit (Envoy's default
 # buckets are for milliseconds).
 STATS_CONFIG_YAML = r"""
 # kvroute's stats: the endpoint slot as a Prometheus label, and buckets that

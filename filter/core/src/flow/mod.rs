@@ -58,6 +58,11 @@ pub const FAIRNESS_HEADERS: [&str; 2] = [
 /// Response header naming why a request was dropped (llm-d's).
 pub const DROPPED_REASON_HEADER: &str = "x-llm-d-request-dropped-reason";
 
+/// The `stats_tags` regex (Envoy bootstrap `stats_config`) that makes a
+/// flow-control stat's band a Prometheus label, tag name `band`
+/// (`envoy/render.py` adds it; `lifecycle/flow.rs` names the stats; `m5` is priority −5).
+pub const BAND_TAG_REGEX: &str = r"^wasmcustom\.kvroute_flow_[a-z_]+(\.band\.(m?[0-9]+))$";
+
 /// How a band picks the next flow.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fairness {

@@ -56,11 +56,6 @@ struct FlowMetrics {
     blind: Option<u32>,
 }
 
-/// The `stats_tags` regex (Envoy bootstrap `stats_config`) that makes a
-/// flow-control stat's band a Prometheus label, tag name `band`
-/// (`envoy/render.py` adds it; `m5` is priority −5).
-pub const BAND_TAG_REGEX: &str = r"^wasmcustom\.kvroute_flow_[a-z_]+(\.band\.(m?[0-9]+))$";
-
 fn band_label(priority: i32) -> String {
     if priority < 0 {
         format!("m{}", priority.unsigned_abs())
