@@ -10,10 +10,12 @@ left behind (a client that leaves while waiting included).
 
 import http.client
 import json
+import os
+import re
 import threading
 import time
 
-from conftest import MODEL, plugin_config, text, wait_until
+from conftest import MODEL, REPO, plugin_config, text, wait_until
 
 HIGH, LOW = "premium-traffic", "best-effort-traffic"
 OBJECTIVE = "x-llm-d-inference-objective"
@@ -144,6 +146,16 @@ def test_a_burst_beyond_capacity_keeps_the_high_band_within_its_objective(fleet,
     assert series("kvroute_flow_dispatched", "100") == len(high)
     assert series("kvroute_flow_shed_capacity", "m10") + series("kvroute_flow_shed_ttl", "m10") == len(shed)
     assert series("kvroute_flow_cancelled", "m10") == 1
+    # Every flow-control series the Grafana dashboard queries is published.
+    with open(os.path.join(REPO, "docs", "grafana", "kvroute.json")) as fh:
+        exprs = [t["expr"] for p in json.load(fh)["panels"] for t in p["targets"]]
+    queried = {n for x in exprs for n in re.findall(r"\bkvroute_flow_\w+", x)}
+    assert len(queried) >= 9, queried
+
+    def published():
+        names = {line.split("{")[0].split(" ")[0] for line in prom(e).splitlines() if line.startswith("kvroute_flow_")}
+        return names if queried <= names else None
+    wait_until(published, timeout=10, what=f"{sorted(queried)} at /stats/prometheus")
     assert e.wasm_failures() == {}
     e.assert_alive()
 
