@@ -2298,3 +2298,83 @@ mod flow_control {
         assert_eq!(metric(&host, "kvroute_flow_shed_sheddable.band.m1"), 1);
     }
 }
+
+mod flow_control_edges {
+    use super::*;
+
+    fn worker(host: &FakeHost, endpoints: &str, failure: &str) -> Rc<Worker> {
+        host.now_ns.set(5_000_000_000);
+        *host.config.borrow_mut() = format!(
+            r#"{{"endpoints":{endpoints},"featureGates":["flowControl"],
+            "flowControl":{{"defaultRequestTTL":"2s","noEndpointRequestTTL":"1s"}},
+            "routing":{{"seed":7,"failureMode":"{failure}"}}}}"#
+        )
+        .into_bytes();
+        *host.root_id.borrow_mut() = b"kvroute".to_vec();
+        match configure(host) {
+            Ok(Role::Filter { worker, .. }) => worker,
+            _ => panic!("configure"),
+        }
+    }
+
+    fn send(host: &FakeHost, w: &Rc<Worker>, id: u32) -> (Stream, Action) {
+        host.set_request("POST", "/v1/chat/completions", &[]);
+        host.effective.set(None);
+        let mut s = Stream::new(Some(w.clone())).with_id(id);
+        s.on_request_headers(host, false);
+        let body = chat_body("x");
+        let n = body.len();
+        *host.body.borrow_mut() = body;
+        let a = s.on_request_body(host, n, true);
+        (s, a)
+    }
+
+    #[test]
+    fn a_detector_blind_to_every_endpoint_follows_the_failure_mode() {
+        // The default utilization-detector and no metrics at all (no
+        // collector here): stale counts as saturated, as in llm-d...
+        let host = FakeHost::default();
+        let w = worker(&host, r#"{"static":["127.0.0.1:1"]}"#, "closed");
+        let (_s, a) = send(&host, &w, 1);
+        assert_eq!(a, Action::Pause, "closed: it waits");
+        host.now_ns.set(host.now_ns.get() + 2_001_000_000);
+        host.effective.set(None);
+        w.on_tick(&host);
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        assert_eq!((r.0, r.1), (Some(1), 429), "then 429 at its TTL");
+        // ...but failureMode open lets requests through (counted).
+        let host = FakeHost::default();
+        let w = worker(&host, r#"{"static":["127.0.0.1:1"]}"#, "open");
+        let (_s, a) = send(&host, &w, 1);
+        assert_eq!(a, Action::Continue);
+        assert_eq!(host.gauge("kvroute_flow_detector_blind"), Some(1));
+    }
+
+    #[test]
+    fn with_no_endpoint_a_request_waits_then_gets_503() {
+        let host = FakeHost::default();
+        let w = worker(&host, r#"{"fromCluster":{"cluster":"vllm"}}"#, "closed");
+        let (mut s, a) = send(&host, &w, 1);
+        assert_eq!(a, Action::Pause);
+        host.now_ns.set(host.now_ns.get() + 500_000_000);
+        host.effective.set(None);
+        w.on_tick(&host);
+        assert!(
+            host.ctx_replies.borrow().is_empty(),
+            "within noEndpointRequestTTL"
+        );
+        host.now_ns.set(host.now_ns.get() + 600_000_000);
+        host.effective.set(None);
+        w.on_tick(&host);
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        assert_eq!((r.0, r.1), (Some(1), 503));
+        assert!(r.3.contains(&(
+            crate::flow::DROPPED_REASON_HEADER.to_string(),
+            "rejected-no-endpoints".to_string()
+        )));
+        assert!(!r.3.iter().any(|(k, _)| k == "retry-after"));
+        assert_eq!(host.gauge("kvroute_flow_shed_no_endpoints.band.0"), Some(1));
+        s.on_end(&host);
+        assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
+    }
+}
