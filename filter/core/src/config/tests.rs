@@ -202,6 +202,38 @@ fn guide_optimized_baseline_loads_with_the_token_gap_gate() {
 }
 
 #[test]
+fn guide_flow_control_loads_with_its_bands_and_detector() {
+    let c = Config::from_json(&fixture("flow-control.json")).unwrap();
+    let f = c.flow.expect("flow control on");
+    assert!(f.queueing);
+    assert_eq!(
+        f.bands
+            .iter()
+            .map(|b| (b.priority, b.max_requests))
+            .collect::<Vec<_>>(),
+        vec![(100, 500), (0, 200), (-10, 50)]
+    );
+    assert!(f
+        .bands
+        .iter()
+        .all(|b| b.fairness == crate::flow::Fairness::RoundRobin));
+    assert_eq!(
+        (f.max_requests, f.max_bytes, f.ttl_ms),
+        (1000, 10 << 30, 60_000)
+    );
+    assert_eq!(
+        f.detector,
+        crate::flow::Detector::Concurrency {
+            tokens: false,
+            max_requests: 132,
+            max_tokens: 1_000_000,
+            headroom: 0.0
+        }
+    );
+    assert_eq!(f.objectives.len(), 3);
+}
+
+#[test]
 fn guide_optimized_baseline_current_interface_loads() {
     let c = Config::from_json(&fixture("optimized-baseline-current.json")).unwrap();
     assert_eq!(c.scheduler.filters, vec![AffinityFilter::default()]);
