@@ -281,6 +281,12 @@ PROFILE_ARMS = {
     # (counted no_held_view): the difference from "kvroute" is the cost of
     # tokenizing, rendering the template and sha256_cbor hashing.
     "kv-precise": {"plugin": {"+precise": True}},
+    # Flow control on (featureGates flowControl) with a concurrency-detector
+    # that never saturates here: every request pays admission (the pool's
+    # load and tables read, the board read, its class) and goes at once.
+    # The difference from "kvroute" is flow control's cost when not
+    # saturated; the worker roots also tick every 5 ms.
+    "kv-flow": {"plugin": {"+flow": True}},
     # The shipped profile (envoy/kvroute-config.json, kvroute-default: the
     # saturation-aware gate, kvroute-load-scorer, cache-balance-scorer,
     # the sticky-only prefix-cache-scorer, learnt bytes per token and output
@@ -324,6 +330,11 @@ def _plugin_variant(base_path, change, work, name):
         elif key == "+precise":
             cfg["plugins"] = _precise_plugins() + cfg["plugins"]
             cfg["kvEvents"] = {"enabled": True}
+        elif key == "+flow":
+            cfg["featureGates"] = ["flowControl"]
+            cfg["plugins"].append({"type": "concurrency-detector", "name": "never-saturated",
+                                   "parameters": {"maxConcurrency": 1000000}})
+            cfg["flowControl"] = {"saturationDetector": {"pluginRef": "never-saturated"}}
         elif key == "routing":
             cfg.setdefault("routing", {}).update(value)
         else:

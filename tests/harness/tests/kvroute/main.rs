@@ -7,6 +7,7 @@ mod bounds;
 mod collector;
 mod concurrency;
 mod config;
+mod flow;
 mod lease;
 mod lifecycle;
 mod malformed;
