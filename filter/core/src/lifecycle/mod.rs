@@ -631,7 +631,7 @@ impl Worker {
         // With flow control the tick is FLOW_TICK_MS; the gauge and the
         // counts still go every FLUSH_PERIOD_MS.
         if let Some(now) = now {
-            if self.flow.is_some()
+            if self.flow.as_ref().is_some_and(|f| f.cfg.queueing)
                 && now.saturating_sub(self.last_flush_ms.get()) < u64::from(FLUSH_PERIOD_MS)
             {
                 return;
