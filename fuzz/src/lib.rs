@@ -385,6 +385,16 @@ fn tokenizer_cost(doc: &[u8]) -> usize {
 /// a few requests with it. Heap: the document's bound ([`alloc_bound`])
 /// plus what its inline tokenizers cost on their own ([`tokenizer_cost`]).
 pub fn check_config(doc: &[u8]) {
+    // The flow-control board (shared data every worker writes) from the
+    // same bytes: any value decodes without a panic, and what it decodes to
+    // survives its own encoding.
+    let board = kvroute_core::flow::board::Board::decode(Some(doc));
+    assert_eq!(
+        kvroute_core::flow::board::Board::decode(Some(&board.encode())),
+        board,
+        "board re-encoding changed it"
+    );
+    assert!(board.records.len() <= kvroute_core::flow::board::MAX_RECORDS);
     let tokenizers = tokenizer_cost(doc);
     let base = alloc_count::start();
     let loaded = Config::from_json(doc);
@@ -407,6 +417,22 @@ pub fn check_config(doc: &[u8]) {
         Ok(&config),
         "config loading is not deterministic"
     );
+    if let Some(f) = &config.flow {
+        assert!(!f.bands.is_empty(), "flow control without a band");
+        assert!(
+            f.bands.windows(2).all(|w| w[0].priority > w[1].priority),
+            "bands not in strictly falling priority: {:?}",
+            f.bands
+        );
+        assert!(f.ceiling > 0.0 && f.ceiling <= 1.0, "ceiling {}", f.ceiling);
+        assert!(f.bands.iter().all(|b| b.max_requests > 0 && b.max_bytes > 0));
+        for o in &f.objectives {
+            assert!(
+                f.bands.iter().any(|b| b.priority == o.priority),
+                "objective {o:?} has no band"
+            );
+        }
+    }
     let b = &config.prefix.blocks;
     assert!((1..=65_536).contains(&b.block_size_tokens), "{b:?}");
     assert!((1..=64).contains(&b.chars_per_token), "{b:?}");
