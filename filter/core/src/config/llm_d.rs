@@ -89,37 +89,64 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
 // ---------------------------------------------------------------------------
 // Top-level sections.
 
-/// Feature gates llm-d has registered, and whether each is on when not
-/// listed. `flowControl` and `haPopulateNonLeaderDatastore` are current
-/// (llm-d-router `cmd/epp/runner/runner.go`); `dataLayer`,
-/// `prepareDataPlugins` and `enableLegacyMetrics` were removed in 2026 when
-/// their behaviour became the only one.
-const FEATURE_GATES: &[(&str, bool)] = &[
-    ("flowControl", false),
-    ("haPopulateNonLeaderDatastore", true),
-    ("dataLayer", false),
-    ("prepareDataPlugins", false),
-    ("enableLegacyMetrics", false),
+/// What kvroute does with each feature gate llm-d has had.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Gate {
+    /// `flowControl` (off unless listed): flow control (`flow/`).
+    FlowControl,
+    /// `haPopulateNonLeaderDatastore` (on unless listed): llm-d's standby
+    /// replicas keep their datastore warm. kvroute has no leader: every
+    /// Envoy keeps its own state, so the gate has nothing to switch.
+    NoEffect,
+    /// A gate llm-d removed when its behaviour became the only one; current
+    /// llm-d refuses it as unknown. kvroute loads it, with a warning.
+    Removed,
+}
+
+/// llm-d's feature gates. `flowControl` and `haPopulateNonLeaderDatastore`
+/// are the ones llm-d-router registers today (`cmd/epp/runner/runner.go`,
+/// `loader.RegisterFeatureGate`); `dataLayer`, `prepareDataPlugins` and
+/// `enableLegacyMetrics` were removed in 2026.
+const FEATURE_GATES: &[(&str, Gate)] = &[
+    ("flowControl", Gate::FlowControl),
+    ("haPopulateNonLeaderDatastore", Gate::NoEffect),
+    ("dataLayer", Gate::Removed),
+    ("prepareDataPlugins", Gate::Removed),
+    ("enableLegacyMetrics", Gate::Removed),
 ];
 
-/// Validates `featureGates`; returns whether the `flowControl` gate is on
-/// (flow control, `flow/`).
-pub(super) fn feature_gates(gates: &[String]) -> Result<bool, ConfigError> {
+/// A gate's value after `=`, as llm-d reads it (Go's `strconv.ParseBool`
+/// of the lower-cased, trimmed text).
+fn gate_value(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "t" | "true" => Some(true),
+        "0" | "f" | "false" => Some(false),
+        _ => None,
+    }
+}
+
+/// Validates `featureGates` key by key; returns whether the `flowControl`
+/// gate is on (flow control, `flow/`). A removed gate adds a warning.
+pub(super) fn feature_gates(
+    gates: &[String],
+    warnings: &mut Vec<String>,
+) -> Result<bool, ConfigError> {
     let mut flow_control = false;
     for (i, g) in gates.iter().enumerate() {
         let path = format!("featureGates[{i}]");
         let (name, on) = match g.split_once('=') {
             None => (g.as_str(), true),
-            Some((n, "true")) => (n, true),
-            Some((n, "false")) => (n, false),
-            Some((_, v)) => {
-                return Err(err(
-                    path,
-                    format!("\"{v}\" is not allowed after '='; use \"=true\", \"=false\" or the bare gate name"),
-                ))
-            }
+            Some((n, v)) => match gate_value(v) {
+                Some(on) => (n, on),
+                None => {
+                    return Err(err(
+                        path,
+                        format!("\"{v}\" is not allowed after '='; use true or false (or 1/0, t/f), or the bare gate name"),
+                    ))
+                }
+            },
         };
-        if !FEATURE_GATES.iter().any(|(n, _)| *n == name) {
+        let Some((_, gate)) = FEATURE_GATES.iter().find(|(n, _)| *n == name) else {
             let known: Vec<&str> = FEATURE_GATES.iter().map(|(n, _)| *n).collect();
             return Err(err(
                 path,
@@ -128,9 +155,13 @@ pub(super) fn feature_gates(gates: &[String]) -> Result<bool, ConfigError> {
                     known.join(", ")
                 ),
             ));
-        }
-        if name == "flowControl" {
-            flow_control = on;
+        };
+        match gate {
+            Gate::FlowControl => flow_control = on,
+            Gate::NoEffect => {}
+            Gate::Removed => warnings.push(format!(
+                "`{path}`: llm-d removed the \"{name}\" gate when its behaviour became the only one, and current llm-d refuses it as unknown; it changes nothing in kvroute: remove it"
+            )),
         }
     }
     Ok(flow_control)

@@ -21,6 +21,7 @@ use crate::scheduling::{Picker, Scheduler, Scorer};
 use check::{err, strict, Params};
 use serde::Deserialize;
 use serde_json::Value;
+use std::cell::RefCell;
 use std::fmt;
 
 pub(crate) mod check;
@@ -76,6 +77,10 @@ pub struct Config {
     /// Flow control (`featureGates: ["flowControl"]`, `flowControl`,
     /// `inferenceObjectives`); `None`: every request is routed at once.
     pub flow: Option<crate::flow::FlowConfig>,
+    /// What loaded but deserves the operator's attention (a deprecated
+    /// llm-d parameter and what it was mapped to, a gate llm-d removed),
+    /// each naming its field. `lifecycle::configure` logs each at warn.
+    pub warnings: Vec<String>,
 }
 
 /// How this proxy shares its routing with the other proxies of a mesh.
@@ -178,6 +183,7 @@ fn compile_plugin(
     p: &RawPlugin,
     path: &str,
     producers: &[String],
+    warnings: &RefCell<Vec<String>>,
 ) -> Result<Compiled, ConfigError> {
     let kind = registry::canonical_type(&p.kind);
     let params = Params {
@@ -185,6 +191,7 @@ fn compile_plugin(
         value: &p.parameters,
         path: format!("{path}.parameters"),
         producers,
+        warnings,
     };
     if let Some(plugin) = registry::lookup(kind) {
         return registry::compile(plugin, &params);
@@ -216,7 +223,8 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     }
     let _ = raw.api_version;
-    let flow_gate = llm_d::feature_gates(&raw.feature_gates)?;
+    let warnings = RefCell::new(Vec::new());
+    let flow_gate = llm_d::feature_gates(&raw.feature_gates, &mut warnings.borrow_mut())?;
 
     // Names: `name` defaults to `type`; must be unique.
     let names: Vec<String> = raw
@@ -254,7 +262,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut tokenizers = Vec::new();
     for (i, p) in raw.plugins.iter().enumerate() {
         let path = format!("plugins[{i}]");
-        let c = compile_plugin(p, &path, &producer_names)?;
+        let c = compile_plugin(p, &path, &producer_names, &warnings)?;
         match &c {
             Compiled::Prefix(x) => {
                 if prefix.replace(x.clone()).is_some() {
@@ -484,6 +492,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         shared_state,
         mesh,
         flow,
+        warnings: warnings.into_inner(),
     })
 }
 

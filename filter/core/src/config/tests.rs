@@ -510,6 +510,37 @@ fn feature_gates() {
         serde_json::json!({"featureGates": ["flowControl=maybe"]}),
     ));
     assert_eq!(e.path, "featureGates[0]");
+
+    // Key by key: llm-d reads the value with Go's ParseBool (lower-cased).
+    let on = accept(&baseline_with(
+        serde_json::json!({"featureGates": ["flowControl=True"]}),
+    ));
+    assert!(on.flow.is_some());
+    let off = accept(&baseline_with(
+        serde_json::json!({"featureGates": ["flowControl=0"]}),
+    ));
+    assert!(off.flow.is_none());
+    // The current gates load quietly; each removed one is a warning naming
+    // its entry.
+    let quiet = accept(&baseline_with(serde_json::json!({
+        "featureGates": ["haPopulateNonLeaderDatastore=false", "flowControl=false"]
+    })));
+    assert_eq!(quiet.warnings, Vec::<String>::new());
+    let old = accept(&baseline_with(serde_json::json!({
+        "featureGates": ["haPopulateNonLeaderDatastore", "dataLayer", "enableLegacyMetrics=false"]
+    })));
+    assert_eq!(old.warnings.len(), 2, "{:?}", old.warnings);
+    assert!(
+        old.warnings[0].starts_with("`featureGates[1]`")
+            && old.warnings[0].contains("\"dataLayer\""),
+        "{:?}",
+        old.warnings
+    );
+    assert!(
+        old.warnings[1].starts_with("`featureGates[2]`"),
+        "{:?}",
+        old.warnings
+    );
 }
 
 #[test]
