@@ -151,7 +151,7 @@ struct RawConfig {
     inference_objectives: Option<Value>,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPlugin {
     #[serde(default)]
@@ -260,9 +260,37 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut inflight = None;
     let mut precise: Option<PreciseConfig> = None;
     let mut tokenizers = Vec::new();
+    // The index a `prefix-cache-scorer` configured with its old parameters
+    // (`producers::legacy_scorer_index`), and which plugin gave it.
+    let mut legacy_prefix: Option<(usize, PrefixProducerConfig)> = None;
     for (i, p) in raw.plugins.iter().enumerate() {
         let path = format!("plugins[{i}]");
-        let c = compile_plugin(p, &path, &producer_names, &warnings)?;
+        let c = if registry::canonical_type(&p.kind) == crate::scheduling::prefix_cache::TYPE {
+            let (own, index) = producers::legacy_scorer_index(
+                &p.parameters,
+                &format!("{path}.parameters"),
+                &warnings,
+            )?;
+            if let Some(index) = index {
+                match &legacy_prefix {
+                    Some((j, other)) if *other != index => {
+                        return Err(err(
+                            format!("{path}.parameters"),
+                            format!("gives the prefix index other parameters than plugins[{j}] does; kvroute keeps one index: give them once, on approx-prefix-cache-producer"),
+                        ))
+                    }
+                    Some(_) => {}
+                    None => legacy_prefix = Some((i, index)),
+                }
+            }
+            let stripped = RawPlugin {
+                parameters: own,
+                ..p.clone()
+            };
+            compile_plugin(&stripped, &path, &producer_names, &warnings)?
+        } else {
+            compile_plugin(p, &path, &producer_names, &warnings)?
+        };
         match &c {
             Compiled::Prefix(x) => {
                 if prefix.replace(x.clone()).is_some() {
@@ -437,6 +465,13 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             "a token-producer (tokenizer) feeds only precise-prefix-cache-producer in kvroute; add one, or remove the tokenizer (approximate mode estimates tokens from bytes)",
         ));
     }
+    if let (Some((j, _)), Some(_)) = (&legacy_prefix, &prefix) {
+        return Err(err(
+            format!("plugins[{j}].parameters"),
+            "gives prefix-cache-scorer index parameters, and approx-prefix-cache-producer gives the index its own: give them once, on the producer",
+        ));
+    }
+    let prefix = prefix.or(legacy_prefix.map(|(_, c)| c));
     let prefix = prefix.unwrap_or(PrefixProducerConfig {
         blocks: BlockConfig::default(),
         auto_tune: true,

@@ -840,9 +840,119 @@ fn prefix_cache_scorer_match_length() {
         r#"{"matchLengthWeight":0.5,"matchLengthScaleTokens":0}"#,
     ));
     assert_eq!(e.path, "plugins[0].parameters.matchLengthScaleTokens");
-    let e = reject(&one_plugin("prefix-cache-scorer", r#"{"hashBlockSize":5}"#));
-    assert_eq!(e.path, "plugins[0].parameters.hashBlockSize");
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"maxPrefixTokensToMatch":4096}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.maxPrefixTokensToMatch");
     assert!(e.message.contains("approx-prefix-cache-producer"), "{e}");
+}
+
+#[test]
+fn old_prefix_scorer_index_parameters_map_to_the_producer_with_warnings() {
+    // llm-d's sim config before 2026-03: 5 characters per block, 256
+    // blocks, 31250 entries per server.
+    let c = accept(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"hashBlockSize":5,"maxPrefixBlocksToMatch":256,"lruCapacityPerServer":31250,"matchLengthWeight":0.5}"#,
+    ));
+    // 5 bytes → 1 token of 4 bytes; 256 blocks × 1 token.
+    assert_eq!(
+        c.prefix.blocks,
+        BlockConfig {
+            block_size_tokens: 1,
+            chars_per_token: 4,
+            max_prefix_tokens: 256,
+        }
+    );
+    assert_eq!(c.prefix.lru_capacity_per_server, 31250);
+    assert!(c.prefix.auto_tune);
+    // The scorer keeps its own parameter.
+    assert_eq!(
+        c.scheduler.scorers[0].0,
+        Scorer::PrefixCache(PrefixCacheScorer {
+            match_length_weight: 0.5,
+            ..Default::default()
+        })
+    );
+    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+    for (w, f) in c.warnings.iter().zip([
+        "hashBlockSize",
+        "maxPrefixBlocksToMatch",
+        "lruCapacityPerServer",
+    ]) {
+        assert!(
+            w.starts_with(&format!("`plugins[0].parameters.{f}`"))
+                && w.contains("current llm-d refuses"),
+            "{w}"
+        );
+    }
+    assert!(
+        c.warnings[0].contains("blockSizeTokens 1"),
+        "{:?}",
+        c.warnings
+    );
+    assert!(
+        c.warnings[1].contains("maxPrefixTokensToMatch 256"),
+        "{:?}",
+        c.warnings
+    );
+
+    // 64 characters (the old default) are 16 tokens; blockSizeTokens
+    // wins over the character size, as it did in llm-d.
+    let bs = |params: &str| {
+        accept(&one_plugin("prefix-cache-scorer", params))
+            .prefix
+            .blocks
+    };
+    assert_eq!(bs(r#"{"blockSize":64}"#).block_size_tokens, 16);
+    assert_eq!(
+        bs(r#"{"blockSize":64,"blockSizeTokens":32}"#).block_size_tokens,
+        32
+    );
+    let b = bs(r#"{"blockSizeTokens":32,"maxPrefixBlocksToMatch":10}"#);
+    assert_eq!((b.block_size_tokens, b.max_prefix_tokens), (32, 320));
+    // Unset ones keep the producer's defaults.
+    assert_eq!(bs(r#"{"lruCapacityPerServer":7}"#), BlockConfig::default());
+    assert!(
+        !accept(&one_plugin("prefix-cache-scorer", r#"{"autoTune":false}"#))
+            .prefix
+            .auto_tune
+    );
+
+    // Errors name the old field.
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"hashBlockSize":64,"blockSize":64}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.blockSize");
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"hashBlockSize":"big"}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.hashBlockSize");
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"maxPrefixBlocksToMatch":0}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.maxPrefixBlocksToMatch");
+
+    // One index: the producer's, or the scorers' when they agree.
+    let two = |a: &str, b: &str| {
+        with_endpoints(&format!(
+            r#"{{"plugins":[{{"name":"a","type":"prefix-cache-scorer","parameters":{a}}},{{"name":"b","type":"prefix-cache-scorer","parameters":{b}}}],
+              "schedulingProfiles":[{{"name":"x","plugins":[{{"pluginRef":"a"}},{{"pluginRef":"b"}}]}}]}}"#
+        ))
+    };
+    let c = accept(&two(r#"{"hashBlockSize":64}"#, r#"{"hashBlockSize":64}"#));
+    assert_eq!(c.prefix.blocks.block_size_tokens, 16);
+    let e = reject(&two(r#"{"hashBlockSize":64}"#, r#"{"hashBlockSize":32}"#));
+    assert_eq!(e.path, "plugins[1].parameters");
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"approx-prefix-cache-producer"},{"type":"prefix-cache-scorer","parameters":{"lruCapacityPerServer":5}}],
+            "schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"prefix-cache-scorer"}]}]}"#,
+    ));
+    assert_eq!(e.path, "plugins[1].parameters");
 }
 
 #[test]
@@ -876,8 +986,23 @@ fn producer_parameters_and_llm_d_defaults() {
             .max_prefix_tokens,
         0
     );
-    // Deprecated `blockSize` stands in for an absent `blockSizeTokens`.
+    // Deprecated `blockSize` stands in for an absent `blockSizeTokens`,
+    // with a warning.
     assert_eq!(prefix(r#"{"blockSize":16}"#).blocks.block_size_tokens, 16);
+    let warned =
+        |params: &str| accept(&one_plugin("approx-prefix-cache-producer", params)).warnings;
+    assert_eq!(warned("{}"), Vec::<String>::new());
+    let w = warned(r#"{"blockSize":16}"#);
+    assert!(
+        w.len() == 1 && w[0].starts_with("`plugins[0].parameters.blockSize`"),
+        "{w:?}"
+    );
+    // Deprecated maxPrefixBlocksToMatch: read only with the token cap at 0;
+    // the warning says which.
+    let w = warned(r#"{"maxPrefixBlocksToMatch":256}"#);
+    assert!(w.len() == 1 && w[0].contains("ignored"), "{w:?}");
+    let w = warned(r#"{"maxPrefixBlocksToMatch":256,"maxPrefixTokensToMatch":0}"#);
+    assert!(w.len() == 1 && w[0].contains("16384 tokens"), "{w:?}");
     assert_eq!(
         prefix(r#"{"blockSize":16,"blockSizeTokens":32}"#)
             .blocks
