@@ -716,6 +716,11 @@ fn known_llm_d_types_are_refused_with_a_reason() {
         ("sheddable-eviction-filter", "does not evict"),
         ("multicluster-queue-scorer", "multi-cluster"),
         ("session-affinity-scorer", "does not implement"),
+        ("anthropic-parser", "Messages API (/v1/messages)"),
+        ("vllmhttp-parser", "/inference/v1/generate"),
+        ("passthrough-parser", "on load alone"),
+        ("vllmgrpc-parser", "gRPC"),
+        ("sglanghttp-parser", "SGLang"),
     ] {
         let e = reject(&with_endpoints(&format!(
             r#"{{"plugins":[{{"type":"{kind}"}}],"schedulingProfiles":[{{"name":"x","plugins":[]}}]}}"#
