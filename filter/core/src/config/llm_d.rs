@@ -10,7 +10,7 @@
 //! in `docs/configuration.md`); refuse the rest with a message that names it
 //! and says why.
 
-use super::check::err;
+use super::check::{err, Params};
 use super::ConfigError;
 use serde::Deserialize;
 use serde_json::Value;
@@ -185,7 +185,7 @@ struct DataLayer {
     #[serde(default)]
     inject_defaults: Option<bool>,
     #[serde(default)]
-    sources: Option<Value>,
+    sources: Vec<DataLayerSource>,
     #[serde(default)]
     discovery: Option<Value>,
     #[serde(default)]
@@ -194,6 +194,15 @@ struct DataLayer {
     cross_replica_syncer_plugin_ref: Option<String>,
     #[serde(default)]
     cross_replica_sync_interval: Option<Value>,
+}
+
+/// `dataLayer.sources[]` (llm-d-router `apix/config/v1alpha1`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct DataLayerSource {
+    plugin_ref: String,
+    #[serde(default)]
+    extractors: Vec<PluginRef>,
 }
 
 #[derive(Deserialize)]
@@ -258,7 +267,38 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
                 "kvroute has no peer discovery between gateway replicas; remove it",
             ));
         }
-        let _ = (dl.inject_defaults, dl.sources, dl.discovery);
+        if dl.discovery.is_some() {
+            return Err(err(
+                "dataLayer.discovery",
+                "kvroute finds endpoints from its `endpoints` section (a static list or an Envoy cluster); remove it",
+            ));
+        }
+        // The sources and extractors are kvroute's collector; each
+        // reference must name a declared plugin of its kind.
+        for (i, src) in dl.sources.iter().enumerate() {
+            let path = format!("dataLayer.sources[{i}]");
+            match type_of(&src.plugin_ref) {
+                Some(t) if t.ends_with("-source") => {}
+                _ => refers_to(
+                    &format!("{path}.pluginRef"),
+                    &src.plugin_ref,
+                    &[],
+                    "it must name a data source (e.g. metrics-data-source)",
+                )?,
+            }
+            for (j, x) in src.extractors.iter().enumerate() {
+                match type_of(&x.plugin_ref) {
+                    Some(t) if t.ends_with("-extractor") => {}
+                    _ => refers_to(
+                        &format!("{path}.extractors[{j}].pluginRef"),
+                        &x.plugin_ref,
+                        &[],
+                        "it must name an extractor (e.g. core-metrics-extractor)",
+                    )?,
+                }
+            }
+        }
+        let _ = dl.inject_defaults;
     }
     let parser_ref = |path: &str, name: &str| {
         refers_to(
@@ -311,13 +351,41 @@ struct ConcurrencyDetectorParams {
 #[serde(deny_unknown_fields)]
 struct NoParams {}
 
+/// `metrics-data-source` parameters (llm-d-router
+/// `datalayer/source/metrics/datasource.go`).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MetricsSourceParams {
+    scheme: Option<String>,
+    /// Checked against `collector.metricsPath` ([`metrics_source_path`]).
+    path: Option<String>,
+    port: Option<Value>,
+    insecure_skip_verify: Option<bool>,
+    ca_cert_path: Option<String>,
+    client_cert_path: Option<String>,
+    client_key_path: Option<String>,
+    interval: Option<String>,
+}
+
+/// `core-metrics-extractor` parameters (llm-d-router
+/// `datalayer/extractor/metrics/factories.go`).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MetricsExtractorParams {
+    engine_label_key: Option<String>,
+    default_engine: Option<String>,
+    engine_configs: Option<Value>,
+}
+
+/// The `path` a `metrics-data-source` gives, if any (its parameters were
+/// checked when the plugin compiled).
+pub(super) fn metrics_source_path(params: &Option<Value>) -> Option<&str> {
+    params.as_ref()?.get("path")?.as_str()
+}
+
 /// Checks an inert plugin's parameters.
-pub(crate) fn inert_params(
-    kind: &str,
-    role: Inert,
-    params: &Option<Value>,
-    ppath: &str,
-) -> Result<(), ConfigError> {
+pub(crate) fn inert_params(p: &Params, role: Inert) -> Result<(), ConfigError> {
+    let (kind, params, ppath) = (p.kind, p.value, p.path.as_str());
     let positive = |field: &str, v: Option<i64>| match v {
         Some(n) if n <= 0 => Err(err(
             format!("{ppath}.{field}"),
@@ -362,8 +430,53 @@ pub(crate) fn inert_params(
             }
             let _ = q.in_flight_load_producer_name;
         }
-        // Data-layer plugins configure llm-d's metric scraping; kvroute's
-        // `collector` section does that job, so their parameters are not read.
+        // The metrics source and extractor are kvroute's collector, which
+        // polls each endpoint's `collector.metricsPath` through the Envoy
+        // cluster `collector.metricsCluster` and reads vLLM's metrics.
+        (Inert::DataLayer, "metrics-data-source") => {
+            let q: MetricsSourceParams = super::check::strict_value(params, ppath)?;
+            match q.scheme.as_deref() {
+                None | Some("http") => {}
+                Some("https") => p.warn("scheme", "kvroute's collector polls /metrics through the Envoy cluster `collector.metricsCluster`: TLS is that cluster's transport socket, not this parameter"),
+                Some(o) => return Err(p.err("scheme", format!("\"{o}\" is not allowed; use \"http\" or \"https\""))),
+            }
+            if q.port.is_some() {
+                return Err(p.err("port", "kvroute's collector polls each endpoint's metrics at the endpoint's own address (ip:port); a separate metrics port is not supported"));
+            }
+            if let Some(path) = &q.path {
+                if !path.starts_with('/') {
+                    return Err(p.err("path", format!("\"{path}\" must start with '/'")));
+                }
+            }
+            for (field, given) in [
+                ("caCertPath", q.ca_cert_path.is_some()),
+                ("clientCertPath", q.client_cert_path.is_some()),
+                ("clientKeyPath", q.client_key_path.is_some()),
+            ] {
+                if given {
+                    p.warn(field, "not read: TLS to the servers' /metrics is the Envoy cluster `collector.metricsCluster`'s transport socket");
+                }
+            }
+            if let Some(i) = &q.interval {
+                p.warn("interval", format!("not read: kvroute's collector polls every `collector.metricsPollIntervalMs` (give \"{i}\" there in ms)"));
+            }
+            let _ = q.insecure_skip_verify;
+        }
+        (Inert::DataLayer, "core-metrics-extractor") => {
+            let q: MetricsExtractorParams = super::check::strict_value(params, ppath)?;
+            if let Some(e) = q.default_engine.as_deref().filter(|e| *e != "vllm") {
+                return Err(p.err("defaultEngine", format!("\"{e}\": kvroute's collector reads vLLM's metrics only (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:cache_config_info, …)")));
+            }
+            if q.engine_configs.is_some() {
+                return Err(p.err("engineConfigs", "kvroute's collector reads vLLM's metrics by their own names; other engines' or custom metric mappings are not supported"));
+            }
+            // Which pod label names the engine: kvroute's endpoints carry
+            // no labels, and every one is read as vLLM.
+            let _ = q.engine_label_key;
+        }
+        // The other data-layer plugins (models, endpoint notifications)
+        // feed llm-d's datastore; kvroute finds endpoints from its
+        // `endpoints` section, so their parameters are not read.
         (Inert::DataLayer, _) => {}
         // `threshold`, checked by `flow::config` when flowControl names it.
         (Inert::FlowPolicy, "static-usage-limit-policy") => {

@@ -481,6 +481,20 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
 
     let endpoints = sections::endpoints(raw.endpoints)?;
     let collector = sections::collector(raw.collector)?;
+    // llm-d's metrics-data-source is kvroute's collector: one path.
+    for (i, p) in raw.plugins.iter().enumerate() {
+        if registry::canonical_type(&p.kind) != "metrics-data-source" {
+            continue;
+        }
+        if let Some(path) = llm_d::metrics_source_path(&p.parameters) {
+            if path != collector.metrics_path {
+                return Err(err(
+                    format!("plugins[{i}].parameters.path"),
+                    format!("\"{path}\" is not the path kvroute's collector polls (`collector.metricsPath`: \"{}\"); set `collector.metricsPath` to it", collector.metrics_path),
+                ));
+            }
+        }
+    }
 
     let kv_events = sections::kv_events(raw.kv_events)?;
     if precise.is_some() && !kv_events.enabled {

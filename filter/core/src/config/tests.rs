@@ -625,6 +625,119 @@ fn top_level_llm_d_sections() {
 }
 
 #[test]
+fn data_layer_metrics_source_and_extractor_are_the_collector() {
+    let doc = |plugins: Value, extra: Value| {
+        let mut v: Value = serde_json::from_str(&baseline_with(extra)).unwrap();
+        let ps = v["plugins"].as_array_mut().unwrap();
+        ps.extend(plugins.as_array().unwrap().iter().cloned());
+        v.to_string()
+    };
+    // llm-d's router chart writes both, with these parameters, and no
+    // `dataLayer` section; a guide may wire them in `dataLayer.sources`.
+    let chart = serde_json::json!([
+        {"type": "metrics-data-source", "parameters": {"scheme": "http", "path": "/metrics", "insecureSkipVerify": true}},
+        {"type": "core-metrics-extractor"}
+    ]);
+    let c = accept(&doc(chart.clone(), serde_json::json!({})));
+    assert_eq!(c.warnings, Vec::<String>::new());
+    accept(&doc(
+        chart.clone(),
+        serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "metrics-data-source", "extractors": [{"pluginRef": "core-metrics-extractor"}]}]}}),
+    ));
+    accept(&doc(
+        serde_json::json!([{"type": "core-metrics-extractor", "parameters": {"defaultEngine": "vllm", "engineLabelKey": "llm-d.ai/engine-type"}}]),
+        serde_json::json!({}),
+    ));
+    // Parameters kvroute's collector takes elsewhere: a warning each.
+    let c = accept(&doc(
+        serde_json::json!([{"type": "metrics-data-source", "parameters": {"scheme": "https", "caCertPath": "/ca.pem", "interval": "1s"}}]),
+        serde_json::json!({}),
+    ));
+    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].starts_with("`plugins[5].parameters.scheme`"),
+        "{:?}",
+        c.warnings
+    );
+
+    let cases = [
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"path": "/stats"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.path",
+            "collector.metricsPath",
+        ),
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"port": 9090}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.port",
+            "own address",
+        ),
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"scheme": "ftp"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.scheme",
+            "\"http\"",
+        ),
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"paht": "/metrics"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.paht",
+            "unknown field",
+        ),
+        (
+            serde_json::json!([{"type": "core-metrics-extractor", "parameters": {"defaultEngine": "sglang"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.defaultEngine",
+            "vLLM's metrics only",
+        ),
+        (
+            serde_json::json!([{"type": "core-metrics-extractor", "parameters": {"engineConfigs": []}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.engineConfigs",
+            "not supported",
+        ),
+        (
+            chart.clone(),
+            serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "core-metrics-extractor"}]}}),
+            "dataLayer.sources[0].pluginRef",
+            "data source",
+        ),
+        (
+            chart.clone(),
+            serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "metrics-data-source", "extractors": [{"pluginRef": "metrics-data-source"}]}]}}),
+            "dataLayer.sources[0].extractors[0].pluginRef",
+            "extractor",
+        ),
+        (
+            chart.clone(),
+            serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "models-data-source"}]}}),
+            "dataLayer.sources[0].pluginRef",
+            "no plugin named",
+        ),
+        (
+            chart,
+            serde_json::json!({"dataLayer": {"discovery": {"pluginRef": "f"}}}),
+            "dataLayer.discovery",
+            "`endpoints`",
+        ),
+    ];
+    for (plugins, extra, path, msg) in cases {
+        let e = reject(&doc(plugins.clone(), extra.clone()));
+        assert_eq!(e.path, path, "{plugins} {extra}: {e}");
+        assert!(e.message.contains(msg), "{plugins} {extra}: {e}");
+    }
+    // The path is the collector's, when both say the same.
+    let mut v: Value = serde_json::from_str(&doc(
+        serde_json::json!([{"type": "metrics-data-source", "parameters": {"path": "/stats"}}]),
+        serde_json::json!({}),
+    ))
+    .unwrap();
+    v["collector"] = serde_json::json!({"metricsPath": "/stats"});
+    assert_eq!(accept(&v.to_string()).collector.metrics_path, "/stats");
+}
+
+#[test]
 fn old_plugin_type_names_are_aliases() {
     let doc = with_endpoints(
         r#"{"plugins":[{"type":"approx-prefix-cache-producer"},{"type":"single-profile"},
