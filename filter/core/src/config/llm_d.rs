@@ -288,12 +288,14 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
             }
             for (j, x) in src.extractors.iter().enumerate() {
                 match type_of(&x.plugin_ref) {
-                    Some(t) if t.ends_with("-extractor") => {}
+                    // llm-d's precise producer is an extractor of the
+                    // endpoint-notification source.
+                    Some(t) if t.ends_with("-extractor") || t.ends_with("-producer") => {}
                     _ => refers_to(
                         &format!("{path}.extractors[{j}].pluginRef"),
                         &x.plugin_ref,
                         &[],
-                        "it must name an extractor (e.g. core-metrics-extractor)",
+                        "it must name an extractor (e.g. core-metrics-extractor) or a producer that extracts",
                     )?,
                 }
             }

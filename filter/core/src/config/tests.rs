@@ -234,6 +234,94 @@ fn guide_flow_control_loads_with_its_bands_and_detector() {
 }
 
 #[test]
+fn router_chart_default_loads_with_its_data_layer_plugins() {
+    // llm-d-router's chart, default-plugins.yaml, vLLM over HTTP, no
+    // parsers: metrics-data-source and core-metrics-extractor are the
+    // collector, polling /metrics.
+    let c = Config::from_json(&fixture("router-chart-default.json")).unwrap();
+    assert_eq!(
+        c.scheduler.scorers,
+        vec![
+            (Scorer::Queue, 2.0),
+            (Scorer::KvCacheUtilization, 2.0),
+            (Scorer::PrefixCache(PrefixCacheScorer::default()), 3.0)
+        ]
+    );
+    assert_eq!(c.collector.metrics_path, "/metrics");
+    assert_eq!(c.warnings, Vec::<String>::new());
+}
+
+#[test]
+fn router_chart_variants_are_refused_where_kvroute_cannot_honour_them() {
+    for (file, path, msg) in [
+        // router.epp.parsers: ["openai-parser", "anthropic-parser"]
+        (
+            "router-chart-openai-anthropic.json",
+            "plugins[6].type",
+            "Messages API",
+        ),
+        // modelServers.type: triton (passthrough-parser, triton metrics)
+        (
+            "router-chart-triton.json",
+            "plugins[4].parameters.defaultEngine",
+            "vLLM's metrics only",
+        ),
+        // modelServers.protocol: grpc
+        ("router-chart-vllm-grpc.json", "plugins[5].type", "gRPC"),
+        // payload-agnostic.yaml
+        (
+            "router-chart-payload-agnostic.json",
+            "plugins[0].type",
+            "on load alone",
+        ),
+        // llm-d-router deploy/config/epp-precise-prefix-cache-config.yaml
+        (
+            "epp-precise-prefix-cache-split.json",
+            "plugins[0].parameters.vllm",
+            "/render",
+        ),
+    ] {
+        let e = Config::from_json(&fixture(file)).unwrap_err();
+        assert_eq!(e.path, path, "{file}: {e}");
+        assert!(e.message.contains(msg), "{file}: {e}");
+    }
+}
+
+#[test]
+fn old_sim_config_with_hash_block_size_loads_mapped_with_warnings() {
+    let c = Config::from_json(&fixture("sim-epp-hash-block-size.json")).unwrap();
+    assert_eq!(
+        c.prefix.blocks,
+        BlockConfig {
+            block_size_tokens: 1,
+            chars_per_token: 4,
+            max_prefix_tokens: 256,
+        }
+    );
+    assert_eq!(c.prefix.lru_capacity_per_server, 31250);
+    assert_eq!(
+        c.scheduler.scorers,
+        vec![(Scorer::PrefixCache(PrefixCacheScorer::default()), 2.0)]
+    );
+    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+}
+
+#[test]
+fn precise_split_pipeline_with_data_layer_sources_loads_adapted() {
+    // The same config without the token-producer's vLLM /render backend:
+    // the data layer wiring (the precise producer as the extractor of
+    // endpoint-notification-source) loads; blockSize warns.
+    let c = Config::from_json(&fixture("epp-precise-prefix-cache-split-adapted.json")).unwrap();
+    assert_eq!(c.precise.as_ref().map(|p| p.block_size), Some(64));
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].contains("tokenProcessorConfig.blockSize"),
+        "{:?}",
+        c.warnings
+    );
+}
+
+#[test]
 fn guide_optimized_baseline_current_interface_loads() {
     let c = Config::from_json(&fixture("optimized-baseline-current.json")).unwrap();
     assert_eq!(c.scheduler.filters, vec![AffinityFilter::default()]);
