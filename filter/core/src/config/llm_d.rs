@@ -224,7 +224,11 @@ pub(super) struct Sections {
 /// Validates the top-level sections against the declared plugins
 /// (`(name, canonical type)`). Nothing in them changes a decision; a part
 /// that would is refused.
-pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(), ConfigError> {
+pub(super) fn sections(
+    s: &Sections,
+    plugins: &[(String, String)],
+    warnings: &mut Vec<String>,
+) -> Result<(), ConfigError> {
     let type_of = |name: &str| {
         plugins
             .iter()
@@ -242,6 +246,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
     const DETECTORS: &[&str] = &["utilization-detector", "concurrency-detector"];
 
     if let Some(v) = &s.saturation_detector {
+        warnings.push("`saturationDetector`: deprecated in llm-d for `flowControl.saturationDetector`, which wins when both are set (kvroute reads it the same way)".to_string());
         let r: PluginRef = super::check::strict_value_req(v, "saturationDetector")?;
         refers_to(
             "saturationDetector.pluginRef",
@@ -320,6 +325,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
         }
     }
     if let Some(v) = &s.parser {
+        warnings.push("`parser`: deprecated in llm-d for `requestHandler.parsers`".to_string());
         let p: PluginRef = super::check::strict_value_req(v, "parser")?;
         parser_ref("parser.pluginRef", &p.plugin_ref)?;
     }

@@ -194,6 +194,21 @@ fn compile_plugin(
         warnings,
     };
     if let Some(plugin) = registry::lookup(kind) {
+        if kind != p.kind {
+            let status = if p.kind == "tokenizer" {
+                "deprecated in llm-d since v0.9 (removal planned for v0.11)"
+            } else {
+                "a Gateway API Inference Extension name that current llm-d no longer accepts"
+            };
+            warnings.borrow_mut().push(format!(
+                "`{path}.type`: \"{}\" is an older name of \"{kind}\", {status}; use \"{kind}\"",
+                p.kind
+            ));
+        } else if kind == producers::PRECISE_PREFIX_SCORER {
+            warnings.borrow_mut().push(format!(
+                "`{path}.type`: precise-prefix-cache-scorer is deprecated in llm-d: declare precise-prefix-cache-producer and a prefix-cache-scorer with `prefixMatchInfoProducerName` naming it"
+            ));
+        }
         return registry::compile(plugin, &params);
     }
     if let Some(why) = llm_d::unsupported_reason(kind) {
@@ -222,8 +237,10 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             ));
         }
     }
-    let _ = raw.api_version;
     let warnings = RefCell::new(Vec::new());
+    if raw.api_version.as_deref() == Some("inference.networking.x-k8s.io/v1alpha1") {
+        warnings.borrow_mut().push("`apiVersion`: inference.networking.x-k8s.io/v1alpha1 is deprecated in llm-d for llm-d.ai/v1alpha1".to_string());
+    }
     let flow_gate = llm_d::feature_gates(&raw.feature_gates, &mut warnings.borrow_mut())?;
 
     // Names: `name` defaults to `type`; must be unique.
@@ -340,6 +357,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             saturation_detector: raw.saturation_detector.clone(),
         },
         &declared,
+        &mut warnings.borrow_mut(),
     )?;
 
     // Profile: exactly one (kvroute has no P/D disaggregation), or none →

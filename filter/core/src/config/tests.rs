@@ -303,7 +303,52 @@ fn old_sim_config_with_hash_block_size_loads_mapped_with_warnings() {
         c.scheduler.scorers,
         vec![(Scorer::PrefixCache(PrefixCacheScorer::default()), 2.0)]
     );
-    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+    // The deprecated apiVersion, then one per old scorer parameter.
+    assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].starts_with("`apiVersion`"),
+        "{:?}",
+        c.warnings
+    );
+}
+
+#[test]
+fn deprecated_names_llm_d_still_reads_load_with_a_warning() {
+    let warned = |doc: &str| accept(doc).warnings;
+    // Older type names.
+    let w = warned(&one_plugin("kv-cache", "{}"));
+    assert!(
+        w.len() == 1
+            && w[0].starts_with("`plugins[0].type`")
+            && w[0].contains("kv-cache-utilization-scorer"),
+        "{w:?}"
+    );
+    // Deprecated and ignored parameters.
+    let w = warned(&one_plugin(
+        "active-request-scorer",
+        r#"{"requestTimeout":"2m"}"#,
+    ));
+    assert!(w.len() == 1 && w[0].contains("requestTimeout"), "{w:?}");
+    let w = warned(&one_plugin(
+        "no-hit-lru-scorer",
+        r#"{"prefixPluginType":"prefix-cache-scorer","prefixPluginName":"p"}"#,
+    ));
+    assert_eq!(w.len(), 2, "{w:?}");
+    // Deprecated top-level places.
+    let w = warned(&with_endpoints(
+        r#"{"plugins":[{"type":"openai-parser"},{"name":"sat","type":"utilization-detector"}],
+            "parser":{"pluginRef":"openai-parser"},"saturationDetector":{"pluginRef":"sat"}}"#,
+    ));
+    assert!(
+        w.iter().any(|x| x.starts_with("`parser`"))
+            && w.iter().any(|x| x.starts_with("`saturationDetector`")),
+        "{w:?}"
+    );
+    // The current names are quiet.
+    assert_eq!(
+        warned(&one_plugin("kv-cache-utilization-scorer", "{}")),
+        Vec::<String>::new()
+    );
 }
 
 #[test]
