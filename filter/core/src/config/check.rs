@@ -25,6 +25,8 @@ pub(crate) struct Params<'a> {
     pub path: String,
     /// Names of the `*-producer` plugins in `plugins`.
     pub producers: &'a [String],
+    /// Where a compile function notes a warning ([`Params::warn`]).
+    pub warnings: &'a std::cell::RefCell<Vec<String>>,
 }
 
 impl Params<'_> {
@@ -46,6 +48,14 @@ impl Params<'_> {
     /// `plugins[i].parameters.<field>`.
     pub fn field(&self, field: &str) -> String {
         format!("{}.{field}", self.path)
+    }
+
+    /// A warning about `plugins[i].parameters.<field>`: the config loads,
+    /// and `lifecycle::configure` logs it (`Config::warnings`).
+    pub fn warn(&self, field: &str, message: impl AsRef<str>) {
+        self.warnings
+            .borrow_mut()
+            .push(format!("`{}`: {}", self.field(field), message.as_ref()));
     }
 
     /// An error at `plugins[i].parameters.<field>`.

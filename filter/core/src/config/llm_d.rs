@@ -10,7 +10,7 @@
 //! in `docs/configuration.md`); refuse the rest with a message that names it
 //! and says why.
 
-use super::check::err;
+use super::check::{err, Params};
 use super::ConfigError;
 use serde::Deserialize;
 use serde_json::Value;
@@ -79,8 +79,14 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         | "burst-prefix-cache-producer" | "p2p-source-producer" | "session-id-producer"
         | "no-hit-lru-filter" | "agent-identity" | "request-attribute-reporter"
         | "file-discovery" | "dcgm-data-source" | "dcgm-extractor" | "topology-extractor" => "kvroute does not implement it",
-        "anthropic-parser" | "vertexai-parser" | "vllmgrpc-parser" | "vllmhttp-parser"
-        | "sglanghttp-parser" | "passthrough-parser" => "kvroute parses OpenAI-compatible request bodies only (openai-parser); see `routing.paths`",
+        // llm-d-router `pkg/epp/framework/plugins/requesthandling/parsers/`:
+        // each parser claims path suffixes; kvroute routes the OpenAI ones
+        // (`routing.paths`) and passes any other request on untouched.
+        "anthropic-parser" => "kvroute does not parse Anthropic's Messages API (/v1/messages) yet, so those requests would pass unrouted; list openai-parser only (kvroute routes the OpenAI-compatible paths in `routing.paths`)",
+        "vllmhttp-parser" => "it parses vLLM's own /inference/v1/generate (pre-tokenized `token_ids`, `sampling_params`), not the OpenAI-compatible API, and kvroute does not route that path; for the OpenAI paths list openai-parser only",
+        "passthrough-parser" => "llm-d still schedules the requests it claims (every path no other parser claims) on load alone, without reading the body; kvroute passes a path it does not route straight to Envoy's own load balancer, without its scheduler or in-flight count, so it cannot honour it yet; remove it (kvroute routes the OpenAI paths in `routing.paths`)",
+        "vllmgrpc-parser" | "vertexai-parser" => "kvroute routes HTTP/JSON OpenAI-compatible requests only; it does not parse gRPC request bodies",
+        "sglanghttp-parser" => "it parses SGLang's own /generate, not the OpenAI-compatible API, and kvroute does not route that path; for the OpenAI paths list openai-parser only",
         k if k.starts_with("multicluster-") => "multi-cluster routing is not supported: kvroute routes within one Envoy cluster",
         _ => return None,
     })
@@ -89,37 +95,64 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
 // ---------------------------------------------------------------------------
 // Top-level sections.
 
-/// Feature gates llm-d has registered, and whether each is on when not
-/// listed. `flowControl` and `haPopulateNonLeaderDatastore` are current
-/// (llm-d-router `cmd/epp/runner/runner.go`); `dataLayer`,
-/// `prepareDataPlugins` and `enableLegacyMetrics` were removed in 2026 when
-/// their behaviour became the only one.
-const FEATURE_GATES: &[(&str, bool)] = &[
-    ("flowControl", false),
-    ("haPopulateNonLeaderDatastore", true),
-    ("dataLayer", false),
-    ("prepareDataPlugins", false),
-    ("enableLegacyMetrics", false),
+/// What kvroute does with each feature gate llm-d has had.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Gate {
+    /// `flowControl` (off unless listed): flow control (`flow/`).
+    FlowControl,
+    /// `haPopulateNonLeaderDatastore` (on unless listed): llm-d's standby
+    /// replicas keep their datastore warm. kvroute has no leader: every
+    /// Envoy keeps its own state, so the gate has nothing to switch.
+    NoEffect,
+    /// A gate llm-d removed when its behaviour became the only one; current
+    /// llm-d refuses it as unknown. kvroute loads it, with a warning.
+    Removed,
+}
+
+/// llm-d's feature gates. `flowControl` and `haPopulateNonLeaderDatastore`
+/// are the ones llm-d-router registers today (`cmd/epp/runner/runner.go`,
+/// `loader.RegisterFeatureGate`); `dataLayer`, `prepareDataPlugins` and
+/// `enableLegacyMetrics` were removed in 2026.
+const FEATURE_GATES: &[(&str, Gate)] = &[
+    ("flowControl", Gate::FlowControl),
+    ("haPopulateNonLeaderDatastore", Gate::NoEffect),
+    ("dataLayer", Gate::Removed),
+    ("prepareDataPlugins", Gate::Removed),
+    ("enableLegacyMetrics", Gate::Removed),
 ];
 
-/// Validates `featureGates`; returns whether the `flowControl` gate is on
-/// (flow control, `flow/`).
-pub(super) fn feature_gates(gates: &[String]) -> Result<bool, ConfigError> {
+/// A gate's value after `=`, as llm-d reads it (Go's `strconv.ParseBool`
+/// of the lower-cased, trimmed text).
+fn gate_value(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "t" | "true" => Some(true),
+        "0" | "f" | "false" => Some(false),
+        _ => None,
+    }
+}
+
+/// Validates `featureGates` key by key; returns whether the `flowControl`
+/// gate is on (flow control, `flow/`). A removed gate adds a warning.
+pub(super) fn feature_gates(
+    gates: &[String],
+    warnings: &mut Vec<String>,
+) -> Result<bool, ConfigError> {
     let mut flow_control = false;
     for (i, g) in gates.iter().enumerate() {
         let path = format!("featureGates[{i}]");
         let (name, on) = match g.split_once('=') {
             None => (g.as_str(), true),
-            Some((n, "true")) => (n, true),
-            Some((n, "false")) => (n, false),
-            Some((_, v)) => {
-                return Err(err(
-                    path,
-                    format!("\"{v}\" is not allowed after '='; use \"=true\", \"=false\" or the bare gate name"),
-                ))
-            }
+            Some((n, v)) => match gate_value(v) {
+                Some(on) => (n, on),
+                None => {
+                    return Err(err(
+                        path,
+                        format!("\"{v}\" is not allowed after '='; use true or false (or 1/0, t/f), or the bare gate name"),
+                    ))
+                }
+            },
         };
-        if !FEATURE_GATES.iter().any(|(n, _)| *n == name) {
+        let Some((_, gate)) = FEATURE_GATES.iter().find(|(n, _)| *n == name) else {
             let known: Vec<&str> = FEATURE_GATES.iter().map(|(n, _)| *n).collect();
             return Err(err(
                 path,
@@ -128,9 +161,13 @@ pub(super) fn feature_gates(gates: &[String]) -> Result<bool, ConfigError> {
                     known.join(", ")
                 ),
             ));
-        }
-        if name == "flowControl" {
-            flow_control = on;
+        };
+        match gate {
+            Gate::FlowControl => flow_control = on,
+            Gate::NoEffect => {}
+            Gate::Removed => warnings.push(format!(
+                "`{path}`: llm-d removed the \"{name}\" gate when its behaviour became the only one, and current llm-d refuses it as unknown; it changes nothing in kvroute: remove it"
+            )),
         }
     }
     Ok(flow_control)
@@ -148,7 +185,7 @@ struct DataLayer {
     #[serde(default)]
     inject_defaults: Option<bool>,
     #[serde(default)]
-    sources: Option<Value>,
+    sources: Vec<DataLayerSource>,
     #[serde(default)]
     discovery: Option<Value>,
     #[serde(default)]
@@ -157,6 +194,15 @@ struct DataLayer {
     cross_replica_syncer_plugin_ref: Option<String>,
     #[serde(default)]
     cross_replica_sync_interval: Option<Value>,
+}
+
+/// `dataLayer.sources[]` (llm-d-router `apix/config/v1alpha1`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct DataLayerSource {
+    plugin_ref: String,
+    #[serde(default)]
+    extractors: Vec<PluginRef>,
 }
 
 #[derive(Deserialize)]
@@ -178,7 +224,11 @@ pub(super) struct Sections {
 /// Validates the top-level sections against the declared plugins
 /// (`(name, canonical type)`). Nothing in them changes a decision; a part
 /// that would is refused.
-pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(), ConfigError> {
+pub(super) fn sections(
+    s: &Sections,
+    plugins: &[(String, String)],
+    warnings: &mut Vec<String>,
+) -> Result<(), ConfigError> {
     let type_of = |name: &str| {
         plugins
             .iter()
@@ -196,6 +246,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
     const DETECTORS: &[&str] = &["utilization-detector", "concurrency-detector"];
 
     if let Some(v) = &s.saturation_detector {
+        warnings.push("`saturationDetector`: deprecated in llm-d for `flowControl.saturationDetector`, which wins when both are set (kvroute reads it the same way)".to_string());
         let r: PluginRef = super::check::strict_value_req(v, "saturationDetector")?;
         refers_to(
             "saturationDetector.pluginRef",
@@ -221,7 +272,40 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
                 "kvroute has no peer discovery between gateway replicas; remove it",
             ));
         }
-        let _ = (dl.inject_defaults, dl.sources, dl.discovery);
+        if dl.discovery.is_some() {
+            return Err(err(
+                "dataLayer.discovery",
+                "kvroute finds endpoints from its `endpoints` section (a static list or an Envoy cluster); remove it",
+            ));
+        }
+        // The sources and extractors are kvroute's collector; each
+        // reference must name a declared plugin of its kind.
+        for (i, src) in dl.sources.iter().enumerate() {
+            let path = format!("dataLayer.sources[{i}]");
+            match type_of(&src.plugin_ref) {
+                Some(t) if t.ends_with("-source") => {}
+                _ => refers_to(
+                    &format!("{path}.pluginRef"),
+                    &src.plugin_ref,
+                    &[],
+                    "it must name a data source (e.g. metrics-data-source)",
+                )?,
+            }
+            for (j, x) in src.extractors.iter().enumerate() {
+                match type_of(&x.plugin_ref) {
+                    // llm-d's precise producer is an extractor of the
+                    // endpoint-notification source.
+                    Some(t) if t.ends_with("-extractor") || t.ends_with("-producer") => {}
+                    _ => refers_to(
+                        &format!("{path}.extractors[{j}].pluginRef"),
+                        &x.plugin_ref,
+                        &[],
+                        "it must name an extractor (e.g. core-metrics-extractor) or a producer that extracts",
+                    )?,
+                }
+            }
+        }
+        let _ = dl.inject_defaults;
     }
     let parser_ref = |path: &str, name: &str| {
         refers_to(
@@ -241,6 +325,7 @@ pub(super) fn sections(s: &Sections, plugins: &[(String, String)]) -> Result<(),
         }
     }
     if let Some(v) = &s.parser {
+        warnings.push("`parser`: deprecated in llm-d for `requestHandler.parsers`".to_string());
         let p: PluginRef = super::check::strict_value_req(v, "parser")?;
         parser_ref("parser.pluginRef", &p.plugin_ref)?;
     }
@@ -274,13 +359,41 @@ struct ConcurrencyDetectorParams {
 #[serde(deny_unknown_fields)]
 struct NoParams {}
 
+/// `metrics-data-source` parameters (llm-d-router
+/// `datalayer/source/metrics/datasource.go`).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MetricsSourceParams {
+    scheme: Option<String>,
+    /// Checked against `collector.metricsPath` ([`metrics_source_path`]).
+    path: Option<String>,
+    port: Option<Value>,
+    insecure_skip_verify: Option<bool>,
+    ca_cert_path: Option<String>,
+    client_cert_path: Option<String>,
+    client_key_path: Option<String>,
+    interval: Option<String>,
+}
+
+/// `core-metrics-extractor` parameters (llm-d-router
+/// `datalayer/extractor/metrics/factories.go`).
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct MetricsExtractorParams {
+    engine_label_key: Option<String>,
+    default_engine: Option<String>,
+    engine_configs: Option<Value>,
+}
+
+/// The `path` a `metrics-data-source` gives, if any (its parameters were
+/// checked when the plugin compiled).
+pub(super) fn metrics_source_path(params: &Option<Value>) -> Option<&str> {
+    params.as_ref()?.get("path")?.as_str()
+}
+
 /// Checks an inert plugin's parameters.
-pub(crate) fn inert_params(
-    kind: &str,
-    role: Inert,
-    params: &Option<Value>,
-    ppath: &str,
-) -> Result<(), ConfigError> {
+pub(crate) fn inert_params(p: &Params, role: Inert) -> Result<(), ConfigError> {
+    let (kind, params, ppath) = (p.kind, p.value, p.path.as_str());
     let positive = |field: &str, v: Option<i64>| match v {
         Some(n) if n <= 0 => Err(err(
             format!("{ppath}.{field}"),
@@ -325,8 +438,53 @@ pub(crate) fn inert_params(
             }
             let _ = q.in_flight_load_producer_name;
         }
-        // Data-layer plugins configure llm-d's metric scraping; kvroute's
-        // `collector` section does that job, so their parameters are not read.
+        // The metrics source and extractor are kvroute's collector, which
+        // polls each endpoint's `collector.metricsPath` through the Envoy
+        // cluster `collector.metricsCluster` and reads vLLM's metrics.
+        (Inert::DataLayer, "metrics-data-source") => {
+            let q: MetricsSourceParams = super::check::strict_value(params, ppath)?;
+            match q.scheme.as_deref() {
+                None | Some("http") => {}
+                Some("https") => p.warn("scheme", "kvroute's collector polls /metrics through the Envoy cluster `collector.metricsCluster`: TLS is that cluster's transport socket, not this parameter"),
+                Some(o) => return Err(p.err("scheme", format!("\"{o}\" is not allowed; use \"http\" or \"https\""))),
+            }
+            if q.port.is_some() {
+                return Err(p.err("port", "kvroute's collector polls each endpoint's metrics at the endpoint's own address (ip:port); a separate metrics port is not supported"));
+            }
+            if let Some(path) = &q.path {
+                if !path.starts_with('/') {
+                    return Err(p.err("path", format!("\"{path}\" must start with '/'")));
+                }
+            }
+            for (field, given) in [
+                ("caCertPath", q.ca_cert_path.is_some()),
+                ("clientCertPath", q.client_cert_path.is_some()),
+                ("clientKeyPath", q.client_key_path.is_some()),
+            ] {
+                if given {
+                    p.warn(field, "not read: TLS to the servers' /metrics is the Envoy cluster `collector.metricsCluster`'s transport socket");
+                }
+            }
+            if let Some(i) = &q.interval {
+                p.warn("interval", format!("not read: kvroute's collector polls every `collector.metricsPollIntervalMs` (give \"{i}\" there in ms)"));
+            }
+            let _ = q.insecure_skip_verify;
+        }
+        (Inert::DataLayer, "core-metrics-extractor") => {
+            let q: MetricsExtractorParams = super::check::strict_value(params, ppath)?;
+            if let Some(e) = q.default_engine.as_deref().filter(|e| *e != "vllm") {
+                return Err(p.err("defaultEngine", format!("\"{e}\": kvroute's collector reads vLLM's metrics only (vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:cache_config_info, …)")));
+            }
+            if q.engine_configs.is_some() {
+                return Err(p.err("engineConfigs", "kvroute's collector reads vLLM's metrics by their own names; other engines' or custom metric mappings are not supported"));
+            }
+            // Which pod label names the engine: kvroute's endpoints carry
+            // no labels, and every one is read as vLLM.
+            let _ = q.engine_label_key;
+        }
+        // The other data-layer plugins (models, endpoint notifications)
+        // feed llm-d's datastore; kvroute finds endpoints from its
+        // `endpoints` section, so their parameters are not read.
         (Inert::DataLayer, _) => {}
         // `threshold`, checked by `flow::config` when flowControl names it.
         (Inert::FlowPolicy, "static-usage-limit-policy") => {

@@ -21,6 +21,7 @@ use crate::scheduling::{Picker, Scheduler, Scorer};
 use check::{err, strict, Params};
 use serde::Deserialize;
 use serde_json::Value;
+use std::cell::RefCell;
 use std::fmt;
 
 pub(crate) mod check;
@@ -76,6 +77,10 @@ pub struct Config {
     /// Flow control (`featureGates: ["flowControl"]`, `flowControl`,
     /// `inferenceObjectives`); `None`: every request is routed at once.
     pub flow: Option<crate::flow::FlowConfig>,
+    /// What loaded but deserves the operator's attention (a deprecated
+    /// llm-d parameter and what it was mapped to, a gate llm-d removed),
+    /// each naming its field. `lifecycle::configure` logs each at warn.
+    pub warnings: Vec<String>,
 }
 
 /// How this proxy shares its routing with the other proxies of a mesh.
@@ -146,7 +151,7 @@ struct RawConfig {
     inference_objectives: Option<Value>,
 }
 
-#[derive(Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPlugin {
     #[serde(default)]
@@ -178,6 +183,7 @@ fn compile_plugin(
     p: &RawPlugin,
     path: &str,
     producers: &[String],
+    warnings: &RefCell<Vec<String>>,
 ) -> Result<Compiled, ConfigError> {
     let kind = registry::canonical_type(&p.kind);
     let params = Params {
@@ -185,8 +191,24 @@ fn compile_plugin(
         value: &p.parameters,
         path: format!("{path}.parameters"),
         producers,
+        warnings,
     };
     if let Some(plugin) = registry::lookup(kind) {
+        if kind != p.kind {
+            let status = if p.kind == "tokenizer" {
+                "deprecated in llm-d since v0.9 (removal planned for v0.11)"
+            } else {
+                "a Gateway API Inference Extension name that current llm-d no longer accepts"
+            };
+            warnings.borrow_mut().push(format!(
+                "`{path}.type`: \"{}\" is an older name of \"{kind}\", {status}; use \"{kind}\"",
+                p.kind
+            ));
+        } else if kind == producers::PRECISE_PREFIX_SCORER {
+            warnings.borrow_mut().push(format!(
+                "`{path}.type`: precise-prefix-cache-scorer is deprecated in llm-d: declare precise-prefix-cache-producer and a prefix-cache-scorer with `prefixMatchInfoProducerName` naming it"
+            ));
+        }
         return registry::compile(plugin, &params);
     }
     if let Some(why) = llm_d::unsupported_reason(kind) {
@@ -215,8 +237,11 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             ));
         }
     }
-    let _ = raw.api_version;
-    let flow_gate = llm_d::feature_gates(&raw.feature_gates)?;
+    let warnings = RefCell::new(Vec::new());
+    if raw.api_version.as_deref() == Some("inference.networking.x-k8s.io/v1alpha1") {
+        warnings.borrow_mut().push("`apiVersion`: inference.networking.x-k8s.io/v1alpha1 is deprecated in llm-d for llm-d.ai/v1alpha1".to_string());
+    }
+    let flow_gate = llm_d::feature_gates(&raw.feature_gates, &mut warnings.borrow_mut())?;
 
     // Names: `name` defaults to `type`; must be unique.
     let names: Vec<String> = raw
@@ -252,9 +277,37 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut inflight = None;
     let mut precise: Option<PreciseConfig> = None;
     let mut tokenizers = Vec::new();
+    // The index a `prefix-cache-scorer` configured with its old parameters
+    // (`producers::legacy_scorer_index`), and which plugin gave it.
+    let mut legacy_prefix: Option<(usize, PrefixProducerConfig)> = None;
     for (i, p) in raw.plugins.iter().enumerate() {
         let path = format!("plugins[{i}]");
-        let c = compile_plugin(p, &path, &producer_names)?;
+        let c = if registry::canonical_type(&p.kind) == crate::scheduling::prefix_cache::TYPE {
+            let (own, index) = producers::legacy_scorer_index(
+                &p.parameters,
+                &format!("{path}.parameters"),
+                &warnings,
+            )?;
+            if let Some(index) = index {
+                match &legacy_prefix {
+                    Some((j, other)) if *other != index => {
+                        return Err(err(
+                            format!("{path}.parameters"),
+                            format!("gives the prefix index other parameters than plugins[{j}] does; kvroute keeps one index: give them once, on approx-prefix-cache-producer"),
+                        ))
+                    }
+                    Some(_) => {}
+                    None => legacy_prefix = Some((i, index)),
+                }
+            }
+            let stripped = RawPlugin {
+                parameters: own,
+                ..p.clone()
+            };
+            compile_plugin(&stripped, &path, &producer_names, &warnings)?
+        } else {
+            compile_plugin(p, &path, &producer_names, &warnings)?
+        };
         match &c {
             Compiled::Prefix(x) => {
                 if prefix.replace(x.clone()).is_some() {
@@ -304,6 +357,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             saturation_detector: raw.saturation_detector.clone(),
         },
         &declared,
+        &mut warnings.borrow_mut(),
     )?;
 
     // Profile: exactly one (kvroute has no P/D disaggregation), or none →
@@ -429,6 +483,13 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
             "a token-producer (tokenizer) feeds only precise-prefix-cache-producer in kvroute; add one, or remove the tokenizer (approximate mode estimates tokens from bytes)",
         ));
     }
+    if let (Some((j, _)), Some(_)) = (&legacy_prefix, &prefix) {
+        return Err(err(
+            format!("plugins[{j}].parameters"),
+            "gives prefix-cache-scorer index parameters, and approx-prefix-cache-producer gives the index its own: give them once, on the producer",
+        ));
+    }
+    let prefix = prefix.or(legacy_prefix.map(|(_, c)| c));
     let prefix = prefix.unwrap_or(PrefixProducerConfig {
         blocks: BlockConfig::default(),
         auto_tune: true,
@@ -438,6 +499,20 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
 
     let endpoints = sections::endpoints(raw.endpoints)?;
     let collector = sections::collector(raw.collector)?;
+    // llm-d's metrics-data-source is kvroute's collector: one path.
+    for (i, p) in raw.plugins.iter().enumerate() {
+        if registry::canonical_type(&p.kind) != "metrics-data-source" {
+            continue;
+        }
+        if let Some(path) = llm_d::metrics_source_path(&p.parameters) {
+            if path != collector.metrics_path {
+                return Err(err(
+                    format!("plugins[{i}].parameters.path"),
+                    format!("\"{path}\" is not the path kvroute's collector polls (`collector.metricsPath`: \"{}\"); set `collector.metricsPath` to it", collector.metrics_path),
+                ));
+            }
+        }
+    }
 
     let kv_events = sections::kv_events(raw.kv_events)?;
     if precise.is_some() && !kv_events.enabled {
@@ -484,6 +559,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         shared_state,
         mesh,
         flow,
+        warnings: warnings.into_inner(),
     })
 }
 

@@ -58,6 +58,17 @@ pub(crate) fn approx_prefix(p: &Params) -> Result<PrefixProducerConfig, ConfigEr
         (t, _) => ("blockSizeTokens", t),
     };
     let bs = range_u64(&p.field(bs_field), bs_value, 64, 1, 65_536, "tokens")?;
+    match (bs_field, q.block_size) {
+        ("blockSize", _) => p.warn(
+            "blockSize",
+            format!("deprecated in llm-d for `blockSizeTokens` (llm-d maps it the same way): read as blockSizeTokens {bs}"),
+        ),
+        (_, Some(b)) if b > 0 => p.warn(
+            "blockSize",
+            "deprecated in llm-d for `blockSizeTokens`, which is given: ignored",
+        ),
+        _ => {}
+    }
     let (cpt_value, learn) = match &q.chars_per_token {
         None | Some(Value::Null) => (None, false),
         Some(Value::String(a)) if a == "auto" => (None, true),
@@ -86,6 +97,16 @@ pub(crate) fn approx_prefix(p: &Params) -> Result<PrefixProducerConfig, ConfigEr
     } else {
         cap_blocks.saturating_mul(bs)
     };
+    if let Some(n) = q.max_prefix_blocks_to_match {
+        p.warn(
+            "maxPrefixBlocksToMatch",
+            if cap_tokens > 0 {
+                format!("deprecated in llm-d for `maxPrefixTokensToMatch`, and read only when that is 0; it is {cap_tokens} here, so {n} blocks is ignored")
+            } else {
+                format!("deprecated in llm-d for `maxPrefixTokensToMatch`: {n} blocks × {bs} tokens = a cap of {max_tokens} tokens")
+            },
+        );
+    }
     Ok(PrefixProducerConfig {
         blocks: BlockConfig {
             block_size_tokens: bs as u32,
@@ -96,6 +117,151 @@ pub(crate) fn approx_prefix(p: &Params) -> Result<PrefixProducerConfig, ConfigEr
         lru_capacity_per_server: q.lru_capacity_per_server.unwrap_or(0),
         learn_bytes_per_token: learn,
     })
+}
+
+/// The index parameters llm-d's `prefix-cache-scorer` took while it kept
+/// the approximate index itself (gateway-api-inference-extension's
+/// `multi/prefix` plugin, up to its split into a producer, 2026-04-06).
+/// Current llm-d decodes the scorer's parameters strictly and refuses
+/// them there; kvroute maps them to `approx-prefix-cache-producer` as they
+/// meant then, with a warning each (`legacy_scorer_index`).
+pub(crate) const LEGACY_SCORER_INDEX: &[&str] = &[
+    "hashBlockSize",
+    "blockSize",
+    "blockSizeTokens",
+    "maxPrefixBlocksToMatch",
+    "lruCapacityPerServer",
+    "autoTune",
+];
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct LegacyScorerIndex {
+    /// Characters (bytes of the prompt text) per block; renamed `blockSize`
+    /// in 2025-09 (same unit), with no alias.
+    hash_block_size: Option<u64>,
+    /// Characters per block (2025-09 to 2026-01); once `blockSizeTokens`
+    /// came, llm-d refused it given alone, and used `blockSizeTokens` when
+    /// both were given.
+    block_size: Option<u64>,
+    /// Tokens per block (2026-01 on).
+    block_size_tokens: Option<u64>,
+    /// The only prefix cap then: blocks of the scorer's block size.
+    max_prefix_blocks_to_match: Option<u64>,
+    /// Index entries (blocks) per server; the producer's parameter today.
+    lru_capacity_per_server: Option<u64>,
+    /// 2025-11 on; the producer's parameter today.
+    auto_tune: Option<bool>,
+}
+
+/// Splits a `prefix-cache-scorer`'s parameters (at `path`) into the
+/// scorer's own and, when any [`LEGACY_SCORER_INDEX`] key is given, the
+/// index they configure, as `approx-prefix-cache-producer` parameters
+/// meaning the same; each key given adds a warning.
+///
+/// - `hashBlockSize` / `blockSize` (characters): the prompt was cut into
+///   blocks of that many bytes; kvroute cuts blocks of `blockSizeTokens ×
+///   4` bytes, so they map to `blockSizeTokens` = ⌊c / 4⌉ (≥ 1).
+/// - `maxPrefixBlocksToMatch`: n blocks of that block size, so
+///   `maxPrefixTokensToMatch` = n × `blockSizeTokens`.
+/// - `lruCapacityPerServer`, `autoTune`, `blockSizeTokens`: the same name
+///   and unit on the producer.
+pub(crate) fn legacy_scorer_index(
+    value: &Option<Value>,
+    path: &str,
+    warnings: &std::cell::RefCell<Vec<String>>,
+) -> Result<(Option<Value>, Option<PrefixProducerConfig>), ConfigError> {
+    let Some(Value::Object(all)) = value else {
+        return Ok((value.clone(), None));
+    };
+    let (legacy, own): (
+        serde_json::Map<String, Value>,
+        serde_json::Map<String, Value>,
+    ) = all
+        .clone()
+        .into_iter()
+        .partition(|(k, _)| LEGACY_SCORER_INDEX.contains(&k.as_str()));
+    if legacy.is_empty() {
+        return Ok((value.clone(), None));
+    }
+    let q: LegacyScorerIndex = super::check::strict_value(&Some(Value::Object(legacy)), path)?;
+    let field = |f: &str| format!("{path}.{f}");
+    const WHY: &str = "an index parameter of llm-d's prefix-cache-scorer from before the index became approx-prefix-cache-producer (current llm-d refuses it here)";
+    let mut notes: Vec<(&str, String)> = Vec::new();
+    let chars = match (q.hash_block_size, q.block_size) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                field("blockSize"),
+                "and hashBlockSize are one parameter under its old and new name (characters per block): give one",
+            ))
+        }
+        (Some(c), None) => Some(("hashBlockSize", c)),
+        (None, Some(c)) => Some(("blockSize", c)),
+        (None, None) => None,
+    };
+    let bs = match (q.block_size_tokens, chars) {
+        (Some(t), chars) => {
+            let t = range_u64(&field("blockSizeTokens"), Some(t), 64, 1, 65_536, "tokens")?;
+            notes.push((
+                "blockSizeTokens",
+                format!("mapped to approx-prefix-cache-producer's blockSizeTokens {t}"),
+            ));
+            if let Some((f, _)) = chars {
+                notes.push((
+                    f,
+                    "ignored: blockSizeTokens is given (llm-d's rule)".to_string(),
+                ));
+            }
+            t
+        }
+        (None, Some((f, c))) => {
+            let c = range_u64(&field(f), Some(c), 64, 1, 262_144, "characters")?;
+            let t = ((c + 2) / 4).max(1);
+            notes.push((f, format!("{c} characters per block mapped to approx-prefix-cache-producer's blockSizeTokens {t} (blocks of {} bytes at 4 bytes per token)", t * 4)));
+            t
+        }
+        (None, None) => 64,
+    };
+    let mut producer = serde_json::Map::new();
+    producer.insert("blockSizeTokens".into(), bs.into());
+    if let Some(n) = q.max_prefix_blocks_to_match {
+        let n = range_u64(
+            &field("maxPrefixBlocksToMatch"),
+            Some(n),
+            256,
+            1,
+            1 << 24,
+            "blocks",
+        )?;
+        let tokens = n.saturating_mul(bs);
+        producer.insert("maxPrefixTokensToMatch".into(), tokens.into());
+        notes.push(("maxPrefixBlocksToMatch", format!("{n} blocks × {bs} tokens mapped to approx-prefix-cache-producer's maxPrefixTokensToMatch {tokens}")));
+    }
+    if let Some(n) = q.lru_capacity_per_server {
+        producer.insert("lruCapacityPerServer".into(), n.into());
+        notes.push(("lruCapacityPerServer", format!("mapped to approx-prefix-cache-producer's lruCapacityPerServer {n} (blocks per server when metrics give no capacity)")));
+    }
+    if let Some(a) = q.auto_tune {
+        producer.insert("autoTune".into(), a.into());
+        notes.push((
+            "autoTune",
+            format!("mapped to approx-prefix-cache-producer's autoTune {a}"),
+        ));
+    }
+    let producer = Some(Value::Object(producer));
+    let config = approx_prefix(&Params {
+        kind: APPROX_PREFIX,
+        value: &producer,
+        path: path.to_string(),
+        producers: &[],
+        warnings,
+    })?;
+    let mut w = warnings.borrow_mut();
+    for (f, note) in notes {
+        w.push(format!("`{}`: {WHY}; {note}", field(f)));
+    }
+    let own = (!own.is_empty()).then_some(Value::Object(own));
+    Ok((own, Some(config)))
 }
 
 /// `precise-prefix-cache-producer` (and the deprecated
@@ -151,6 +317,12 @@ pub(crate) fn precise_prefix(p: &Params) -> Result<PreciseConfig, ConfigError> {
         65_536,
         "tokens (vLLM's --block-size)",
     )? as u32;
+    if bs_field == "blockSize" {
+        p.warn(
+            "tokenProcessorConfig.blockSize",
+            format!("deprecated in llm-d for `blockSizeTokens`: read as blockSizeTokens {bs}"),
+        );
+    }
     if let Some(seed) = &tp.hash_seed {
         if seed.len() > 256 {
             return Err(err(

@@ -234,6 +234,139 @@ fn guide_flow_control_loads_with_its_bands_and_detector() {
 }
 
 #[test]
+fn router_chart_default_loads_with_its_data_layer_plugins() {
+    // llm-d-router's chart, default-plugins.yaml, vLLM over HTTP, no
+    // parsers: metrics-data-source and core-metrics-extractor are the
+    // collector, polling /metrics.
+    let c = Config::from_json(&fixture("router-chart-default.json")).unwrap();
+    assert_eq!(
+        c.scheduler.scorers,
+        vec![
+            (Scorer::Queue, 2.0),
+            (Scorer::KvCacheUtilization, 2.0),
+            (Scorer::PrefixCache(PrefixCacheScorer::default()), 3.0)
+        ]
+    );
+    assert_eq!(c.collector.metrics_path, "/metrics");
+    assert_eq!(c.warnings, Vec::<String>::new());
+}
+
+#[test]
+fn router_chart_variants_are_refused_where_kvroute_cannot_honour_them() {
+    for (file, path, msg) in [
+        // router.epp.parsers: ["openai-parser", "anthropic-parser"]
+        (
+            "router-chart-openai-anthropic.json",
+            "plugins[6].type",
+            "Messages API",
+        ),
+        // modelServers.type: triton (passthrough-parser, triton metrics)
+        (
+            "router-chart-triton.json",
+            "plugins[4].parameters.defaultEngine",
+            "vLLM's metrics only",
+        ),
+        // modelServers.protocol: grpc
+        ("router-chart-vllm-grpc.json", "plugins[5].type", "gRPC"),
+        // payload-agnostic.yaml
+        (
+            "router-chart-payload-agnostic.json",
+            "plugins[0].type",
+            "on load alone",
+        ),
+        // llm-d-router deploy/config/epp-precise-prefix-cache-config.yaml
+        (
+            "epp-precise-prefix-cache-split.json",
+            "plugins[0].parameters.vllm",
+            "/render",
+        ),
+    ] {
+        let e = Config::from_json(&fixture(file)).unwrap_err();
+        assert_eq!(e.path, path, "{file}: {e}");
+        assert!(e.message.contains(msg), "{file}: {e}");
+    }
+}
+
+#[test]
+fn old_sim_config_with_hash_block_size_loads_mapped_with_warnings() {
+    let c = Config::from_json(&fixture("sim-epp-hash-block-size.json")).unwrap();
+    assert_eq!(
+        c.prefix.blocks,
+        BlockConfig {
+            block_size_tokens: 1,
+            chars_per_token: 4,
+            max_prefix_tokens: 256,
+        }
+    );
+    assert_eq!(c.prefix.lru_capacity_per_server, 31250);
+    assert_eq!(
+        c.scheduler.scorers,
+        vec![(Scorer::PrefixCache(PrefixCacheScorer::default()), 2.0)]
+    );
+    // The deprecated apiVersion, then one per old scorer parameter.
+    assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].starts_with("`apiVersion`"),
+        "{:?}",
+        c.warnings
+    );
+}
+
+#[test]
+fn deprecated_names_llm_d_still_reads_load_with_a_warning() {
+    let warned = |doc: &str| accept(doc).warnings;
+    // Older type names.
+    let w = warned(&one_plugin("kv-cache", "{}"));
+    assert!(
+        w.len() == 1
+            && w[0].starts_with("`plugins[0].type`")
+            && w[0].contains("kv-cache-utilization-scorer"),
+        "{w:?}"
+    );
+    // Deprecated and ignored parameters.
+    let w = warned(&one_plugin(
+        "active-request-scorer",
+        r#"{"requestTimeout":"2m"}"#,
+    ));
+    assert!(w.len() == 1 && w[0].contains("requestTimeout"), "{w:?}");
+    let w = warned(&one_plugin(
+        "no-hit-lru-scorer",
+        r#"{"prefixPluginType":"prefix-cache-scorer","prefixPluginName":"p"}"#,
+    ));
+    assert_eq!(w.len(), 2, "{w:?}");
+    // Deprecated top-level places.
+    let w = warned(&with_endpoints(
+        r#"{"plugins":[{"type":"openai-parser"},{"name":"sat","type":"utilization-detector"}],
+            "parser":{"pluginRef":"openai-parser"},"saturationDetector":{"pluginRef":"sat"}}"#,
+    ));
+    assert!(
+        w.iter().any(|x| x.starts_with("`parser`"))
+            && w.iter().any(|x| x.starts_with("`saturationDetector`")),
+        "{w:?}"
+    );
+    // The current names are quiet.
+    assert_eq!(
+        warned(&one_plugin("kv-cache-utilization-scorer", "{}")),
+        Vec::<String>::new()
+    );
+}
+
+#[test]
+fn precise_split_pipeline_with_data_layer_sources_loads_adapted() {
+    // The same config without the token-producer's vLLM /render backend:
+    // the data layer wiring (the precise producer as the extractor of
+    // endpoint-notification-source) loads; blockSize warns.
+    let c = Config::from_json(&fixture("epp-precise-prefix-cache-split-adapted.json")).unwrap();
+    assert_eq!(c.precise.as_ref().map(|p| p.block_size), Some(64));
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].contains("tokenProcessorConfig.blockSize"),
+        "{:?}",
+        c.warnings
+    );
+}
+
+#[test]
 fn guide_optimized_baseline_current_interface_loads() {
     let c = Config::from_json(&fixture("optimized-baseline-current.json")).unwrap();
     assert_eq!(c.scheduler.filters, vec![AffinityFilter::default()]);
@@ -510,6 +643,37 @@ fn feature_gates() {
         serde_json::json!({"featureGates": ["flowControl=maybe"]}),
     ));
     assert_eq!(e.path, "featureGates[0]");
+
+    // Key by key: llm-d reads the value with Go's ParseBool (lower-cased).
+    let on = accept(&baseline_with(
+        serde_json::json!({"featureGates": ["flowControl=True"]}),
+    ));
+    assert!(on.flow.is_some());
+    let off = accept(&baseline_with(
+        serde_json::json!({"featureGates": ["flowControl=0"]}),
+    ));
+    assert!(off.flow.is_none());
+    // The current gates load quietly; each removed one is a warning naming
+    // its entry.
+    let quiet = accept(&baseline_with(serde_json::json!({
+        "featureGates": ["haPopulateNonLeaderDatastore=false", "flowControl=false"]
+    })));
+    assert_eq!(quiet.warnings, Vec::<String>::new());
+    let old = accept(&baseline_with(serde_json::json!({
+        "featureGates": ["haPopulateNonLeaderDatastore", "dataLayer", "enableLegacyMetrics=false"]
+    })));
+    assert_eq!(old.warnings.len(), 2, "{:?}", old.warnings);
+    assert!(
+        old.warnings[0].starts_with("`featureGates[1]`")
+            && old.warnings[0].contains("\"dataLayer\""),
+        "{:?}",
+        old.warnings
+    );
+    assert!(
+        old.warnings[1].starts_with("`featureGates[2]`"),
+        "{:?}",
+        old.warnings
+    );
 }
 
 #[test]
@@ -591,6 +755,119 @@ fn top_level_llm_d_sections() {
     ));
     assert_eq!(e.path, "plugins[5].type");
     assert!(e.message.contains("OpenAI-compatible"), "{e}");
+}
+
+#[test]
+fn data_layer_metrics_source_and_extractor_are_the_collector() {
+    let doc = |plugins: Value, extra: Value| {
+        let mut v: Value = serde_json::from_str(&baseline_with(extra)).unwrap();
+        let ps = v["plugins"].as_array_mut().unwrap();
+        ps.extend(plugins.as_array().unwrap().iter().cloned());
+        v.to_string()
+    };
+    // llm-d's router chart writes both, with these parameters, and no
+    // `dataLayer` section; a guide may wire them in `dataLayer.sources`.
+    let chart = serde_json::json!([
+        {"type": "metrics-data-source", "parameters": {"scheme": "http", "path": "/metrics", "insecureSkipVerify": true}},
+        {"type": "core-metrics-extractor"}
+    ]);
+    let c = accept(&doc(chart.clone(), serde_json::json!({})));
+    assert_eq!(c.warnings, Vec::<String>::new());
+    accept(&doc(
+        chart.clone(),
+        serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "metrics-data-source", "extractors": [{"pluginRef": "core-metrics-extractor"}]}]}}),
+    ));
+    accept(&doc(
+        serde_json::json!([{"type": "core-metrics-extractor", "parameters": {"defaultEngine": "vllm", "engineLabelKey": "llm-d.ai/engine-type"}}]),
+        serde_json::json!({}),
+    ));
+    // Parameters kvroute's collector takes elsewhere: a warning each.
+    let c = accept(&doc(
+        serde_json::json!([{"type": "metrics-data-source", "parameters": {"scheme": "https", "caCertPath": "/ca.pem", "interval": "1s"}}]),
+        serde_json::json!({}),
+    ));
+    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].starts_with("`plugins[5].parameters.scheme`"),
+        "{:?}",
+        c.warnings
+    );
+
+    let cases = [
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"path": "/stats"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.path",
+            "collector.metricsPath",
+        ),
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"port": 9090}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.port",
+            "own address",
+        ),
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"scheme": "ftp"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.scheme",
+            "\"http\"",
+        ),
+        (
+            serde_json::json!([{"type": "metrics-data-source", "parameters": {"paht": "/metrics"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.paht",
+            "unknown field",
+        ),
+        (
+            serde_json::json!([{"type": "core-metrics-extractor", "parameters": {"defaultEngine": "sglang"}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.defaultEngine",
+            "vLLM's metrics only",
+        ),
+        (
+            serde_json::json!([{"type": "core-metrics-extractor", "parameters": {"engineConfigs": []}}]),
+            serde_json::json!({}),
+            "plugins[5].parameters.engineConfigs",
+            "not supported",
+        ),
+        (
+            chart.clone(),
+            serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "core-metrics-extractor"}]}}),
+            "dataLayer.sources[0].pluginRef",
+            "data source",
+        ),
+        (
+            chart.clone(),
+            serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "metrics-data-source", "extractors": [{"pluginRef": "metrics-data-source"}]}]}}),
+            "dataLayer.sources[0].extractors[0].pluginRef",
+            "extractor",
+        ),
+        (
+            chart.clone(),
+            serde_json::json!({"dataLayer": {"sources": [{"pluginRef": "models-data-source"}]}}),
+            "dataLayer.sources[0].pluginRef",
+            "no plugin named",
+        ),
+        (
+            chart,
+            serde_json::json!({"dataLayer": {"discovery": {"pluginRef": "f"}}}),
+            "dataLayer.discovery",
+            "`endpoints`",
+        ),
+    ];
+    for (plugins, extra, path, msg) in cases {
+        let e = reject(&doc(plugins.clone(), extra.clone()));
+        assert_eq!(e.path, path, "{plugins} {extra}: {e}");
+        assert!(e.message.contains(msg), "{plugins} {extra}: {e}");
+    }
+    // The path is the collector's, when both say the same.
+    let mut v: Value = serde_json::from_str(&doc(
+        serde_json::json!([{"type": "metrics-data-source", "parameters": {"path": "/stats"}}]),
+        serde_json::json!({}),
+    ))
+    .unwrap();
+    v["collector"] = serde_json::json!({"metricsPath": "/stats"});
+    assert_eq!(accept(&v.to_string()).collector.metrics_path, "/stats");
 }
 
 #[test]
@@ -685,6 +962,11 @@ fn known_llm_d_types_are_refused_with_a_reason() {
         ("sheddable-eviction-filter", "does not evict"),
         ("multicluster-queue-scorer", "multi-cluster"),
         ("session-affinity-scorer", "does not implement"),
+        ("anthropic-parser", "Messages API (/v1/messages)"),
+        ("vllmhttp-parser", "/inference/v1/generate"),
+        ("passthrough-parser", "on load alone"),
+        ("vllmgrpc-parser", "gRPC"),
+        ("sglanghttp-parser", "SGLang"),
     ] {
         let e = reject(&with_endpoints(&format!(
             r#"{{"plugins":[{{"type":"{kind}"}}],"schedulingProfiles":[{{"name":"x","plugins":[]}}]}}"#
@@ -809,9 +1091,119 @@ fn prefix_cache_scorer_match_length() {
         r#"{"matchLengthWeight":0.5,"matchLengthScaleTokens":0}"#,
     ));
     assert_eq!(e.path, "plugins[0].parameters.matchLengthScaleTokens");
-    let e = reject(&one_plugin("prefix-cache-scorer", r#"{"hashBlockSize":5}"#));
-    assert_eq!(e.path, "plugins[0].parameters.hashBlockSize");
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"maxPrefixTokensToMatch":4096}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.maxPrefixTokensToMatch");
     assert!(e.message.contains("approx-prefix-cache-producer"), "{e}");
+}
+
+#[test]
+fn old_prefix_scorer_index_parameters_map_to_the_producer_with_warnings() {
+    // llm-d's sim config before 2026-03: 5 characters per block, 256
+    // blocks, 31250 entries per server.
+    let c = accept(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"hashBlockSize":5,"maxPrefixBlocksToMatch":256,"lruCapacityPerServer":31250,"matchLengthWeight":0.5}"#,
+    ));
+    // 5 bytes → 1 token of 4 bytes; 256 blocks × 1 token.
+    assert_eq!(
+        c.prefix.blocks,
+        BlockConfig {
+            block_size_tokens: 1,
+            chars_per_token: 4,
+            max_prefix_tokens: 256,
+        }
+    );
+    assert_eq!(c.prefix.lru_capacity_per_server, 31250);
+    assert!(c.prefix.auto_tune);
+    // The scorer keeps its own parameter.
+    assert_eq!(
+        c.scheduler.scorers[0].0,
+        Scorer::PrefixCache(PrefixCacheScorer {
+            match_length_weight: 0.5,
+            ..Default::default()
+        })
+    );
+    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+    for (w, f) in c.warnings.iter().zip([
+        "hashBlockSize",
+        "maxPrefixBlocksToMatch",
+        "lruCapacityPerServer",
+    ]) {
+        assert!(
+            w.starts_with(&format!("`plugins[0].parameters.{f}`"))
+                && w.contains("current llm-d refuses"),
+            "{w}"
+        );
+    }
+    assert!(
+        c.warnings[0].contains("blockSizeTokens 1"),
+        "{:?}",
+        c.warnings
+    );
+    assert!(
+        c.warnings[1].contains("maxPrefixTokensToMatch 256"),
+        "{:?}",
+        c.warnings
+    );
+
+    // 64 characters (the old default) are 16 tokens; blockSizeTokens
+    // wins over the character size, as it did in llm-d.
+    let bs = |params: &str| {
+        accept(&one_plugin("prefix-cache-scorer", params))
+            .prefix
+            .blocks
+    };
+    assert_eq!(bs(r#"{"blockSize":64}"#).block_size_tokens, 16);
+    assert_eq!(
+        bs(r#"{"blockSize":64,"blockSizeTokens":32}"#).block_size_tokens,
+        32
+    );
+    let b = bs(r#"{"blockSizeTokens":32,"maxPrefixBlocksToMatch":10}"#);
+    assert_eq!((b.block_size_tokens, b.max_prefix_tokens), (32, 320));
+    // Unset ones keep the producer's defaults.
+    assert_eq!(bs(r#"{"lruCapacityPerServer":7}"#), BlockConfig::default());
+    assert!(
+        !accept(&one_plugin("prefix-cache-scorer", r#"{"autoTune":false}"#))
+            .prefix
+            .auto_tune
+    );
+
+    // Errors name the old field.
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"hashBlockSize":64,"blockSize":64}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.blockSize");
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"hashBlockSize":"big"}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.hashBlockSize");
+    let e = reject(&one_plugin(
+        "prefix-cache-scorer",
+        r#"{"maxPrefixBlocksToMatch":0}"#,
+    ));
+    assert_eq!(e.path, "plugins[0].parameters.maxPrefixBlocksToMatch");
+
+    // One index: the producer's, or the scorers' when they agree.
+    let two = |a: &str, b: &str| {
+        with_endpoints(&format!(
+            r#"{{"plugins":[{{"name":"a","type":"prefix-cache-scorer","parameters":{a}}},{{"name":"b","type":"prefix-cache-scorer","parameters":{b}}}],
+              "schedulingProfiles":[{{"name":"x","plugins":[{{"pluginRef":"a"}},{{"pluginRef":"b"}}]}}]}}"#
+        ))
+    };
+    let c = accept(&two(r#"{"hashBlockSize":64}"#, r#"{"hashBlockSize":64}"#));
+    assert_eq!(c.prefix.blocks.block_size_tokens, 16);
+    let e = reject(&two(r#"{"hashBlockSize":64}"#, r#"{"hashBlockSize":32}"#));
+    assert_eq!(e.path, "plugins[1].parameters");
+    let e = reject(&with_endpoints(
+        r#"{"plugins":[{"type":"approx-prefix-cache-producer"},{"type":"prefix-cache-scorer","parameters":{"lruCapacityPerServer":5}}],
+            "schedulingProfiles":[{"name":"x","plugins":[{"pluginRef":"prefix-cache-scorer"}]}]}"#,
+    ));
+    assert_eq!(e.path, "plugins[1].parameters");
 }
 
 #[test]
@@ -845,8 +1237,23 @@ fn producer_parameters_and_llm_d_defaults() {
             .max_prefix_tokens,
         0
     );
-    // Deprecated `blockSize` stands in for an absent `blockSizeTokens`.
+    // Deprecated `blockSize` stands in for an absent `blockSizeTokens`,
+    // with a warning.
     assert_eq!(prefix(r#"{"blockSize":16}"#).blocks.block_size_tokens, 16);
+    let warned =
+        |params: &str| accept(&one_plugin("approx-prefix-cache-producer", params)).warnings;
+    assert_eq!(warned("{}"), Vec::<String>::new());
+    let w = warned(r#"{"blockSize":16}"#);
+    assert!(
+        w.len() == 1 && w[0].starts_with("`plugins[0].parameters.blockSize`"),
+        "{w:?}"
+    );
+    // Deprecated maxPrefixBlocksToMatch: read only with the token cap at 0;
+    // the warning says which.
+    let w = warned(r#"{"maxPrefixBlocksToMatch":256}"#);
+    assert!(w.len() == 1 && w[0].contains("ignored"), "{w:?}");
+    let w = warned(r#"{"maxPrefixBlocksToMatch":256,"maxPrefixTokensToMatch":0}"#);
+    assert!(w.len() == 1 && w[0].contains("16384 tokens"), "{w:?}");
     assert_eq!(
         prefix(r#"{"blockSize":16,"blockSizeTokens":32}"#)
             .blocks

@@ -732,6 +732,9 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
         .map_err(|e| format!("kvroute: cannot read the plugin configuration: {e}"))?
         .unwrap_or_default();
     let config = Config::from_json(&bytes).map_err(|e| format!("kvroute: {e}"))?;
+    for w in &config.warnings {
+        host.log(Level::Warn, &format!("kvroute config: {w}"));
+    }
     let root_id = host
         .root_id()
         .map_err(|e| format!("kvroute: cannot read plugin_root_id: {e}"))?

@@ -476,6 +476,38 @@ fn role_follows_root_id_and_a_bad_config_is_an_error() {
 }
 
 #[test]
+fn config_warnings_are_logged_once_at_warn_by_each_role() {
+    for root in [&b"kvroute"[..], COLLECTOR_ROOT_ID.as_bytes()] {
+        let host = FakeHost::default();
+        host.now_ns.set(5_000_000_000);
+        *host.config.borrow_mut() =
+            format!(r#"{{{BASE},"featureGates":["dataLayer"]}}"#).into_bytes();
+        *host.root_id.borrow_mut() = root.to_vec();
+        assert!(configure(&host).is_ok());
+        let warned: Vec<String> = host
+            .logs
+            .borrow()
+            .iter()
+            .filter(|(l, m)| *l == Level::Warn && m.starts_with("kvroute config: "))
+            .map(|(_, m)| m.clone())
+            .collect();
+        assert_eq!(warned.len(), 1, "{:?}", host.logs.borrow());
+        assert!(warned[0].contains("featureGates[0]"), "{warned:?}");
+    }
+    // No warning, no such log.
+    let (host, _) = filter("");
+    assert!(
+        !host
+            .logs
+            .borrow()
+            .iter()
+            .any(|(_, m)| m.starts_with("kvroute config: ")),
+        "{:?}",
+        host.logs.borrow()
+    );
+}
+
+#[test]
 fn a_non_streaming_request_releases_once_at_its_first_byte() {
     let (host, w) = filter("");
     let mut s = routed_stream(&host, &w, chat_body("q"));

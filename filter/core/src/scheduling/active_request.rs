@@ -61,7 +61,12 @@ struct ActiveRequestParams {
 pub(crate) fn compile(p: &Params) -> Result<ActiveRequestScorer, ConfigError> {
     let q: ActiveRequestParams = p.parse()?;
     p.producer("inFlightLoadProducerName", &q.in_flight_load_producer_name)?;
-    let _ = q.request_timeout;
+    if q.request_timeout.is_some() {
+        p.warn(
+            "requestTimeout",
+            "deprecated and ignored in llm-d (the in-flight count tracks each request's life); ignored here too",
+        );
+    }
     let idle = match q.idle_threshold {
         None => 0,
         Some(n) if n >= 0 => n as u64,

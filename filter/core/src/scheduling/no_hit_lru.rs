@@ -56,7 +56,14 @@ struct NoHitLruParams {
 /// The parameters are llm-d's; the scorer has nothing to set.
 pub(crate) fn compile(p: &Params) -> Result<(), ConfigError> {
     let q: NoHitLruParams = p.parse()?;
-    let _ = (q.prefix_plugin_type, q.prefix_plugin_name);
+    for (field, given) in [
+        ("prefixPluginType", q.prefix_plugin_type.is_some()),
+        ("prefixPluginName", q.prefix_plugin_name.is_some()),
+    ] {
+        if given {
+            p.warn(field, "deprecated in llm-d as never used; ignored");
+        }
+    }
     p.producer(
         "prefixMatchInfoProducerName",
         &q.prefix_match_info_producer_name,

@@ -115,24 +115,16 @@ struct PrefixScorerParams {
 }
 
 pub(crate) fn compile(p: &Params) -> Result<PrefixCacheScorer, ConfigError> {
+    // The index parameters it took before the index became a producer
+    // are taken out and mapped before this runs
+    // (`config::producers::legacy_scorer_index`); this one never was a
+    // scorer parameter.
     if let Some(Value::Object(m)) = p.value {
-        // Before llm-d split the index into its own producer, the
-        // scorer kept it and took its parameters.
-        for old in [
-            "hashBlockSize",
-            "blockSize",
-            "blockSizeTokens",
-            "maxPrefixBlocksToMatch",
-            "maxPrefixTokensToMatch",
-            "lruCapacityPerServer",
-            "autoTune",
-        ] {
-            if m.contains_key(old) {
-                return Err(err(
-                    p.field(old),
-                    "is an index parameter from llm-d's older prefix-cache scorer; the index is now approx-prefix-cache-producer: move it there",
-                ));
-            }
+        if m.contains_key("maxPrefixTokensToMatch") {
+            return Err(err(
+                p.field("maxPrefixTokensToMatch"),
+                "is a parameter of approx-prefix-cache-producer (the index), not of the scorer: move it there",
+            ));
         }
     }
     let q: PrefixScorerParams = p.parse()?;

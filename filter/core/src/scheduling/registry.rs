@@ -270,7 +270,7 @@ pub(crate) fn compile(plugin: &Plugin, p: &Params) -> Result<Compiled, ConfigErr
     match plugin.compile {
         Compile::Run(f) => f(p),
         Compile::Inert(role) => {
-            llm_d::inert_params(p.kind, role, p.value, &p.path)?;
+            llm_d::inert_params(p, role)?;
             Ok(Compiled::Inert(role))
         }
     }
