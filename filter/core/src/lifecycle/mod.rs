@@ -723,6 +723,36 @@ impl Role {
 /// Seed mixed into the clock when `routing.seed` is not set.
 const SEED_SALT: u64 = 0x6b76_726f_7574_6521;
 
+/// Shared-data key: the hash of the last config whose warnings were logged.
+const WARNED_KEY: &str = "kvroute/config/warned";
+
+/// Logs the config's warnings (deprecated llm-d parameters and names, each
+/// mapped to its replacement) once per Envoy process and config, not once
+/// per VM: the first VM to mark the config's hash in shared data logs them
+/// and counts them in `kvroute_config_warnings`.
+fn warn_once(host: &dyn Host, bytes: &[u8], warnings: &[String]) {
+    if warnings.is_empty() {
+        return;
+    }
+    let hash = xxhash_rust::xxh64::xxh64(bytes, 0).to_le_bytes();
+    let first = match host.store().get(WARNED_KEY) {
+        Ok(Some((v, _))) if v == hash => false,
+        Ok(Some((_, cas))) => host.store().set(WARNED_KEY, &hash, cas).is_ok(),
+        Ok(None) => host.store().set(WARNED_KEY, &hash, 0).is_ok(),
+        // No shared data: log here rather than never.
+        Err(_) => true,
+    };
+    if !first {
+        return;
+    }
+    for w in warnings {
+        host.log(Level::Warn, &format!("kvroute config: {w}"));
+    }
+    if let Ok(id) = host.define_counter("kvroute_config_warnings") {
+        let _ = host.increment_counter(id, warnings.len() as i64);
+    }
+}
+
 /// `proxy_on_configure`: reads and validates the plugin configuration and
 /// starts the role its `root_id` names. An error is the message to log;
 /// the glue then fails the configuration (Envoy rejects the plugin).
@@ -732,9 +762,7 @@ pub fn configure(host: &dyn Host) -> Result<Role, String> {
         .map_err(|e| format!("kvroute: cannot read the plugin configuration: {e}"))?
         .unwrap_or_default();
     let config = Config::from_json(&bytes).map_err(|e| format!("kvroute: {e}"))?;
-    for w in &config.warnings {
-        host.log(Level::Warn, &format!("kvroute config: {w}"));
-    }
+    warn_once(host, &bytes, &config.warnings);
     let root_id = host
         .root_id()
         .map_err(|e| format!("kvroute: cannot read plugin_root_id: {e}"))?

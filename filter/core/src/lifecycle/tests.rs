@@ -476,7 +476,7 @@ fn role_follows_root_id_and_a_bad_config_is_an_error() {
 }
 
 #[test]
-fn config_warnings_are_logged_once_at_warn_by_each_role() {
+fn config_warnings_are_logged_and_counted_once_per_process() {
     for root in [&b"kvroute"[..], COLLECTOR_ROOT_ID.as_bytes()] {
         let host = FakeHost::default();
         host.now_ns.set(5_000_000_000);
@@ -493,6 +493,19 @@ fn config_warnings_are_logged_once_at_warn_by_each_role() {
             .collect();
         assert_eq!(warned.len(), 1, "{:?}", host.logs.borrow());
         assert!(warned[0].contains("featureGates[0]"), "{warned:?}");
+        assert_eq!(host.gauge("kvroute_config_warnings"), Some(1));
+        // Another VM of the same Envoy (same shared data), same config:
+        // not logged or counted again.
+        *host.root_id.borrow_mut() = b"kvroute".to_vec();
+        assert!(configure(&host).is_ok());
+        let n = host
+            .logs
+            .borrow()
+            .iter()
+            .filter(|(_, m)| m.starts_with("kvroute config: "))
+            .count();
+        assert_eq!(n, 1, "logged once per process");
+        assert_eq!(host.gauge("kvroute_config_warnings"), Some(1));
     }
     // No warning, no such log.
     let (host, _) = filter("");
