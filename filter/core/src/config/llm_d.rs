@@ -243,7 +243,11 @@ pub(super) fn sections(
         Some(t) if want.contains(&t) => Ok(()),
         Some(t) => Err(err(path, format!("\"{name}\" is a {t}; {what}"))),
     };
-    const DETECTORS: &[&str] = &["utilization-detector", "concurrency-detector"];
+    const DETECTORS: &[&str] = &[
+        "utilization-detector",
+        "concurrency-detector",
+        "kvroute-saturation-detector",
+    ];
 
     if let Some(v) = &s.saturation_detector {
         warnings.push("`saturationDetector`: deprecated in llm-d for `flowControl.saturationDetector`, which wins when both are set (kvroute reads it the same way)".to_string());
@@ -252,7 +256,7 @@ pub(super) fn sections(
             "saturationDetector.pluginRef",
             &r.plugin_ref,
             DETECTORS,
-            "it must name a utilization-detector or concurrency-detector",
+            "it must name a utilization-detector, concurrency-detector or kvroute-saturation-detector",
         )?;
     }
     if let Some(v) = &s.data_layer {
@@ -423,6 +427,8 @@ pub(crate) fn inert_params(p: &Params, role: Inert) -> Result<(), ConfigError> {
             headroom(q.headroom)?;
             let _ = q.metrics_staleness_threshold;
         }
+        // kvroute's own detector: checked by `flow::config`.
+        (Inert::Detector, "kvroute-saturation-detector") => {}
         (Inert::Detector, _) => {
             let q: ConcurrencyDetectorParams = super::check::strict_value(params, ppath)?;
             positive("maxConcurrency", q.max_concurrency)?;

@@ -45,6 +45,13 @@ impl Engine {
                         .map_or(0, |r| r.inflight_tokens())
                         .saturating_add(peer.prompt_tokens)
                         .saturating_add(peer.output_tokens),
+                    inflight_prefill_tokens: rec
+                        .map_or(0, |r| r.inflight_prompt_tokens())
+                        .saturating_add(peer.prompt_tokens),
+                    inflight_held_tokens: rec
+                        .map_or(0, |r| r.inflight_output_tokens())
+                        .saturating_add(peer.output_tokens),
+                    prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),
                     metrics: m.map(|m| EndpointMetrics {
                         waiting_requests: m.waiting,
                         running_requests: m.running,

@@ -186,6 +186,18 @@ struct ConcurrencyParams {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct KvrouteDetectorParams {
+    max_queue_ms: Option<f64>,
+    peak_prefill_throughput: Option<f64>,
+}
+
+/// `kvroute-saturation-detector` defaults: a 2 s queue is saturation, at
+/// the affinity filter's default prefill rate.
+pub const DEFAULT_MAX_QUEUE_MS: f64 = 2_000.0;
+pub const DEFAULT_PEAK_PREFILL_TPS: f64 = 15_928.0;
+
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct UsageLimitParams {
     threshold: Option<f64>,
@@ -313,10 +325,29 @@ pub fn compile(i: &Inputs) -> Result<Option<FlowConfig>, ConfigError> {
                         headroom: q.headroom.unwrap_or(0.0),
                     }
                 }
+                "kvroute-saturation-detector" => {
+                    let q: KvrouteDetectorParams = strict_value(p.params, &p.path)?;
+                    let positive = |v: Option<f64>, field: &str, default: f64| match v {
+                        None => Ok(default),
+                        Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+                        Some(x) => Err(err(
+                            format!("{}.{field}", p.path),
+                            format!("{x} is out of range: must be > 0"),
+                        )),
+                    };
+                    Detector::Kvroute {
+                        max_queue_ms: positive(q.max_queue_ms, "maxQueueMs", DEFAULT_MAX_QUEUE_MS)?,
+                        peak_prefill_tps: positive(
+                            q.peak_prefill_throughput,
+                            "peakPrefillThroughput",
+                            DEFAULT_PEAK_PREFILL_TPS,
+                        )?,
+                    }
+                }
                 other => {
                     return Err(err(
                         path,
-                        format!("\"{name}\" is a {other}; it must name a utilization-detector or concurrency-detector"),
+                        format!("\"{name}\" is a {other}; it must name a utilization-detector, concurrency-detector or kvroute-saturation-detector"),
                     ))
                 }
             }

@@ -27,7 +27,7 @@
 //! answer is [`Pool::NoEndpoints`] (requests wait up to
 //! `noEndpointRequestTTL`, then 503).
 
-use crate::scheduling::EndpointMetrics;
+use crate::scheduling::{saturation, Candidate, EndpointMetrics, RequestView};
 
 /// A saturation detector, as configured.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,6 +43,13 @@ pub enum Detector {
         max_requests: u64,
         max_tokens: u64,
         headroom: f64,
+    },
+    /// `kvroute-saturation-detector`.
+    Kvroute {
+        /// The wait that is saturation (score 1), ms.
+        max_queue_ms: f64,
+        /// Prefill tokens/s when the endpoint's own estimate is unknown.
+        peak_prefill_tps: f64,
     },
 }
 
@@ -62,6 +69,11 @@ impl Default for Detector {
 pub struct PoolEndpoint {
     pub inflight_requests: u64,
     pub inflight_tokens: u64,
+    /// The prefill and held parts of `inflight_tokens`.
+    pub inflight_prefill_tokens: u64,
+    pub inflight_held_tokens: u64,
+    /// The collector's prefill-throughput estimate, tokens/s, if any.
+    pub prefill_tokens_per_s: Option<f64>,
     /// `None`: stale or never polled.
     pub metrics: Option<EndpointMetrics>,
 }
@@ -107,6 +119,33 @@ impl Detector {
                     e.inflight_tokens as f64 / max_tokens.max(1) as f64
                 } else {
                     e.inflight_requests as f64 / max_requests.max(1) as f64
+                }
+            }
+            Detector::Kvroute {
+                max_queue_ms,
+                peak_prefill_tps,
+            } => {
+                let c = Candidate {
+                    inflight_tokens: e.inflight_tokens,
+                    inflight_requests: e.inflight_requests,
+                    inflight_prefill_tokens: e.inflight_prefill_tokens,
+                    inflight_held_tokens: e.inflight_held_tokens,
+                    metrics: e.metrics,
+                    ..Candidate::default()
+                };
+                // A request with no prompt: the queue alone (x = 0).
+                let sig = saturation::signal(&RequestView::default(), &c);
+                let rate = e
+                    .prefill_tokens_per_s
+                    .filter(|r| r.is_finite() && *r > 0.0)
+                    .unwrap_or(peak_prefill_tps)
+                    .max(1.0);
+                let wait_ms = sig.ttft_tokens() / rate * 1000.0;
+                let s = wait_ms / max_queue_ms.max(1.0);
+                if s.is_finite() {
+                    s
+                } else {
+                    0.0
                 }
             }
         }

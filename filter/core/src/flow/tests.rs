@@ -131,16 +131,19 @@ fn utilization_is_llm_d_s_mean_score_with_our_requests_since_the_poll() {
         inflight_requests: 0,
         inflight_tokens: 0,
         metrics: metrics(0.0, 0.0, 0.1),
+        ..PoolEndpoint::default()
     };
     let queued = PoolEndpoint {
         inflight_requests: 0,
         inflight_tokens: 0,
         metrics: metrics(10.0, 4.0, 0.5),
+        ..PoolEndpoint::default()
     };
     let stale = PoolEndpoint {
         inflight_requests: 0,
         inflight_tokens: 0,
         metrics: None,
+        ..PoolEndpoint::default()
     };
     let level = |eps: &[PoolEndpoint]| match d.pool(eps) {
         Pool::Level { saturation, .. } => saturation,
@@ -153,6 +156,7 @@ fn utilization_is_llm_d_s_mean_score_with_our_requests_since_the_poll() {
         inflight_requests: 9,
         inflight_tokens: 0,
         metrics: metrics(0.0, 4.0, 0.0),
+        ..PoolEndpoint::default()
     };
     assert!((level(&[ours]) - 1.0).abs() < 1e-9);
     assert_eq!(d.pool(&[]), Pool::NoEndpoints);
@@ -173,6 +177,7 @@ fn utilization_is_llm_d_s_mean_score_with_our_requests_since_the_poll() {
         inflight_requests: 6,
         inflight_tokens: 0,
         metrics: None,
+        ..PoolEndpoint::default()
     };
     assert_eq!(
         c.pool(&[busy, stale]),
@@ -384,4 +389,60 @@ fn what_kvroute_cannot_honour_is_refused_by_name() {
     )
     .unwrap_err();
     assert!(e.message.contains("kvroute's flow control runs"), "{e}");
+}
+
+#[test]
+fn kvroute_s_detector_prices_the_gate_s_queue_as_a_wait() {
+    let d = Detector::Kvroute {
+        max_queue_ms: 1_000.0,
+        peak_prefill_tps: 1_000.0,
+    };
+    let idle = PoolEndpoint::default();
+    // 1,500 prefill tokens of ours in flight at 1,000 tokens/s: 1.5 s.
+    let busy = PoolEndpoint {
+        inflight_requests: 3,
+        inflight_tokens: 1_500,
+        inflight_prefill_tokens: 1_500,
+        ..PoolEndpoint::default()
+    };
+    assert_eq!(d.score(&idle), 0.0);
+    assert!((d.score(&busy) - 1.5).abs() < 1e-9, "{}", d.score(&busy));
+    // The endpoint's learnt rate wins over the configured peak.
+    let fast = PoolEndpoint {
+        prefill_tokens_per_s: Some(3_000.0),
+        ..busy
+    };
+    assert!((d.score(&fast) - 0.5).abs() < 1e-9);
+    // Other gateways' requests, from the server's counts, add to ours.
+    let crowded = PoolEndpoint {
+        metrics: metrics(6.0, 2.0, 0.2),
+        ..busy
+    };
+    assert!(d.score(&crowded) > d.score(&busy));
+    assert_eq!(
+        d.pool(&[idle, busy]),
+        Pool::Level {
+            saturation: 0.75,
+            blind: false
+        }
+    );
+    // Config: named by flowControl, parameters checked.
+    let c = cfg(
+        r#",{"type":"kvroute-saturation-detector","parameters":{"maxQueueMs":500}}"#,
+        r#""featureGates":["flowControl"],"flowControl":{"saturationDetector":{"pluginRef":"kvroute-saturation-detector"}}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        c.flow.unwrap().detector,
+        Detector::Kvroute {
+            max_queue_ms: 500.0,
+            peak_prefill_tps: config::DEFAULT_PEAK_PREFILL_TPS
+        }
+    );
+    let e = cfg(
+        r#",{"type":"kvroute-saturation-detector","parameters":{"maxQueueMs":0}}"#,
+        r#""featureGates":["flowControl"],"flowControl":{"saturationDetector":{"pluginRef":"kvroute-saturation-detector"}}"#,
+    )
+    .unwrap_err();
+    assert_eq!(e.path, "plugins[2].parameters.maxQueueMs");
 }

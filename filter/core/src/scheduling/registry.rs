@@ -236,6 +236,7 @@ pub(crate) static PLUGINS: &[Plugin] = &[
     inert("decode-filter", Inert::DecodeFilter),
     inert("utilization-detector", Inert::Detector),
     inert("concurrency-detector", Inert::Detector),
+    inert("kvroute-saturation-detector", Inert::Detector),
     inert("openai-parser", Inert::Parser),
     inert("global-strict-fairness-policy", Inert::FlowPolicy),
     inert("round-robin-fairness-policy", Inert::FlowPolicy),
