@@ -172,3 +172,101 @@ proptest! {
         prop_assert!(short.prompt_tokens >= short.block_hashes.len() as u64 * 4);
     }
 }
+
+// ---------------------------------------------------------------------------
+// Flow control's queue: any sequence of pushes, pops, removals and expiries
+// keeps its counts equal to what it holds, serves bands in priority order,
+// and never loses or duplicates a request.
+
+mod flow_queue {
+    use kvroute_core::flow::queue::{Entry, Queue};
+    use kvroute_core::flow::{Fairness, Ordering};
+    use proptest::prelude::*;
+    use std::collections::BTreeSet;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Push {
+            band: usize,
+            flow: u8,
+            bytes: u64,
+            ttl: u64,
+        },
+        Pop,
+        Remove(u32),
+        Expire(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0usize..4, 0u8..4, 0u64..1000, 0u64..100).prop_map(|(band, flow, bytes, ttl)| Op::Push { band, flow, bytes, ttl }),
+            2 => Just(Op::Pop),
+            1 => (0u32..64).prop_map(Op::Remove),
+            1 => (0u64..200).prop_map(Op::Expire),
+        ]
+    }
+
+    fn policy() -> impl Strategy<Value = (Fairness, Ordering)> {
+        (any::<bool>(), any::<bool>()).prop_map(|(rr, edf)| {
+            (
+                if rr {
+                    Fairness::RoundRobin
+                } else {
+                    Fairness::GlobalStrict
+                },
+                if edf { Ordering::Edf } else { Ordering::Fcfs },
+            )
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn counts_order_and_membership_hold(policies in proptest::collection::vec(policy(), 1..4),
+                                            ops in proptest::collection::vec(op(), 0..200)) {
+            let mut q: Queue<u32> = Queue::new(&policies);
+            let bands = policies.len();
+            let mut held: BTreeSet<u32> = BTreeSet::new();
+            let mut next_id = 0u32;
+            let mut now = 0u64;
+            for op in ops {
+                now += 1;
+                match op {
+                    Op::Push { band, flow, bytes, ttl } => {
+                        q.push(Entry { id: next_id, band, flow: format!("f{flow}"), enqueued_ms: now,
+                                       deadline_ms: now + ttl, bytes, seq: 0, item: next_id });
+                        held.insert(next_id);
+                        next_id += 1;
+                    }
+                    Op::Pop => {
+                        let head = q.head().map(|e| (e.id, e.band));
+                        let popped = q.pop_head().map(|e| (e.id, e.band));
+                        prop_assert_eq!(head, popped, "pop_head takes what head shows");
+                        if let Some((id, band)) = popped {
+                            prop_assert!(held.remove(&id));
+                            // Nothing waits in a higher band.
+                            let loads = q.loads();
+                            prop_assert!(loads[..band.min(bands - 1)].iter().all(|l| l.requests == 0));
+                        }
+                    }
+                    Op::Remove(id) => {
+                        let gone = q.remove(id).is_some();
+                        prop_assert_eq!(gone, held.remove(&id));
+                    }
+                    Op::Expire(at) => {
+                        for e in q.take_if(|e| e.deadline_ms <= at) {
+                            prop_assert!(e.deadline_ms <= at);
+                            prop_assert!(held.remove(&e.id));
+                        }
+                    }
+                }
+                let loads = q.loads();
+                prop_assert_eq!(loads.iter().map(|l| l.requests as usize).sum::<usize>(), held.len());
+                prop_assert_eq!(q.len(), held.len());
+                prop_assert_eq!(q.is_empty(), held.is_empty());
+            }
+            let drained: BTreeSet<u32> = q.drain().into_iter().map(|e| e.id).collect();
+            prop_assert_eq!(drained, held);
+            prop_assert!(q.loads().iter().all(|l| l.requests == 0 && l.bytes == 0));
+        }
+    }
+}
