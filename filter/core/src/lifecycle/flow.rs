@@ -113,6 +113,19 @@ fn shed_index(s: Shed) -> usize {
     }
 }
 
+/// Answers the effective context's request for flow control: 429 (with
+/// `Retry-After`) or 503, an OpenAI-style error and llm-d's dropped-reason
+/// header.
+pub(super) fn send_shed(host: &dyn Host, why: Shed) -> super::HostResult<()> {
+    let body = openai_error(why.message(), "rate_limit_exceeded", why.status());
+    let retry = RETRY_AFTER_S.to_string();
+    let mut headers: Vec<(&str, &str)> = vec![(DROPPED_REASON_HEADER, why.reason())];
+    if why.status() == 429 {
+        headers.push(("retry-after", &retry));
+    }
+    host.send_json_response_with(why.status(), &body, &headers)
+}
+
 /// A worker's flow control.
 pub struct FlowState {
     pub cfg: FlowConfig,
@@ -314,13 +327,7 @@ impl FlowState {
             w.host_error(host, "switching to a waiting request", err);
             return;
         }
-        let body = openai_error(why.message(), "rate_limit_exceeded", why.status());
-        let retry = RETRY_AFTER_S.to_string();
-        let mut headers: Vec<(&str, &str)> = vec![(DROPPED_REASON_HEADER, why.reason())];
-        if why.status() == 429 {
-            headers.push(("retry-after", &retry));
-        }
-        if let Err(err) = host.send_json_response_with(why.status(), &body, &headers) {
+        if let Err(err) = send_shed(host, why) {
             w.host_error(host, "shedding a waiting request", err);
         }
     }

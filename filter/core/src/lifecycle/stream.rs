@@ -21,7 +21,7 @@
 //! a few microseconds later (at the end of the stream) would only cost
 //! three more VM crossings per request.
 
-use super::flow::{Admit, Arrival};
+use super::flow::{send_shed, Admit, Arrival};
 use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
 use crate::engine::{openai_error, Outcome, Provisional, Unrouted};
 use crate::request::{ApiKind, ParseError};
@@ -177,14 +177,7 @@ impl Stream {
     /// Flow control refused the request: 429 (with `Retry-After`) or 503,
     /// an OpenAI-style error and llm-d's dropped-reason header.
     fn shed(w: &Worker, host: &dyn Host, why: crate::flow::Shed) -> Action {
-        let body = openai_error(why.message(), "rate_limit_exceeded", why.status());
-        let retry = crate::flow::RETRY_AFTER_S.to_string();
-        let mut headers: Vec<(&str, &str)> =
-            vec![(crate::flow::DROPPED_REASON_HEADER, why.reason())];
-        if why.status() == 429 {
-            headers.push(("retry-after", &retry));
-        }
-        if let Err(e) = host.send_json_response_with(why.status(), &body, &headers) {
+        if let Err(e) = send_shed(host, why) {
             w.host_error(host, "sending a local response", e);
             return Action::Continue;
         }
