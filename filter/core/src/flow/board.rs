@@ -139,13 +139,14 @@ pub fn read(store: &dyn Store) -> Result<Board, StoreError> {
     ))
 }
 
-/// Writes this worker's record; returns the CAS retries.
+/// Writes this worker's record; returns the CAS retries and what waits in
+/// the whole Envoy per band (every fresh record, this one included).
 pub fn publish(
     store: &dyn Store,
     worker: u64,
     now_ms: u64,
     bands: &[BandLoad],
-) -> Result<u32, StoreError> {
+) -> Result<(u32, Vec<BandLoad>), StoreError> {
     let r = update(
         store,
         BOARD_KEY,
@@ -153,10 +154,15 @@ pub fn publish(
         Board::encode,
         |b: &mut Board| {
             b.put(worker, now_ms, bands);
-            Some(())
+            let mut all = b.others(worker, now_ms, bands.len());
+            for (a, mine) in all.iter_mut().zip(bands) {
+                a.requests += mine.requests;
+                a.bytes += mine.bytes;
+            }
+            Some(all)
         },
     )?;
-    Ok(r.retries)
+    Ok((r.retries, r.result.unwrap_or_default()))
 }
 
 struct Reader<'a> {

@@ -209,17 +209,18 @@ impl FlowState {
             return;
         }
         match board::publish(host.store(), self.id, now_ms, &loads) {
-            Ok(retries) => {
+            Ok((retries, all)) => {
                 self.on_board.set(any);
                 w.counts
                     .add(host, super::Counter::CasRetries, u64::from(retries));
+                // The gauge is process-wide: what waits in every worker.
+                for (m, l) in self.metrics.bands.iter().zip(&all) {
+                    if let Some(g) = m.waiting {
+                        let _ = host.record_metric(g, l.requests);
+                    }
+                }
             }
             Err(e) => w.host_error(host, "writing the flow-control board", e),
-        }
-        for (m, l) in self.metrics.bands.iter().zip(&loads) {
-            if let Some(g) = m.waiting {
-                let _ = host.record_metric(g, l.requests);
-            }
         }
     }
 

@@ -2423,3 +2423,42 @@ mod flow_control_edges {
         assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
     }
 }
+
+#[test]
+fn the_waiting_gauge_counts_every_worker_s_requests() {
+    let host = FakeHost::default();
+    host.now_ns.set(5_000_000_000);
+    let cfg = |seed: u64| {
+        format!(
+            r#"{{"endpoints":{{"static":["127.0.0.1:1"]}},"featureGates":["flowControl"],
+            "plugins":[{{"type":"concurrency-detector","parameters":{{"maxConcurrency":1}}}}],
+            "flowControl":{{"saturationDetector":{{"pluginRef":"concurrency-detector"}}}},
+            "routing":{{"seed":{seed}}}}}"#
+        )
+    };
+    let mut workers = Vec::new();
+    for seed in [7, 8] {
+        *host.config.borrow_mut() = cfg(seed).into_bytes();
+        *host.root_id.borrow_mut() = b"kvroute".to_vec();
+        match configure(&host) {
+            Ok(Role::Filter { worker, .. }) => workers.push(worker),
+            _ => panic!("configure"),
+        }
+    }
+    let mut streams = Vec::new();
+    for (i, w) in [&workers[0], &workers[0], &workers[1]]
+        .into_iter()
+        .enumerate()
+    {
+        host.set_request("POST", "/v1/chat/completions", &[]);
+        let mut s = Stream::new(Some(w.clone())).with_id(i as u32 + 1);
+        s.on_request_headers(&host, false);
+        let body = chat_body("g");
+        let n = body.len();
+        *host.body.borrow_mut() = body;
+        s.on_request_body(&host, n, true);
+        streams.push(s);
+    }
+    // One routed, one waiting in each worker: the gauge says 2.
+    assert_eq!(host.gauge("kvroute_flow_waiting.band.0"), Some(2));
+}
