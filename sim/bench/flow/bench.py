@@ -2,7 +2,7 @@
 """Flow control under overload (issue 45): goodput per priority band as the
 offered load rises to twice the fleet's knee, side by side in one run.
 
-    python3 sim/bench/flow/bench.py            # full run: calibration + 4 stages x 4 arms x 2 seeds, ~13 min
+    python3 sim/bench/flow/bench.py            # full run: calibration + 4 stages x 4 arms x 2 seeds, ~11 min
     python3 sim/bench/flow/bench.py --quick    # smoke: a given knee, 1x and 2x, one seed, ~2 min
     python3 sim/bench/flow/bench.py --from-results sim/bench/results/FILE.json   # re-render only
 
@@ -18,8 +18,9 @@ fleet, measured one at a time, interleaved per stage):
   kvroute-fc-conc  the same with a concurrency-detector (maxConcurrency 4 per endpoint,
               the servers' batch size) instead
 
-Load: open loop. Poisson arrivals at a fixed rate per stage (the same
-arrivals, bands and prompts for every arm of a (seed, stage)), each a
+Load: open loop. Poisson arrivals at a fixed rate per stage (exactly
+rate x length requests, 30 % high band; the same arrivals, bands and prompts
+for every arm of a (seed, stage), in any run), each a
 streamed chat request on a new connection carrying
 `x-llm-d-inference-objective: high|low` (rr and kvroute ignore it). TTFT is
 the time from sending the request to the first body byte (the emulator
@@ -46,6 +47,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,8 +73,8 @@ PRIORITY = {"high": 100, "low": -10}
 # uniform in [8, 72] (mean 40).
 FLEET = {"endpoints": 4, "max_num_seqs": 4, "decode_step_ms": 25, "prompt_chars": 900, "output_tokens": 40,
          "stream_interval": 4}
-# The knee this fleet measured on the 2-core machine (the calibration pass of
-# 2026-12-07, kvroute arm); --quick uses it instead of calibrating.
+# A knee for --quick, which does not calibrate: the calibration passes of
+# 2026-12-07 (kvroute arm, 2-core machine) gave 12.9, 14.8 and 16.5 req/s.
 DEFAULT_KNEE = 14.0
 
 _WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega router cache block token prefix "
@@ -192,23 +194,29 @@ def prompt(rng, n_chars, tag):
     return " ".join(words)[:n_chars]
 
 
-def arrivals(seed, stage_idx, rate, duration_s, high_share):
-    """The stage's requests: (offset s, band, body bytes), fixed by seed and stage."""
-    rng = random.Random(seed * 1000 + stage_idx)
-    out, t, i = [], 0.0, 0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            return out
-        band = "high" if rng.random() < high_share else "low"
+def arrivals(key, rate, duration_s, high_share):
+    """The stage's requests: (offset s, band, body bytes), fixed by key.
+
+    Exactly round(rate x duration) requests at times drawn uniformly over the
+    stage (a Poisson process given its count: the burstiness of Poisson
+    arrivals, the offered rate exact), exactly round(high_share x n) of them
+    high band, in a random order."""
+    rng = random.Random(key)
+    n = round(rate * duration_s)
+    times = sorted(rng.uniform(0.0, duration_s) for _ in range(n))
+    n_high = round(high_share * n)
+    bands = ["high"] * n_high + ["low"] * (n - n_high)
+    rng.shuffle(bands)
+    out = []
+    for i, (t, band) in enumerate(zip(times, bands)):
         # Output lengths vary (uniform, mean FLEET["output_tokens"]), so that
         # the servers' sequences do not finish in lockstep.
         out_tokens = rng.randint(FLEET["output_tokens"] // 5, 2 * FLEET["output_tokens"] - FLEET["output_tokens"] // 5)
         body = json.dumps({"model": MODEL, "stream": True, "max_tokens": out_tokens,
                            "messages": [{"role": "user",
-                                         "content": prompt(rng, FLEET["prompt_chars"], f"s{seed}-{stage_idx}-{i}")}]})
+                                         "content": prompt(rng, FLEET["prompt_chars"], f"{key}-{i}")}]})
         out.append((t, band, body.encode()))
-        i += 1
+    return out
 
 
 async def one_request(port, band, body, rec, cut_at, hard_end):
@@ -389,8 +397,8 @@ def calibrate(arm, endpoints, args):
     prev = None
     for i, f in enumerate(args.calib_factors):
         rate = round(est * f, 2)
-        reqs = arrivals(999, 100 + i, rate, args.stage_s, args.high_share)
-        r = run_stage(arm, endpoints, reqs, args, args.stage_s)
+        reqs = arrivals(f"calibration-{i}", rate, args.calib_s, args.high_share)
+        r = run_stage(arm, endpoints, reqs, args, args.calib_s)
         p90 = r["summary"]["all"]["ttft_p90"]["s"]
         rows.append({"rate": rate, "ttft_p90_s": p90, "lower_bound": r["summary"]["all"]["ttft_p90"]["lower_bound"]})
         print(f"  calibration {arm['name']} {rate:6.2f} req/s: TTFT p90 {fmt_ttft(r['summary']['all']['ttft_p90'])} s",
@@ -442,7 +450,7 @@ def run(args):
         # kvroute arms: wait for the first metrics poll.
         time.sleep(2.0)
         for a in arms.values():  # one request each, to warm the VMs
-            asyncio.run(drive(a["port"], arrivals(0, 0, 5.0, 0.5, 0.5)[:2], 5.0, endpoints))
+            asyncio.run(drive(a["port"], arrivals("warm-up", 4.0, 0.5, 0.5), 5.0, endpoints))
         if args.knee:
             knee, calib = args.knee, []
         else:
@@ -455,7 +463,8 @@ def run(args):
         for seed in args.seeds:
             for si, factor in enumerate(args.factors):
                 rate = knee * factor
-                reqs = arrivals(seed, si, rate, args.stage_s, args.high_share)
+                # The same requests for a (seed, factor) in any run of any arms.
+                reqs = arrivals(f"seed-{seed}-x{factor:g}", rate, args.stage_s, args.high_share)
                 order = list(args.arms)
                 k = n % len(order)
                 order = order[k:] + order[:k]
@@ -675,8 +684,10 @@ def main():
     ap.add_argument("--factors", default="0.5,1,1.5,2", help="stages, as multiples of the knee")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--knee", type=float, default=None, help="req/s; skips the calibration pass")
-    ap.add_argument("--calib-factors", default="0.7,0.85,1.0,1.15,1.3",
+    ap.add_argument("--calib-factors", default="0.75,0.85,0.95,1.05,1.15",
                     help="calibration stages, as multiples of the fleet's nominal capacity")
+    ap.add_argument("--calib-s", type=float, default=30.0,
+                    help="calibration stage length (s): near the knee TTFT p90 over 15 s moves a lot between draws")
     ap.add_argument("--stage-s", type=float, default=15.0, help="arrival window per stage (s)")
     ap.add_argument("--grace-s", type=float, default=5.0, help="a request with no first byte this long after the last arrival is cut")
     ap.add_argument("--objective-s", type=float, default=1.0, help="TTFT objective (s)")
@@ -714,6 +725,8 @@ def main():
         args.seeds = args.seeds[:1]
         args.factors = [1.0, 2.0]
         args.stage_s = min(args.stage_s, 10.0)
+    # SIGTERM ends the run through run()'s `finally`, which stops every process it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.time()
     result = run(args)
     result["elapsed_s"] = round(time.time() - t0)
