@@ -115,7 +115,7 @@ impl Stream {
         };
         if let Some(d) = f.take_dispatched(self.id) {
             self.queued = false;
-            self.adopt(host, d);
+            self.adopt(host, *d);
         }
     }
 
@@ -436,7 +436,7 @@ impl Stream {
             .on_decision(host, now_ns.filter(|_| timed), &outcome);
         match apply_outcome(w, host, outcome) {
             Applied::Routed(d) => {
-                self.adopt(host, d);
+                self.adopt(host, *d);
                 Action::Continue
             }
             Applied::Unrouted => Action::Continue,
@@ -447,7 +447,7 @@ impl Stream {
     /// Takes over what a decision made for this request wrote (the charge,
     /// the destination); a destination header that could not be set gives
     /// it all back at once.
-    fn adopt(&mut self, host: &dyn Host, d: Box<Decided>) {
+    fn adopt(&mut self, host: &dyn Host, d: Decided) {
         self.ticket = d.ticket;
         self.streaming = d.streaming;
         self.explanation = d.explanation;
