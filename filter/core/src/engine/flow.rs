@@ -1,9 +1,9 @@
 //! What flow control's saturation detector reads: each healthy endpoint's
 //! in-flight load and fresh metrics, without a request.
 
+use super::snapshot::load_candidate;
 use super::Engine;
 use crate::flow::PoolEndpoint;
-use crate::scheduling::EndpointMetrics;
 use kvroute_shared_state::load::LoadTable;
 use kvroute_shared_state::{Store, StoreError, LOAD_KEY};
 
@@ -37,27 +37,14 @@ impl Engine {
                 let m = metrics
                     .get(e.slot, e.generation)
                     .filter(|m| m.is_fresh(now_ms, stale_ms));
+                let c = load_candidate(rec, peer, m);
                 PoolEndpoint {
-                    inflight_requests: rec
-                        .map_or(0, |r| r.inflight_requests())
-                        .saturating_add(u64::from(peer.requests)),
-                    inflight_tokens: rec
-                        .map_or(0, |r| r.inflight_tokens())
-                        .saturating_add(peer.prompt_tokens)
-                        .saturating_add(peer.output_tokens),
-                    inflight_prefill_tokens: rec
-                        .map_or(0, |r| r.inflight_prompt_tokens())
-                        .saturating_add(peer.prompt_tokens),
-                    inflight_held_tokens: rec
-                        .map_or(0, |r| r.inflight_output_tokens())
-                        .saturating_add(peer.output_tokens),
-                    prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),
-                    metrics: m.map(|m| EndpointMetrics {
-                        waiting_requests: m.waiting,
-                        running_requests: m.running,
-                        kv_cache_usage: m.kv_cache_usage,
-                        kv_capacity_tokens: m.capacity_tokens().unwrap_or(0),
-                    }),
+                    inflight_requests: c.inflight_requests,
+                    inflight_tokens: c.inflight_tokens,
+                    inflight_prefill_tokens: c.inflight_prefill_tokens,
+                    inflight_held_tokens: c.inflight_held_tokens,
+                    prefill_tokens_per_s: c.prefill_tokens_per_s,
+                    metrics: c.metrics,
                 }
             })
             .collect())

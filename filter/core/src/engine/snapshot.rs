@@ -10,7 +10,8 @@ use crate::scheduling::{Candidate, EndpointMetrics, RequestView};
 use kvroute_shared_state::endpoints::EndpointEntry;
 use kvroute_shared_state::held::{self, HeldMatch, HeldTable};
 use kvroute_shared_state::index::{self, Holder};
-use kvroute_shared_state::load::LoadTable;
+use kvroute_shared_state::load::{LoadRecord, LoadTable, PeerLoad};
+use kvroute_shared_state::metrics::MetricsSnapshot;
 use kvroute_shared_state::{Store, StoreError, LOAD_KEY};
 use std::sync::Arc;
 
@@ -35,6 +36,40 @@ fn tie_key(hashes: &[u64], candidates: &[Candidate]) -> Option<u64> {
     hashes
         .get(group_end.min(hashes.len().saturating_sub(1)))
         .copied()
+}
+
+/// An endpoint's load and metrics as the scheduler and flow control's
+/// detector see them: this proxy's in-flight counts plus the mesh peers'
+/// (saturating: a relay's sums are not to be trusted), and its fresh
+/// metrics. The request-specific fields are left at their defaults.
+pub(super) fn load_candidate(
+    rec: Option<&LoadRecord>,
+    peer: PeerLoad,
+    m: Option<&MetricsSnapshot>,
+) -> Candidate {
+    Candidate {
+        inflight_tokens: rec
+            .map_or(0, |r| r.inflight_tokens())
+            .saturating_add(peer.prompt_tokens)
+            .saturating_add(peer.output_tokens),
+        inflight_requests: rec
+            .map_or(0, |r| r.inflight_requests())
+            .saturating_add(u64::from(peer.requests)),
+        inflight_prefill_tokens: rec
+            .map_or(0, |r| r.inflight_prompt_tokens())
+            .saturating_add(peer.prompt_tokens),
+        inflight_held_tokens: rec
+            .map_or(0, |r| r.inflight_output_tokens())
+            .saturating_add(peer.output_tokens),
+        metrics: m.map(|m| EndpointMetrics {
+            waiting_requests: m.waiting,
+            running_requests: m.running,
+            kv_cache_usage: m.kv_cache_usage,
+            kv_capacity_tokens: m.capacity_tokens().unwrap_or(0),
+        }),
+        prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),
+        ..Candidate::default()
+    }
 }
 
 /// What the scheduler sees for one request (see [`Engine::snapshot`]).
@@ -141,31 +176,11 @@ impl Engine {
                 Candidate {
                     matched_blocks: matched,
                     unresolved_blocks: index::unresolved_after(matched, hashes.len()),
-                    // (Saturating: a relay's sums are not to be trusted.)
-                    inflight_tokens: rec
-                        .map_or(0, |r| r.inflight_tokens())
-                        .saturating_add(peer.prompt_tokens)
-                        .saturating_add(peer.output_tokens),
-                    inflight_requests: rec
-                        .map_or(0, |r| r.inflight_requests())
-                        .saturating_add(u64::from(peer.requests)),
-                    inflight_prefill_tokens: rec
-                        .map_or(0, |r| r.inflight_prompt_tokens())
-                        .saturating_add(peer.prompt_tokens),
-                    inflight_held_tokens: rec
-                        .map_or(0, |r| r.inflight_output_tokens())
-                        .saturating_add(peer.output_tokens),
                     inserted_blocks: h.insert_counter,
                     capacity_blocks: h.capacity_blocks,
-                    metrics: m.map(|m| EndpointMetrics {
-                        waiting_requests: m.waiting,
-                        running_requests: m.running,
-                        kv_cache_usage: m.kv_cache_usage,
-                        kv_capacity_tokens: m.capacity_tokens().unwrap_or(0),
-                    }),
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
-                    prefill_tokens_per_s: m.and_then(|m| m.prefill.estimate()),
                     key: endpoint_key(&e.address),
+                    ..load_candidate(rec, peer, m)
                 }
             })
             .collect();
