@@ -338,25 +338,25 @@ pub(super) fn sections(
 
 // ---------------------------------------------------------------------------
 // Parameters of the inert plugins: checked for llm-d's names and ranges so a
-// typo is still an error, then not used.
+// typo is still an error (the detectors' are then read by `flow::config`).
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct UtilizationDetectorParams {
-    queue_depth_threshold: Option<i64>,
-    kv_cache_util_threshold: Option<f64>,
-    metrics_staleness_threshold: Option<String>,
-    headroom: Option<f64>,
+pub(crate) struct UtilizationDetectorParams {
+    pub queue_depth_threshold: Option<i64>,
+    pub kv_cache_util_threshold: Option<f64>,
+    pub metrics_staleness_threshold: Option<String>,
+    pub headroom: Option<f64>,
 }
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ConcurrencyDetectorParams {
-    max_concurrency: Option<i64>,
-    headroom: Option<f64>,
-    concurrency_mode: Option<String>,
-    max_token_concurrency: Option<i64>,
-    in_flight_load_producer_name: Option<String>,
+pub(crate) struct ConcurrencyDetectorParams {
+    pub max_concurrency: Option<i64>,
+    pub headroom: Option<f64>,
+    pub concurrency_mode: Option<String>,
+    pub max_token_concurrency: Option<i64>,
+    pub in_flight_load_producer_name: Option<String>,
 }
 
 #[derive(Deserialize, Default)]

@@ -9,6 +9,7 @@
 
 use super::{Class, Detector, Fairness, Ordering, DEFAULT_FLOW, MAX_FLOW_ID_BYTES};
 use crate::config::check::{err, strict_value, strict_value_req};
+use crate::config::llm_d::{ConcurrencyDetectorParams, UtilizationDetectorParams};
 use crate::config::ConfigError;
 use serde::Deserialize;
 use serde_json::Value;
@@ -168,25 +169,6 @@ struct RawObjective {
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct UtilizationParams {
-    queue_depth_threshold: Option<i64>,
-    kv_cache_util_threshold: Option<f64>,
-    metrics_staleness_threshold: Option<Value>,
-    headroom: Option<f64>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ConcurrencyParams {
-    max_concurrency: Option<i64>,
-    headroom: Option<f64>,
-    concurrency_mode: Option<String>,
-    max_token_concurrency: Option<i64>,
-    in_flight_load_producer_name: Option<String>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct KvrouteDetectorParams {
     max_queue_ms: Option<f64>,
     peak_prefill_throughput: Option<f64>,
@@ -291,9 +273,12 @@ pub fn compile(i: &Inputs) -> Result<Option<FlowConfig>, ConfigError> {
             };
             match p.kind {
                 "utilization-detector" => {
-                    let q: UtilizationParams = strict_value(p.params, &p.path)?;
+                    let q: UtilizationDetectorParams = strict_value(p.params, &p.path)?;
                     if let Some(v) = &q.metrics_staleness_threshold {
-                        let ms = duration_ms(v, &format!("{}.metricsStalenessThreshold", p.path))?;
+                        let ms = duration_ms(
+                            &Value::String(v.clone()),
+                            &format!("{}.metricsStalenessThreshold", p.path),
+                        )?;
                         if ms < i.metrics_poll_ms {
                             return Err(err(
                                 format!("{}.metricsStalenessThreshold", p.path),
@@ -309,7 +294,7 @@ pub fn compile(i: &Inputs) -> Result<Option<FlowConfig>, ConfigError> {
                     }
                 }
                 "concurrency-detector" => {
-                    let q: ConcurrencyParams = strict_value(p.params, &p.path)?;
+                    let q: ConcurrencyDetectorParams = strict_value(p.params, &p.path)?;
                     let mode = q.concurrency_mode.as_deref().unwrap_or("requests");
                     if mode == "hybrid" {
                         return Err(err(
