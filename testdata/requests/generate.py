@@ -2,7 +2,7 @@
 """Writes the request-body corpus in this folder (run it from anywhere).
 
 Good bodies are named after the API they target (chat-*, completions-*,
-responses-*, embeddings-*); bad-* bodies must be refused with a typed error
+responses-*, embeddings-*, generate-* for vLLM's /inference/v1/generate); bad-* bodies must be refused with a typed error
 (or, where README.md says so, parsed); crash-* bodies reproduce core bugs.
 The small hand-written bodies are literal below; the large or binary ones
 (deep nesting, huge strings, invalid UTF-8) are generated so that they stay
@@ -65,6 +65,9 @@ good = {
                                      {"type": "input_image", "image_url": "https://example.invalid/cat.png"}]}]},
     "embeddings-text.json": {"model": "bge-small", "input": "kv cache aware routing", "encoding_format": "float"},
     "embeddings-batch.json": {"model": "bge-small", "input": ["one", "two", "three"]},
+    # vLLM's /inference/v1/generate (tokens in, tokens out).
+    "generate-token-ids.json": {"model": "qwen3-32b", "token_ids": list(range(2000, 2300)), "stream": True,
+        "sampling_params": {"max_tokens": 16, "temperature": 0.0, "n": 1}, "cache_salt": "tenant-7"},
 }
 
 bad = {

@@ -11,6 +11,7 @@ parent hash. Each prompt starts with a fresh random part, so no block of it is
 cached from an earlier test and every full block is stored.
 
 Cases: a token-ID /v1/completions request; the same with a cache_salt; a
+salted vLLM /inference/v1/generate request (token IDs); a
 text /v1/completions request (tokenized by kvroute); a /v1/chat/completions
 request (the tier's chat template, rendered by kvroute, then tokenized). For
 the tokenized cases the token IDs are compared too, so a mismatch says
@@ -104,9 +105,17 @@ def _check(real_fleet, hasher, path, api, body):
     ids, hashes = ours["token_ids"], ours["hashes"]
     assert len(hashes) == len(ids) // BLOCK_SIZE >= 3, (len(ids), len(hashes))
     start = len(sink.snapshot())
-    r = e2e.post(server.port, path, dict(body, max_tokens=1, temperature=0), timeout=180)
+    if api == "generate":
+        # vLLM's tokens-in API: the sampling parameters are nested and the
+        # answer has no usage; the prompt is the token IDs as sent.
+        assert ids == body["token_ids"]
+        sent = dict(body, sampling_params={"max_tokens": 1, "temperature": 0})
+    else:
+        sent = dict(body, max_tokens=1, temperature=0)
+    r = e2e.post(server.port, path, sent, timeout=180)
     assert r.status == 200, r
-    assert r.json()["usage"]["prompt_tokens"] == len(ids), "vLLM counted other prompt tokens"
+    if api != "generate":
+        assert r.json()["usage"]["prompt_tokens"] == len(ids), "vLLM counted other prompt tokens"
     chain = _stored_chain(_quiet(sink, start), ids[:BLOCK_SIZE])
     # The one generated token may complete one more block; the prompt's full
     # blocks come first.
@@ -131,6 +140,12 @@ def test_salted_token_id_completion_hashes_equal_vllms(real_fleet, hasher):
     # vLLM 0.32 hashes the salt as the extra key ("cache_salt", salt) of block 0.
     body = {"model": MODEL, "prompt": _fresh_ids(4 * BLOCK_SIZE + 3), "cache_salt": "tenant-" + secrets.token_hex(3)}
     assert _check(real_fleet, hasher, "/v1/completions", "completions", body) == 4
+
+
+def test_vllm_generate_hashes_equal_vllms(real_fleet, hasher):
+    # vLLM's own /inference/v1/generate (llm-d's vllmhttp-parser), salted.
+    body = {"model": MODEL, "token_ids": _fresh_ids(4 * BLOCK_SIZE + 5), "cache_salt": "t-" + secrets.token_hex(3)}
+    assert _check(real_fleet, hasher, "/inference/v1/generate", "generate", body) == 4
 
 
 def test_text_completion_hashes_equal_vllms(real_fleet, hasher):

@@ -83,3 +83,41 @@ def test_prefix_groups_stick_to_one_real_server(real_fleet, envoy):
         hits = after[a]["vllm:prefix_cache_hits_total"] - before[a]["vllm:prefix_cache_hits_total"]
         assert hits >= cached_by_server[a] > 0, (a, hits, cached_by_server)
     print(f"\nplacement {placement}; cached tokens per server {dict(cached_by_server)}")
+
+
+def test_vllm_generate_token_prompts_stick_through_envoy(real_fleet, envoy):
+    """vLLM's own /inference/v1/generate (token IDs in, llm-d's
+    vllmhttp-parser) is routed like a token-ID completion: each token-ID
+    prefix group stays on one real server, which serves every request sent
+    to it and finds the group's prefix in its cache."""
+    import random
+
+    from conftest import BLOCK_SIZE, MODEL
+
+    addrs = real_fleet.addresses
+    e = envoy(config=real_plugin_config(), endpoints=addrs)
+    rnd = random.Random(46)
+    groups, rounds, prefix_len = 4, 3, 24 * BLOCK_SIZE
+    # Vocabulary 4096; ids 0-2 are the special tokens.
+    prefixes = [[3 + rnd.randrange(4000) for _ in range(prefix_len)] for _ in range(groups)]
+    before = _counters(addrs)
+    placement = collections.defaultdict(set)
+    for r in range(rounds):
+        for g in range(groups):
+            body = {"model": MODEL, "token_ids": prefixes[g] + [3 + rnd.randrange(4000) for _ in range(20)],
+                    "sampling_params": {"max_tokens": 2, "temperature": 0}}
+            resp = e2e.post(e.port, "/inference/v1/generate", body, timeout=180)
+            assert resp.status == 200, resp
+            assert resp.json()["choices"][0]["token_ids"], resp
+            d = resp.decision
+            assert d and d.get("endpoint") in addrs, resp
+            placement[g].add(d["endpoint"])
+    assert all(len(eps) == 1 for eps in placement.values()), dict(placement)
+    after = _counters(addrs)
+    for a in addrs:
+        sent = rounds * sum(1 for eps in placement.values() if a in eps)
+        got = after[a]["vllm:request_success_total"] - before[a]["vllm:request_success_total"]
+        assert got == sent, (a, got, sent, dict(placement))
+    # Rounds 1 and 2 of each group find its prefix's full blocks cached.
+    hits = sum(after[a]["vllm:prefix_cache_hits_total"] - before[a]["vllm:prefix_cache_hits_total"] for a in addrs)
+    assert hits >= 0.9 * groups * (rounds - 1) * prefix_len, (hits, dict(placement))

@@ -93,7 +93,7 @@ fn offpath_hashes(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 4 {
-        eprintln!("usage: vllm_hashes CONFIG.json (completions|chat) BODY.json");
+        eprintln!("usage: vllm_hashes CONFIG.json (completions|chat|generate) BODY.json");
         std::process::exit(2);
     }
     let read = |p: &str| std::fs::read(p).unwrap_or_else(|e| panic!("read {p}: {e}"));
@@ -104,6 +104,7 @@ fn main() {
     let kind = match args[2].as_str() {
         "completions" => ApiKind::Completions,
         "chat" => ApiKind::ChatCompletions,
+        "generate" => ApiKind::Generate,
         k => panic!("unknown API {k}"),
     };
     let body = read(&args[3]);

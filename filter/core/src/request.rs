@@ -57,6 +57,11 @@ pub enum ApiKind {
     Responses,
     /// `/v1/embeddings` (parsed for `model` only)
     Embeddings,
+    /// vLLM's own `/inference/v1/generate` (tokens in, tokens out:
+    /// `token_ids`, with `max_tokens` and `n` under `sampling_params`;
+    /// llm-d's `vllmhttp-parser`). `model` may be absent (the server's
+    /// one model).
+    Generate,
 }
 
 impl ApiKind {
@@ -73,6 +78,8 @@ impl ApiKind {
             Some(ApiKind::Responses)
         } else if path.ends_with("/v1/embeddings") {
             Some(ApiKind::Embeddings)
+        } else if path.ends_with("/inference/v1/generate") {
+            Some(ApiKind::Generate)
         } else {
             None
         }
@@ -250,7 +257,10 @@ impl fmt::Display for ParseError {
             ParseError::Json(m) => write!(f, "request body is not a valid request: {m}"),
             ParseError::MissingModel => write!(f, "request body has no \"model\""),
             ParseError::MissingPrompt => {
-                write!(f, "request body has no prompt (messages, prompt or input)")
+                write!(
+                    f,
+                    "request body has no prompt (messages, prompt, input or token_ids)"
+                )
             }
         }
     }
@@ -347,9 +357,27 @@ fn parse<C: render::Capture>(
             let mut b: EmbeddingsBody = serde_json::from_slice(body).map_err(json_err)?;
             (b.common(), Prompt::Text(Vec::new()))
         }
+        ApiKind::Generate => {
+            let b: GenerateBody = serde_json::from_slice(body).map_err(json_err)?;
+            let sampling = b.sampling_params.unwrap_or_default();
+            let common = Common {
+                model: b.model,
+                max_tokens: sampling.max_tokens,
+                max_completion_tokens: None,
+                max_output_tokens: None,
+                stream: b.stream,
+                cache_salt: b.cache_salt,
+                n: sampling.n,
+                best_of: None,
+            };
+            let ids = b.token_ids.ok_or(ParseError::MissingPrompt)?;
+            (common, Prompt::TokenIds(ids))
+        }
     };
     let model = match common.model {
         Some(m) if !m.is_empty() => m.into_owned(),
+        // vLLM's generate API serves its one model when none is named.
+        None if kind == ApiKind::Generate => String::new(),
         _ => return Err(ParseError::MissingModel),
     };
     if kind != ApiKind::Embeddings && prompt.is_empty() {
@@ -437,6 +465,31 @@ struct Common<'a> {
 }
 
 body_struct!(EmbeddingsBody {});
+
+/// vLLM's `GenerateRequest` (`vllm/entrypoints/serve/disagg/protocol.py`):
+/// what routing reads of it. `sampling_params` is vLLM's `SamplingParams`;
+/// `max_tokens` and `n` are the fields that size the request.
+#[derive(Deserialize)]
+struct GenerateBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    #[serde(default)]
+    sampling_params: Option<SamplingParams>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(borrow, default)]
+    cache_salt: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize, Default)]
+struct SamplingParams {
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    n: Option<u64>,
+}
 
 /// A message read by serde: only those given as a JSON array
 /// (`[role, name, content, tool_calls]`, which serde's derive accepts for a
@@ -886,6 +939,54 @@ mod tests {
         )
         .unwrap();
         assert_eq!(text(&r), "<|instructions|>\nBe brief.\n<|user|>\nHello\n");
+    }
+
+    #[test]
+    fn vllm_generate_reads_token_ids_and_sampling_params() {
+        let p = |b: &str| parse_request(ApiKind::Generate, b.as_bytes(), &ParseLimits::default());
+        assert_eq!(
+            ApiKind::from_path("/inference/v1/generate"),
+            Some(ApiKind::Generate)
+        );
+        let r = p(
+            r#"{"model":"m","token_ids":[1,2,3],"stream":true,"cache_salt":"s",
+                     "sampling_params":{"max_tokens":8,"n":3,"temperature":0},"request_id":"x",
+                     "kv_transfer_params":null,"priority":0}"#,
+        )
+        .unwrap();
+        assert_eq!(r.model, "m");
+        assert_eq!(r.prompt, Prompt::TokenIds(vec![1, 2, 3]));
+        assert_eq!(r.max_output_tokens, Some(8));
+        assert_eq!(r.sequences, 3);
+        assert!(r.stream);
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        // `model` is optional in vLLM's GenerateRequest; `sampling_params`
+        // is required there, but routing only reads its sizes.
+        let r = p(r#"{"token_ids":[7]}"#).unwrap();
+        assert_eq!(
+            (r.model.as_str(), r.max_output_tokens, r.sequences),
+            ("", None, 1)
+        );
+        assert_eq!(
+            p(r#"{"model":"m","token_ids":[]}"#),
+            Err(ParseError::MissingPrompt)
+        );
+        assert_eq!(
+            p(r#"{"model":"m","prompt":"text"}"#),
+            Err(ParseError::MissingPrompt)
+        );
+        assert_eq!(
+            p(r#"{"model":"","token_ids":[1]}"#),
+            Err(ParseError::MissingModel)
+        );
+        for bad in [
+            r#"{"token_ids":[-1]}"#,
+            r#"{"token_ids":[4294967296]}"#,
+            r#"{"token_ids":"1 2"}"#,
+            r#"{"token_ids":[1],"sampling_params":{"max_tokens":"8"}}"#,
+        ] {
+            assert_eq!(p(bad).unwrap_err().label(), "invalid_json", "{bad}");
+        }
     }
 
     #[test]

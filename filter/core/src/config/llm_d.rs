@@ -83,7 +83,6 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         // each parser claims path suffixes; kvroute routes the OpenAI ones
         // (`routing.paths`) and passes any other request on untouched.
         "anthropic-parser" => "kvroute does not parse Anthropic's Messages API (/v1/messages) yet, so those requests would pass unrouted; list openai-parser only (kvroute routes the OpenAI-compatible paths in `routing.paths`)",
-        "vllmhttp-parser" => "it parses vLLM's own /inference/v1/generate (pre-tokenized `token_ids`, `sampling_params`), not the OpenAI-compatible API, and kvroute does not route that path; for the OpenAI paths list openai-parser only",
         "passthrough-parser" => "llm-d still schedules the requests it claims (every path no other parser claims) on load alone, without reading the body; kvroute passes a path it does not route straight to Envoy's own load balancer, without its scheduler or in-flight count, so it cannot honour it yet; remove it (kvroute routes the OpenAI paths in `routing.paths`)",
         "vllmgrpc-parser" | "vertexai-parser" => "kvroute routes HTTP/JSON OpenAI-compatible requests only; it does not parse gRPC request bodies",
         "sglanghttp-parser" => "it parses SGLang's own /generate, not the OpenAI-compatible API, and kvroute does not route that path; for the OpenAI paths list openai-parser only",
@@ -315,8 +314,8 @@ pub(super) fn sections(
         refers_to(
             path,
             name,
-            &["openai-parser"],
-            "kvroute parses OpenAI-compatible bodies only (openai-parser)",
+            &["openai-parser", "vllmhttp-parser"],
+            "kvroute parses OpenAI-compatible bodies (openai-parser) and vLLM's /inference/v1/generate (vllmhttp-parser, which also covers the OpenAI paths)",
         )
     };
     if let Some(v) = &s.request_handler {

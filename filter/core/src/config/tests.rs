@@ -963,7 +963,6 @@ fn known_llm_d_types_are_refused_with_a_reason() {
         ("multicluster-queue-scorer", "multi-cluster"),
         ("session-affinity-scorer", "does not implement"),
         ("anthropic-parser", "Messages API (/v1/messages)"),
-        ("vllmhttp-parser", "/inference/v1/generate"),
         ("passthrough-parser", "on load alone"),
         ("vllmgrpc-parser", "gRPC"),
         ("sglanghttp-parser", "SGLang"),

@@ -442,6 +442,12 @@ fn classify_strips_query_and_matches_suffixes_once() {
             "/openai/v1/completions#f",
             Routable(ApiKind::Completions),
         ),
+        (
+            "POST",
+            "/inference/v1/generate",
+            Routable(ApiKind::Generate),
+        ),
+        ("POST", "/inference/v1/generate/extra", Pass),
         ("GET", "/v1/chat/completions", Pass),
         ("POST", "/v1/models", Pass),
         ("GET", "/kvroute/state", State),

@@ -183,7 +183,8 @@ impl PromptTokenizer {
                     .unwrap_or(true);
                 Some(self.encode(text, add))
             }
-            ApiKind::Responses | ApiKind::Embeddings => None,
+            // Generate prompts are token IDs (never text).
+            ApiKind::Responses | ApiKind::Embeddings | ApiKind::Generate => None,
         }
     }
 

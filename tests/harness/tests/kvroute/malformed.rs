@@ -156,6 +156,7 @@ fn good_corpus_routes_in_both_modes() {
                 "completions" => "/v1/completions",
                 "responses" => "/v1/responses",
                 "embeddings" => "/v1/embeddings",
+                "generate" => "/inference/v1/generate",
                 _ => continue,
             };
             let req = c
