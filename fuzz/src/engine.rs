@@ -333,6 +333,10 @@ fn request_body(kind: ApiKind, r: &mut Reader) -> Vec<u8> {
         ApiKind::Completions => json!({"model": model, "prompt": format!("{system}{user}")}),
         ApiKind::Responses => json!({"model": model, "instructions": system, "input": user}),
         ApiKind::Embeddings => json!({"model": model, "input": user}),
+        ApiKind::Generate => {
+            let ids: Vec<u32> = format!("{system}{user}").bytes().map(u32::from).collect();
+            json!({"model": model, "token_ids": ids, "sampling_params": {"max_tokens": r.u8(), "n": 1 + r.u8() % 3}})
+        }
     };
     if shape & 4 != 0 {
         doc["cache_salt"] = json!("tenant-a");
@@ -388,7 +392,7 @@ pub fn run(data: &[u8]) {
         ops += 1;
         match r.u8() % 8 {
             0 | 1 => {
-                let kind = crate::KINDS[usize::from(r.u8()) % 4];
+                let kind = crate::ALL_KINDS[usize::from(r.u8()) % crate::ALL_KINDS.len()];
                 let body = request_body(kind, &mut r);
                 w.route(kind, &body);
             }

@@ -75,8 +75,7 @@ use std::sync::OnceLock;
 #[global_allocator]
 static ALLOC: alloc_count::Counting = alloc_count::Counting;
 
-/// The APIs the frozen reference parser knows (`parse_differential`) and
-/// the engine target builds bodies for.
+/// The APIs the frozen reference parser knows (`parse_differential`).
 pub const KINDS: [ApiKind; 4] = [
     ApiKind::ChatCompletions,
     ApiKind::Completions,
@@ -437,7 +436,10 @@ pub fn check_config(doc: &[u8]) {
             f.bands
         );
         assert!(f.ceiling > 0.0 && f.ceiling <= 1.0, "ceiling {}", f.ceiling);
-        assert!(f.bands.iter().all(|b| b.max_requests > 0 && b.max_bytes > 0));
+        assert!(f
+            .bands
+            .iter()
+            .all(|b| b.max_requests > 0 && b.max_bytes > 0));
         for o in &f.objectives {
             assert!(
                 f.bands.iter().any(|b| b.priority == o.priority),
