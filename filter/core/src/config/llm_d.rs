@@ -83,7 +83,6 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         // each parser claims path suffixes; kvroute routes the OpenAI ones
         // (`routing.paths`) and passes any other request on untouched.
         "anthropic-parser" => "kvroute does not parse Anthropic's Messages API (/v1/messages) yet, so those requests would pass unrouted; list openai-parser only (kvroute routes the OpenAI-compatible paths in `routing.paths`)",
-        "passthrough-parser" => "llm-d still schedules the requests it claims (every path no other parser claims) on load alone, without reading the body; kvroute passes a path it does not route straight to Envoy's own load balancer, without its scheduler or in-flight count, so it cannot honour it yet; remove it (kvroute routes the OpenAI paths in `routing.paths`)",
         "vllmgrpc-parser" | "vertexai-parser" => "kvroute routes HTTP/JSON OpenAI-compatible requests only; it does not parse gRPC request bodies",
         "sglanghttp-parser" => "it parses SGLang's own /generate, not the OpenAI-compatible API, and kvroute does not route that path; for the OpenAI paths list openai-parser only",
         k if k.starts_with("multicluster-") => "multi-cluster routing is not supported: kvroute routes within one Envoy cluster",
@@ -220,14 +219,22 @@ pub(super) struct Sections {
     pub saturation_detector: Option<Value>,
 }
 
+/// What the request parsers a config lists change.
+pub(super) struct Parsers {
+    /// `passthrough-parser` is listed: requests on paths kvroute does not
+    /// parse are routed at their headers, on load alone
+    /// (`RoutingConfig::passthrough`).
+    pub passthrough: bool,
+}
+
 /// Validates the top-level sections against the declared plugins
-/// (`(name, canonical type)`). Nothing in them changes a decision; a part
-/// that would is refused.
+/// (`(name, canonical type)`). Only a listed `passthrough-parser` changes
+/// a decision (it is returned); any other part that would is refused.
 pub(super) fn sections(
     s: &Sections,
     plugins: &[(String, String)],
     warnings: &mut Vec<String>,
-) -> Result<(), ConfigError> {
+) -> Result<Parsers, ConfigError> {
     let type_of = |name: &str| {
         plugins
             .iter()
@@ -310,13 +317,18 @@ pub(super) fn sections(
         }
         let _ = dl.inject_defaults;
     }
+    let passthrough = std::cell::Cell::new(false);
     let parser_ref = |path: &str, name: &str| {
         refers_to(
             path,
             name,
-            &["openai-parser", "vllmhttp-parser"],
-            "kvroute parses OpenAI-compatible bodies (openai-parser) and vLLM's /inference/v1/generate (vllmhttp-parser, which also covers the OpenAI paths)",
-        )
+            &["openai-parser", "vllmhttp-parser", "passthrough-parser"],
+            "kvroute parses OpenAI-compatible bodies (openai-parser) and vLLM's /inference/v1/generate (vllmhttp-parser, which also covers the OpenAI paths), and routes other requests on load alone (passthrough-parser)",
+        )?;
+        if type_of(name) == Some("passthrough-parser") {
+            passthrough.set(true);
+        }
+        Ok(())
     };
     if let Some(v) = &s.request_handler {
         let rh: RequestHandler = super::check::strict_value_req(v, "requestHandler")?;
@@ -332,7 +344,9 @@ pub(super) fn sections(
         let p: PluginRef = super::check::strict_value_req(v, "parser")?;
         parser_ref("parser.pluginRef", &p.plugin_ref)?;
     }
-    Ok(())
+    Ok(Parsers {
+        passthrough: passthrough.get(),
+    })
 }
 
 // ---------------------------------------------------------------------------

@@ -349,7 +349,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         compiled.push(c);
     }
 
-    llm_d::sections(
+    let parsers = llm_d::sections(
         &llm_d::Sections {
             data_layer: raw.data_layer.clone(),
             request_handler: raw.request_handler.clone(),
@@ -458,7 +458,8 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     }
 
-    let routing = sections::routing(raw.routing)?;
+    let mut routing = sections::routing(raw.routing)?;
+    routing.passthrough = parsers.passthrough;
     let scheduler = Scheduler {
         filters,
         scorers,

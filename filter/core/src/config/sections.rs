@@ -45,6 +45,11 @@ pub struct RoutingConfig {
     pub state_path: Option<String>,
     /// Fixed RNG seed for reproducible tests; `None` seeds from the clock.
     pub seed: Option<u64>,
+    /// llm-d's `passthrough-parser` is listed in `requestHandler.parsers`:
+    /// a request on any other path (any method, but the state path) is
+    /// routed at its headers on load alone, its body not read, instead of
+    /// passing to Envoy's load balancer.
+    pub passthrough: bool,
 }
 
 /// kvroute's `collector` section (the singleton).
@@ -515,5 +520,6 @@ pub(super) fn routing(r: RawRouting) -> Result<RoutingConfig, ConfigError> {
         debug_header: r.debug_header.unwrap_or(false),
         state_path: r.state_path,
         seed: r.seed,
+        passthrough: false,
     })
 }

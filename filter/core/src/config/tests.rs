@@ -269,10 +269,11 @@ fn router_chart_variants_are_refused_where_kvroute_cannot_honour_them() {
         // modelServers.protocol: grpc
         ("router-chart-vllm-grpc.json", "plugins[5].type", "gRPC"),
         // payload-agnostic.yaml
+        // (passthrough-parser is accepted; the session scorer is next)
         (
             "router-chart-payload-agnostic.json",
-            "plugins[0].type",
-            "on load alone",
+            "plugins[2].type",
+            "does not implement",
         ),
         // llm-d-router deploy/config/epp-precise-prefix-cache-config.yaml
         (
@@ -963,7 +964,6 @@ fn known_llm_d_types_are_refused_with_a_reason() {
         ("multicluster-queue-scorer", "multi-cluster"),
         ("session-affinity-scorer", "does not implement"),
         ("anthropic-parser", "Messages API (/v1/messages)"),
-        ("passthrough-parser", "on load alone"),
         ("vllmgrpc-parser", "gRPC"),
         ("sglanghttp-parser", "SGLang"),
     ] {

@@ -82,6 +82,18 @@ impl RequestFacts {
 }
 
 impl Engine {
+    /// A request routed on load alone (llm-d's `passthrough-parser`): no
+    /// prompt to match, its body's `bytes` charged as prompt text at
+    /// `charsPerToken`, released as a streamed answer (the prompt part at
+    /// the first response byte, the rest at the end), since nothing says
+    /// whether it streams.
+    pub fn load_only_facts(&self, bytes: u64) -> RequestFacts {
+        let cpt = u64::from(self.config.prefix.blocks.chars_per_token.max(1));
+        let mut facts = RequestFacts::blocks(Vec::new(), bytes.div_ceil(cpt), None);
+        facts.stream = true;
+        facts
+    }
+
     /// A request's facts from its body: parse it (`request::parse_request`),
     /// then, in precise mode, turn the prompt into vLLM's block hashes, and
     /// cut it into kvroute's blocks. A body that does not parse is

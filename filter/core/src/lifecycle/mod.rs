@@ -458,6 +458,9 @@ pub enum PathClass {
     State,
     /// A POST to a configured inference path: buffer and route.
     Routable(ApiKind),
+    /// Any other request when `passthrough-parser` is listed
+    /// (`routing.passthrough`): route at the headers, on load alone.
+    Passthrough,
     /// Anything else: pass on untouched.
     Pass,
 }
@@ -465,17 +468,23 @@ pub enum PathClass {
 /// The one place paths are matched. The query (`?…`) and fragment (`#…`)
 /// are stripped first; a trailing `/` is ignored on both sides; a
 /// configured path matches as a suffix (so `/v1/chat/completions` also
-/// matches `/openai/v1/chat/completions`).
+/// matches `/openai/v1/chat/completions`). With `routing.passthrough`,
+/// every request that is neither is `Passthrough`.
 pub fn classify(method: &[u8], path: &[u8], routing: &RoutingConfig) -> PathClass {
+    let other = if routing.passthrough {
+        PathClass::Passthrough
+    } else {
+        PathClass::Pass
+    };
     let Ok(path) = std::str::from_utf8(path) else {
-        return PathClass::Pass;
+        return other;
     };
     let bare = path.split(['?', '#']).next().unwrap_or("");
     if method == b"GET" && routing.state_path.as_deref() == Some(bare) {
         return PathClass::State;
     }
     if method != b"POST" {
-        return PathClass::Pass;
+        return other;
     }
     let trimmed = bare.trim_end_matches('/');
     let configured = routing
@@ -484,7 +493,7 @@ pub fn classify(method: &[u8], path: &[u8], routing: &RoutingConfig) -> PathClas
         .any(|p| trimmed.ends_with(p.trim_end_matches('/')));
     match ApiKind::from_path(bare) {
         Some(kind) if configured => PathClass::Routable(kind),
-        _ => PathClass::Pass,
+        _ => other,
     }
 }
 

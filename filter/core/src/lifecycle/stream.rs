@@ -267,7 +267,8 @@ impl Stream {
                     ),
                 };
             }
-            PathClass::Routable(kind) => kind,
+            PathClass::Routable(kind) => Some(kind),
+            PathClass::Passthrough => None,
         };
         if w.flow.is_some() {
             let first = |names: [&str; 2]| names.iter().find_map(|n| header(n)).map(<[u8]>::to_vec);
@@ -276,6 +277,19 @@ impl Stream {
                 first(crate::flow::FAIRNESS_HEADERS),
             ));
         }
+        let Some(kind) = kind else {
+            // `passthrough-parser`: routed now, on load alone; the body (if
+            // any) is not read. Its size, from `content-length`, stands for
+            // the prompt in the charge.
+            let bytes = header("content-length")
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            let timed = w.samples.time_decision();
+            let now_ns = w.clock_ns(host);
+            let facts = w.engine.load_only_facts(bytes);
+            return self.route_facts(host, &w, Ok(facts), bytes, (timed, now_ns));
+        };
         if end_of_stream {
             // A POST without a body cannot be routed.
             let why = Unrouted::BadBody(ParseError::Empty);
@@ -398,9 +412,24 @@ impl Stream {
         };
         let timed = w.samples.time_decision();
         let now_ns = w.clock_ns(host);
-        let now = now_ns.map_or_else(|| w.now_ms_cached(), |ns| ns / 1_000_000);
         let facts = w.engine.facts(kind, &body);
         drop(body);
+        self.route_facts(host, w, facts, body_size as u64, (timed, now_ns))
+    }
+
+    /// Admits (flow control), routes and acts on the outcome: a body's
+    /// facts, or a passthrough request's (`bytes`: its body's size;
+    /// `timing`: whether the decision time is sampled, and when the
+    /// decision started).
+    fn route_facts(
+        &mut self,
+        host: &dyn Host,
+        w: &Rc<Worker>,
+        facts: Result<crate::engine::RequestFacts, Unrouted>,
+        bytes: u64,
+        (timed, now_ns): (bool, Option<u64>),
+    ) -> Action {
+        let now = now_ns.map_or_else(|| w.now_ms_cached(), |ns| ns / 1_000_000);
         // Flow control: the request may wait, or be shed, before routing.
         let facts = match (facts, &w.flow) {
             (Ok(facts), Some(f)) => {
@@ -411,7 +440,7 @@ impl Stream {
                 let arrival = Arrival {
                     id: self.id,
                     class,
-                    bytes: body_size as u64,
+                    bytes,
                     facts,
                 };
                 match f.admit(w, host, arrival, now) {

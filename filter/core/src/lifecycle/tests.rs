@@ -2468,3 +2468,102 @@ fn the_waiting_gauge_counts_every_worker_s_requests() {
     // One routed, one waiting in each worker: the gauge says 2.
     assert_eq!(host.gauge("kvroute_flow_waiting.band.0"), Some(2));
 }
+
+/// A filter worker whose config lists llm-d's `passthrough-parser` (and the
+/// OpenAI parser) in `requestHandler.parsers`, or not.
+fn passthrough_filter(listed: bool) -> (FakeHost, Rc<Worker>) {
+    let host = FakeHost::default();
+    host.now_ns.set(5_000_000_000);
+    let handler = if listed {
+        r#","requestHandler":{"parsers":[{"pluginRef":"openai-parser"},{"pluginRef":"passthrough-parser"}]}"#
+    } else {
+        ""
+    };
+    let base = BASE.replace(
+        r#"{"type":"max-score-picker"}]"#,
+        r#"{"type":"max-score-picker"},{"type":"openai-parser"},{"type":"passthrough-parser"}]"#,
+    );
+    *host.config.borrow_mut() =
+        format!(r#"{{{base}{handler},"routing":{{"seed":7,"debugHeader":true,"statePath":"/kvroute/state"}}}}"#)
+            .into_bytes();
+    *host.root_id.borrow_mut() = b"kvroute".to_vec();
+    match configure(&host) {
+        Ok(Role::Filter { worker, .. }) => (host, worker),
+        _ => panic!("not a filter"),
+    }
+}
+
+/// llm-d's `passthrough-parser`: a request on a path kvroute does not parse
+/// is routed at its headers on load alone (its body, if any, is not read;
+/// its size is charged as prompt text), holds a charge like any routed
+/// request and releases it on every exit; declared but not listed, the
+/// parser changes nothing.
+#[test]
+fn passthrough_routes_unparsed_paths_on_load_alone() {
+    let (host, w) = passthrough_filter(true);
+    assert!(w.engine.config.routing.passthrough);
+    // A GET with no body: routed at once, one request charged, no tokens.
+    host.set_request("GET", "/v1/models", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Continue);
+    let dest = host
+        .header("x-gateway-destination-endpoint")
+        .expect("routed at the headers");
+    assert!(dest.starts_with("127.0.0.1:"), "{dest}");
+    assert_eq!(inflight(&host, &w), (0, 1));
+    s.on_response_headers(&host, false);
+    s.on_response_body(&host, 10, false);
+    assert_eq!(inflight(&host, &w), (0, 1), "released as a streamed answer");
+    s.on_response_body(&host, 0, true);
+    s.on_end(&host);
+    assert_eq!(inflight(&host, &w), (0, 0));
+
+    // A POST with a 4,000-byte body on an unparsed path: its size is the
+    // prompt's (4 bytes per token by default); the body is not buffered.
+    host.set_request(
+        "POST",
+        "/v1/audio/transcriptions",
+        &[("content-length", b"4000")],
+    );
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, false), Action::Continue);
+    assert_eq!(s.on_request_body(&host, 4000, true), Action::Continue);
+    assert_eq!(inflight(&host, &w), (1000, 1));
+    // Reset before any response: released, nothing left.
+    s.on_end(&host);
+    assert_eq!(inflight(&host, &w), (0, 0));
+
+    // The parsed paths and the state path are unchanged; a client's own
+    // destination header is still stripped first.
+    host.set_request("POST", "/v1/chat/completions", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+    s.on_end(&host);
+    host.set_request("GET", "/kvroute/state", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Pause);
+    assert_eq!(host.replies.borrow().last().map(|r| r.0), Some(200));
+    host.set_request(
+        "GET",
+        "/health",
+        &[("x-gateway-destination-endpoint", b"10.0.0.9:80")],
+    );
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Continue);
+    let dest = host.header("x-gateway-destination-endpoint").unwrap();
+    assert!(
+        dest.starts_with("127.0.0.1:"),
+        "the client's pick replaced: {dest}"
+    );
+    serve(&host, &mut s, "200");
+    assert_eq!(inflight(&host, &w), (0, 0));
+
+    // Declared but not listed in requestHandler.parsers: nothing routed.
+    let (host, w) = passthrough_filter(false);
+    assert!(!w.engine.config.routing.passthrough);
+    host.set_request("GET", "/v1/models", &[]);
+    let mut s = Stream::new(Some(w.clone()));
+    assert_eq!(s.on_request_headers(&host, true), Action::Continue);
+    assert_eq!(host.header("x-gateway-destination-endpoint"), None);
+    assert_eq!(inflight(&host, &w), (0, 0));
+}
