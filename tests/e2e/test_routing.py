@@ -240,3 +240,30 @@ def test_client_destination_header_is_ignored(fleet, envoy):
         assert r.status == 200, r
         assert r.served_by in f.addresses, r
     assert outsider.stats(outsider.addresses[0])["requests"] == 0
+
+
+def test_passthrough_parser_routes_other_paths_on_load(fleet, envoy):
+    """llm-d's passthrough-parser listed in requestHandler.parsers: a request
+    kvroute does not parse (here GET /v1/models) is routed by the filter at
+    its headers, on load alone, and holds a charge until it is answered."""
+    f = fleet(2)
+    cfg = plugin_config()
+    cfg["plugins"] += [{"type": "openai-parser"}, {"type": "passthrough-parser"}]
+    cfg["requestHandler"] = {"parsers": [{"pluginRef": "openai-parser"}, {"pluginRef": "passthrough-parser"}]}
+    e = envoy(cfg, endpoints=f.addresses)
+    # Hold a parsed request on one endpoint: the load-only requests then
+    # go to the other one (token-load and in-flight scorers).
+    prefix = text("passthrough-hold", PREFIX_BYTES)
+    t, res = _hold(e, prefix)
+    held = [a for a, s in e.state_by_address().items() if s["inflightRequests"] > 0]
+    assert len(held) == 1, e.state()
+    other = next(a for a in f.addresses if a != held[0])
+    for _ in range(4):
+        r = request(e.port, "GET", "/v1/models", headers={DEST_HEADER: held[0]})
+        assert r.status == 200, r
+        assert r.decision and r.decision.get("endpoint") == other, r
+        assert r.served_by == other, r
+    t.join()
+    assert res[0].status == 200, res
+    wait_until(lambda: all(s["inflightRequests"] == 0 for s in e.state()["endpoints"]), timeout=10,
+               what="every charge released")
