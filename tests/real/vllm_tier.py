@@ -383,6 +383,10 @@ class Server:
                "--num-gpu-blocks-override", str(self.blocks),
                "--enable-prompt-tokens-details",
                "--max-num-seqs", "32",
+               # vLLM 0.32 serves its tokens-in /inference/v1/generate (llm-d's
+               # vllmhttp-parser) only with the scale-out endpoints on;
+               # without the flag it answers 403.
+               "--enable-scale-out",
                # The emulator implements (and advertises) sha256_cbor block
                # hashes; vLLM 0.32's default is "sha256" (pickle-based), whose
                # hashes it cannot reproduce. Same algorithm on both sides, so
