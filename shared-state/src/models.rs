@@ -339,7 +339,7 @@ mod tests {
         let enc = t.encode();
         let d = ModelsTable::decode(Some(&enc));
         assert_eq!(d, t);
-        assert_eq!(d.get(1, 3).unwrap().serves("idle").may_serve(), true);
+        assert!(d.get(1, 3).unwrap().serves("idle").may_serve());
         assert_eq!(d.get(1, 4), None);
         assert_eq!(d.get(0, 0).unwrap().serves("x"), Serves::Unknown);
         // A new generation starts unknown.

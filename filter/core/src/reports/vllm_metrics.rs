@@ -149,10 +149,8 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
             }
         }
         match name {
-            "vllm:lora_requests_info" => {
-                if lora.is_none_or(|(v, _)| value >= v) {
-                    lora = Some((value, labels));
-                }
+            "vllm:lora_requests_info" if lora.is_none_or(|(v, _)| value >= v) => {
+                lora = Some((value, labels));
             }
             "vllm:num_requests_waiting" => {
                 m.waiting += value;
