@@ -45,9 +45,12 @@
 use super::{openai_error, Engine};
 use crate::reports::vllm_metrics::VllmMetrics;
 use crate::reports::vllm_models;
+use crate::scheduling::lora_affinity::LoraSlots;
 use kvroute_shared_state::cas::update;
 use kvroute_shared_state::endpoints::EndpointEntry;
-use kvroute_shared_state::models::{flags, ModelsTable, Serves, Source, MODELS_KEY};
+use kvroute_shared_state::models::{
+    flags, EndpointModels, ModelsTable, Serves, Source, MODELS_KEY,
+};
 use kvroute_shared_state::{Store, StoreError};
 use std::sync::Arc;
 
@@ -103,6 +106,23 @@ pub(super) fn eligible(models: &ModelsTable, endpoints: &[EndpointEntry], model:
         Eligible::All
     } else {
         Eligible::Some(keep)
+    }
+}
+
+/// An endpoint's adapter state towards `model`, for `lora-affinity-scorer`
+/// (`None`: nothing known, all false).
+pub(super) fn lora_slots(m: Option<&EndpointModels>, model: &str) -> LoraSlots {
+    let Some(m) = m else {
+        return LoraSlots::default();
+    };
+    let (running, waiting) = match m.serves(model) {
+        Serves::Adapter { running, waiting } => (running, waiting),
+        _ => (false, false),
+    };
+    LoraSlots {
+        running,
+        waiting,
+        free_slot: m.active_adapters() < usize::from(m.max_lora),
     }
 }
 

@@ -146,3 +146,60 @@ fn a_model_list_replaces_only_its_own_part() {
     let r = routed(route(&e, &s, br#"{"model":"base","prompt":"hi"}"#, 60));
     assert!(r.destination.contains("127.0.0.1:"));
 }
+
+#[test]
+fn lora_affinity_prefers_the_endpoint_running_the_adapter_then_a_free_slot() {
+    let doc = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2","127.0.0.1:3"]},
+        "plugins":[{"type":"lora-affinity-scorer"},{"type":"max-score-picker"}],
+        "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"lora-affinity-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let t = e.endpoint_table(&s).unwrap();
+    // 1: base only, both slots taken by other adapters; 2: "sql" running
+    // (slots full); 3: "sql" loaded idle, a free slot.
+    let metrics = [
+        "vllm:num_requests_running{model_name=\"base\"} 2\nvllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"\"} 5\n",
+        "vllm:num_requests_running{model_name=\"base\"} 2\nvllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,b\",waiting_lora_adapters=\"\"} 5\n",
+        "vllm:num_requests_running{model_name=\"base\"} 0\nvllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 5\n",
+    ];
+    for (ep, m) in t.endpoints.iter().zip(metrics) {
+        e.record_metrics(&s, ep.slot, ep.generation, Ok(m.as_bytes()), 10)
+            .unwrap();
+        e.record_model_list(
+            &s,
+            ep.slot,
+            ep.generation,
+            br#"{"data":[{"id":"base"},{"id":"sql","parent":"base"},{"id":"a","parent":"base"},{"id":"b","parent":"base"}]}"#,
+        )
+        .unwrap();
+    }
+    let body = br#"{"model":"sql","prompt":"hello there"}"#;
+    let r = routed(route(&e, &s, body, 20));
+    assert_eq!(r.destination.split(',').next(), Some("127.0.0.1:2"));
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    // Adapter "c" runs nowhere: the free slot (3) wins.
+    e.record_model_list(
+        &s,
+        t.endpoints[2].slot,
+        t.endpoints[2].generation,
+        br#"{"data":[{"id":"base"},{"id":"c","parent":"base"}]}"#,
+    )
+    .unwrap();
+    for ep in &t.endpoints[..2] {
+        e.record_model_list(
+            &s,
+            ep.slot,
+            ep.generation,
+            br#"{"data":[{"id":"base"},{"id":"c","parent":"base"}]}"#,
+        )
+        .unwrap();
+    }
+    let r = routed(route(
+        &e,
+        &s,
+        br#"{"model":"c","prompt":"hello there"}"#,
+        30,
+    ));
+    assert_eq!(r.destination.split(',').next(), Some("127.0.0.1:3"));
+}

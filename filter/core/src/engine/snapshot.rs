@@ -220,6 +220,7 @@ impl Engine {
                     capacity_blocks: h.capacity_blocks,
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
                     key: endpoint_key(&e.address),
+                    lora: models::lora_slots(models_table.get(e.slot, e.generation), &facts.model),
                     ..load_candidate(rec, peer, m)
                 }
             })
