@@ -177,6 +177,7 @@ impl World {
                 check_unrouted(&why);
                 let expected = match why {
                     Unrouted::BadBody(_) => 400,
+                    Unrouted::UnknownModel(_) => 404,
                     _ => 503,
                 };
                 assert_eq!(status, expected, "status for {why:?}");
