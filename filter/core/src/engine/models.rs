@@ -35,9 +35,12 @@
 //!
 //! # LoRA and precise mode
 //!
-//! vLLM hashes an adapter's blocks with the adapter's name among the
-//! block's extra keys, so an adapter's prompt does not share blocks with
-//! the base model's. kvroute's precise hashes are the base model's: a
+//! vLLM 0.32 hashes every block of an adapter's request with the extra
+//! key `("lora", lora_name, lora_path)` (`_gen_lora_extra_hash_keys` in
+//! `v1/core/kv_cache_utils.py`), so an adapter's prompt shares no blocks
+//! with the base model's, and the same adapter loaded from another path on
+//! another server hashes differently there (the path is the adapter card's
+//! `root` in `/v1/models`). kvroute's precise hashes are the base model's: a
 //! request for a model some candidate serves as an adapter (and none as a
 //! base model) falls back to the approximate index
 //! (`Fallback::LoraAdapter`), counted.

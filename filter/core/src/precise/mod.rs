@@ -179,9 +179,9 @@ pub enum Fallback {
     /// `tokenizeIn: collector`: the collector has not loaded the tokenizer
     /// yet (or could not).
     TokenizerLoading,
-    /// The body's `model` is a LoRA adapter: vLLM hashes its blocks with
-    /// the adapter's name (`lora_name` among a block's extra keys), which
-    /// kvroute's hashes do not yet include.
+    /// The body's `model` is a LoRA adapter: vLLM hashes every block of it
+    /// with the extra key `("lora", name, path)`, which kvroute's hashes do
+    /// not yet include.
     LoraAdapter,
 }
 
