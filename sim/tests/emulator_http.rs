@@ -583,7 +583,7 @@ async fn bad_requests_get_vllm_style_errors() {
     // vLLM's own answer (`OpenAIModelRegistry::check_model`).
     assert_eq!(
         r.json().unwrap(),
-        json!({"error": {"message": "The model `other` does not exist.",
+        json!({"error": {"message": "The model `other` does not exist. Valid aliases: tiny.",
                          "type": "NotFoundError", "param": "model", "code": 404}})
     );
     let long = text_of_bytes(5000, &mut Rng::new(4));

@@ -316,7 +316,7 @@ async fn completion(
         return json_response(
             ep,
             StatusCode::NOT_FOUND,
-            &model_not_found_body(&parsed.model),
+            &model_not_found_body(&parsed.model, &ep.cfg.model),
         );
     }
     let include_usage = serde_json::from_slice::<serde_json::Value>(body)

@@ -380,6 +380,41 @@ vllm:cache_config_info{num_gpu_blocks="1000",a="x\"y",block_size="16"} 1.0
         assert_eq!((m.block_size, m.num_gpu_blocks), (Some(16), Some(1000)));
     }
 
+    /// Real vLLM 0.32 (CPU, tiny model) started with `--enable-lora
+    /// --lora-modules sql=… idle-lora=… --max-loras 2`, after one request on
+    /// `sql`: two series (running, then idle), the newest last. Before any
+    /// adapter request the server exports no series at all, only HELP/TYPE.
+    #[test]
+    fn real_vllm_lora_capture() {
+        let m = parse(include_bytes!(
+            "../../../../testdata/vllm/metrics-vllm-0.32-cpu-lora.txt"
+        ))
+        .unwrap();
+        assert_eq!(m.model_names, vec!["tiny".to_string()]);
+        assert_eq!(
+            m.lora,
+            Some(LoraInfo {
+                max_lora: 2,
+                running: vec![],
+                waiting: vec![]
+            })
+        );
+        // The same page with the newer series gone: "sql" ran and waited
+        // (vLLM counts a running adapter as waiting too).
+        let text = String::from_utf8_lossy(include_bytes!(
+            "../../../../testdata/vllm/metrics-vllm-0.32-cpu-lora.txt"
+        ))
+        .lines()
+        .filter(|l| !l.contains("running_lora_adapters=\"\""))
+        .collect::<Vec<_>>()
+        .join("\n");
+        let l = parse(text.as_bytes()).unwrap().lora.unwrap();
+        assert_eq!(
+            (l.running, l.waiting),
+            (vec!["sql".to_string()], vec!["sql".to_string()])
+        );
+    }
+
     #[test]
     fn model_names_and_lora_info() {
         let m = parse(include_bytes!(

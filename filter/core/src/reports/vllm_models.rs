@@ -87,6 +87,28 @@ mod tests {
         assert!(!cards[0].is_adapter() && cards[1].is_adapter());
     }
 
+    /// Real vLLM 0.32 with two static adapters (`--lora-modules`), before
+    /// any request.
+    #[test]
+    fn real_vllm_lora_capture() {
+        let cards = parse(include_bytes!(
+            "../../../../testdata/vllm/models-vllm-0.32-cpu-lora.json"
+        ))
+        .unwrap();
+        let got: Vec<(&str, Option<&str>)> = cards
+            .iter()
+            .map(|c| (c.id.as_str(), c.parent.as_deref()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("tiny", None),
+                ("sql", Some("tiny")),
+                ("idle-lora", Some("tiny"))
+            ]
+        );
+    }
+
     #[test]
     fn bad_answers_are_errors_not_panics() {
         for bad in [

@@ -246,9 +246,10 @@ pub fn models_body_with_loras(
     json!({"object": "list", "data": data})
 }
 
-/// vLLM's 404 for a model it does not serve
-/// (`OpenAIModelRegistry::check_model`).
-pub fn model_not_found_body(model: &str) -> Value {
-    json!({"error": {"message": format!("The model `{model}` does not exist."),
+/// vLLM 0.32's 404 for a model it does not serve, `served` being its base
+/// model (`entrypoints/serve/engine/serving.py`, `_check_model`; seen on the
+/// real server: "The model `nope` does not exist. Valid aliases: tiny.").
+pub fn model_not_found_body(model: &str, served: &str) -> Value {
+    json!({"error": {"message": format!("The model `{model}` does not exist. Valid aliases: {served}."),
                      "type": "NotFoundError", "param": "model", "code": 404}})
 }
