@@ -129,6 +129,30 @@ pub(super) fn lora_slots(m: Option<&EndpointModels>, model: &str) -> LoraSlots {
     }
 }
 
+/// One endpoint's models for the state view (`routing.statePath`):
+/// base models, adapters (with `running`/`waiting`), `maxLora`, `overflow`.
+pub(super) fn state_json(m: &EndpointModels) -> serde_json::Value {
+    let base: Vec<&str> = m
+        .names
+        .iter()
+        .filter(|n| n.flags & flags::BASE != 0)
+        .map(|n| n.name.as_str())
+        .collect();
+    let adapters: Vec<serde_json::Value> = m
+        .names
+        .iter()
+        .filter(|n| n.flags & flags::BASE == 0)
+        .map(|n| {
+            serde_json::json!({
+                "name": n.name,
+                "running": n.flags & flags::RUNNING != 0,
+                "waiting": n.flags & flags::WAITING != 0,
+            })
+        })
+        .collect();
+    serde_json::json!({"base": base, "adapters": adapters, "maxLora": m.max_lora, "overflow": m.overflow})
+}
+
 /// The endpoints at `keep`, as a new shared list.
 pub(super) fn pick(endpoints: &Arc<Vec<EndpointEntry>>, keep: &[usize]) -> Arc<Vec<EndpointEntry>> {
     Arc::new(keep.iter().map(|&i| endpoints[i].clone()).collect())

@@ -101,8 +101,13 @@ fn an_adapters_request_falls_back_from_precise_hashes() {
         route(&e, &s, none.as_bytes(), 1500),
         Outcome::FailOpen(Unrouted::UnknownModel("nope".into()))
     );
-    // Nothing left charged.
+    // Nothing left charged; the state view shows each endpoint's models.
     let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 0).unwrap()).unwrap();
+    assert_eq!(
+        v["endpoints"][0]["models"],
+        serde_json::json!({"base": ["base"], "adapters": [{"name": "sql", "running": false, "waiting": false}],
+                           "maxLora": 0, "overflow": false})
+    );
     for ep in v["endpoints"].as_array().unwrap() {
         assert_eq!(ep["inflightRequests"], 0, "{ep}");
     }
