@@ -18,11 +18,19 @@
 //!   token 1–16, output tokens 1–1 Mi);
 //! - a request routed afterwards gets healthy, distinct destinations and
 //!   finite scores (`World::route`), and the state view is JSON.
+//!
+//! Each body is also given to the collector as the other endpoint's
+//! `/v1/models` answer (`Engine::record_model_list`): it is an error
+//! exactly when `vllm_models::parse` refuses it, and `kvroute/models`
+//! decodes, re-encodes to the same bytes and stays within its bounds
+//! (`models::MAX_NAMES` names of at most `MAX_NAME_BYTES` bytes per slot),
+//! whatever the `/metrics` and `/v1/models` bodies named.
 
 use crate::engine::{route_chat, World};
 use kvroute_core::config::Config;
 use kvroute_core::learners::{bytes_per_token, output_tokens};
-use kvroute_core::reports::vllm_metrics;
+use kvroute_core::reports::{vllm_metrics, vllm_models};
+use kvroute_shared_state::models::{ModelsTable, MAX_NAMES, MAX_NAME_BYTES, MODELS_KEY};
 use kvroute_shared_state::metrics::{MetricsSnapshot, MetricsTable, RatioLearner};
 use kvroute_shared_state::{Store, METRICS_KEY};
 
@@ -177,6 +185,23 @@ pub fn run(data: &[u8]) {
             assert!(entry.failures > 0);
         }
         check_entry(&w, entry);
+        let other = &table.endpoints[(i + 1) % table.endpoints.len()];
+        let listed = w
+            .engine
+            .record_model_list(&w.store, other.slot, other.generation, body);
+        assert_eq!(
+            listed.is_err(),
+            vllm_models::parse(body).is_err(),
+            "record_model_list said {listed:?}"
+        );
+        if let Some((bytes, _)) = w.store.get(MODELS_KEY).expect("MemoryStore get") {
+            let t = ModelsTable::decode(Some(&bytes));
+            assert_eq!(t.encode(), bytes, "kvroute/models does not re-encode");
+            for m in &t.slots {
+                assert!(m.names.len() <= MAX_NAMES, "{m:?}");
+                assert!(m.names.iter().all(|n| n.name.len() <= MAX_NAME_BYTES && n.flags != 0));
+            }
+        }
         w.check_accounting();
     }
     route_chat(&mut w, MAX_POLLS);

@@ -580,7 +580,12 @@ async fn bad_requests_get_vllm_style_errors() {
         .await
         .unwrap();
     assert_eq!(r.status, 404);
-    assert!(r.text().contains("--model"));
+    // vLLM's own answer (`OpenAIModelRegistry::check_model`).
+    assert_eq!(
+        r.json().unwrap(),
+        json!({"error": {"message": "The model `other` does not exist. Valid aliases: tiny.",
+                         "type": "NotFoundError", "param": "model", "code": 404}})
+    );
     let long = text_of_bytes(5000, &mut Rng::new(4));
     let r = c
         .post(&url, completion(&long, 10, false), &[])
@@ -735,4 +740,54 @@ async fn the_collectors_parser_reads_emulated_and_real_metrics_alike() {
     let real = vllm_metrics::parse(&real_text).unwrap();
     assert_eq!(real.block_size, Some(32));
     assert_eq!(real.num_gpu_blocks, Some(256));
+}
+
+/// `--lora-modules`: the adapters are served by name, listed in
+/// `/v1/models` with their parent, and reported in
+/// `vllm:lora_requests_info`, all read back by the collector's parsers.
+#[tokio::test]
+async fn lora_modules_are_served_listed_and_reported() {
+    use kvroute_core::reports::{vllm_metrics, vllm_models};
+    let mut c_cfg = cfg(100.0);
+    c_cfg.lora_modules = vec!["sql".into(), "chat".into()];
+    c_cfg.max_loras = 3;
+    let (_f, urls) = fleet(&c_cfg, 1).await;
+    let c = HttpClient::new();
+    let url = format!("{}/v1/completions", urls[0]);
+    for (model, status) in [("tiny", 200), ("sql", 200), ("chat", 200), ("other", 404)] {
+        let r = c
+            .post(
+                &url,
+                json!({"model": model, "prompt": "x", "max_tokens": 1}).to_string(),
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, status, "{model}: {}", r.text());
+    }
+    let cards =
+        vllm_models::parse(&c.get(&format!("{}/v1/models", urls[0])).await.unwrap().body).unwrap();
+    let got: Vec<(&str, Option<&str>)> = cards
+        .iter()
+        .map(|c| (c.id.as_str(), c.parent.as_deref()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("tiny", None),
+            ("sql", Some("tiny")),
+            ("chat", Some("tiny"))
+        ]
+    );
+    let m =
+        vllm_metrics::parse(&c.get(&format!("{}/metrics", urls[0])).await.unwrap().body).unwrap();
+    assert_eq!(m.model_names, vec!["tiny".to_string()]);
+    let lora = m.lora.unwrap();
+    assert_eq!(lora.max_lora, 3);
+    assert!(lora.running.is_empty() && lora.waiting.is_empty());
+    // Without adapters there is no lora_requests_info, as in vLLM.
+    let (_g, plain) = fleet(&cfg(100.0), 1).await;
+    let m =
+        vllm_metrics::parse(&c.get(&format!("{}/metrics", plain[0])).await.unwrap().body).unwrap();
+    assert_eq!(m.lora, None);
 }

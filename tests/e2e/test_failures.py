@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import MODEL, completion, plugin_config, post, request, text
+from conftest import MODEL, completion, plugin_config, post, request, text, wait_until
 
 BIG = 5 * 1024 * 1024  # over routing.maxBodyBytes (4 MiB), under Envoy's 8 MiB buffer
 HUGE = 9 * 1024 * 1024  # over Envoy's per-connection buffer limit too
@@ -135,3 +135,37 @@ def test_no_known_endpoints(fleet, envoy):
     _assert_openai_error(r)
     e_closed.assert_alive()
     assert e_closed.wasm_failures() == {}
+
+
+def test_each_model_reaches_only_its_servers_and_an_unknown_one_is_404(fleet, envoy):
+    """Several models behind one pool: server A serves MODEL and the LoRA
+    adapter "sql", server B "other-model". Once the collector has read their
+    /metrics and /v1/models, each model's requests reach only its server; a
+    model neither serves is the filter's own 404 in fail-closed mode (no
+    server answered: no x-served-by), counted."""
+    a = fleet(1, "--lora-modules", "sql", "--max-loras", "2")
+    b = fleet(1, "--model", "other-model")
+    e = envoy(plugin_config(routing={"failureMode": "closed"}), endpoints=a.addresses + b.addresses)
+
+    def filter_404():
+        r = completion(e.port, "probe", model="no-such-model")
+        return r.status == 404 and r.served_by is None
+
+    wait_until(filter_404, timeout=15, what="the filter knows both servers' models")
+    r = completion(e.port, "probe", model="no-such-model")
+    assert r.json()["error"] == {
+        "message": "The model `no-such-model` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }, r
+    for model, want in ((MODEL, a.addresses[0]), ("sql", a.addresses[0]), ("other-model", b.addresses[0])):
+        for i in range(4):
+            r = completion(e.port, text(f"{model}-{i}", 600), model=model)
+            assert r.status == 200, r
+            assert r.served_by == want, (model, r)
+    stats = e.admin("/stats?filter=kvroute_unknown_model").body.decode()
+    n = [int(v) for k, _, v in (l.partition(": ") for l in stats.splitlines()) if k.endswith("kvroute_unknown_model")]
+    assert n and n[0] >= 2, stats
+    e.assert_alive()
+    assert e.wasm_failures() == {}, e.wasm_failures()

@@ -51,6 +51,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                     last_cold_pick: cold,
                     prefill_tokens_per_s: rate,
                     key: 0,
+                    lora: Default::default(),
                 }
             },
         )

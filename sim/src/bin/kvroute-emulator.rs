@@ -18,6 +18,9 @@ Emulated vLLM endpoints (OpenAI API, vLLM /metrics, KV events) on 127.0.0.1.
   --ports LIST                   comma-separated ports; 0 picks a free port (required)
   --model NAME                   served model name [tiny]
   --accept-any-model             serve any model name instead of answering 404
+  --lora-modules LIST            LoRA adapter names served besides --model (listed in
+                                 /v1/models, reported in vllm:lora_requests_info) [none]
+  --max-loras N                  adapter slots, max_lora in vllm:lora_requests_info [1]
   --block-size N                 tokens per KV block [16]
   --num-gpu-blocks N             KV cache size in blocks [16384]
   --max-num-batched-tokens N     token budget per iteration, B [8192]
@@ -44,6 +47,8 @@ const FLAGS: &[(&str, bool)] = &[
     ("ports", true),
     ("model", true),
     ("accept-any-model", false),
+    ("lora-modules", true),
+    ("max-loras", true),
     ("block-size", true),
     ("num-gpu-blocks", true),
     ("max-num-batched-tokens", true),
@@ -88,6 +93,13 @@ fn config(f: &Flags) -> Result<(EmulatorConfig, Vec<u16>), String> {
         stream_interval: f.get("stream-interval", d.stream_interval)?,
         default_max_tokens: f.get("default-max-tokens", d.default_max_tokens)?,
         accept_any_model: f.has("accept-any-model"),
+        lora_modules: f
+            .list::<String>("lora-modules")?
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|m| !m.is_empty())
+            .collect(),
+        max_loras: f.get("max-loras", d.max_loras)?,
     };
     check_engine(&cfg.engine, "kvroute-emulator")?;
     if cfg.chars_per_token == 0 {

@@ -16,7 +16,9 @@
 
 use super::endpoint::{Endpoint, MetricsMode, Progress};
 use super::metrics_text;
-use super::openai::{engine_request, error_body, models_body, ResponseShape};
+use super::openai::{
+    engine_request, error_body, model_not_found_body, models_body_with_loras, ResponseShape,
+};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
@@ -156,8 +158,9 @@ async fn handle(
         (Method::GET, "/v1/models") => json_response(
             &ep,
             StatusCode::OK,
-            &models_body(
+            &models_body_with_loras(
                 &ep.cfg.model,
+                &ep.cfg.lora_modules,
                 ep.started_unix_s as u64,
                 ep.cfg.engine.effective_max_model_len(),
             ),
@@ -212,12 +215,18 @@ async fn metrics(ep: &Arc<Endpoint>) -> Result<Response<Body>, DropConnection> {
     ep.metrics_scrapes.fetch_add(1, Ordering::Relaxed);
     Ok(match ep.metrics_mode() {
         MetricsMode::Ok => {
-            let text = metrics_text::render_parts(
+            let mut text = metrics_text::render_parts(
                 &ep.cfg.model,
                 &ep.cfg.engine,
                 ep.started_unix_s,
                 &ep.snapshot(),
             );
+            if !ep.cfg.lora_modules.is_empty() {
+                text.push_str(&metrics_text::lora_requests_info(
+                    ep.cfg.max_loras,
+                    kvroute_sim_model::vllm_server::unix_now_s(),
+                ));
+            }
             respond(
                 ep,
                 StatusCode::OK,
@@ -303,14 +312,11 @@ async fn completion(
         Ok(p) => p,
         Err(e) => return error_response(ep, StatusCode::BAD_REQUEST, &e.to_string()),
     };
-    if parsed.model != ep.cfg.model && !ep.cfg.accept_any_model {
-        return error_response(
+    if !ep.cfg.serves(&parsed.model) {
+        return json_response(
             ep,
             StatusCode::NOT_FOUND,
-            &format!(
-                "The model `{}` does not exist. This emulator serves `{}` (--model).",
-                parsed.model, ep.cfg.model
-            ),
+            &model_not_found_body(&parsed.model, &ep.cfg.model),
         );
     }
     let include_usage = serde_json::from_slice::<serde_json::Value>(body)

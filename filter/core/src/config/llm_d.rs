@@ -70,7 +70,7 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         | "soft-reflective-ceiling-policy" => "kvroute's flow control runs global-strict-fairness-policy, round-robin-fairness-policy, fcfs-ordering-policy, edf-ordering-policy and static-usage-limit-policy only",
         "sheddable-eviction-filter" | "priority-then-time-eviction-order-policy" => "kvroute does not evict in-flight requests (flowControl.enableEviction)",
         "probabilistic-admitter" => "kvroute's admission is flow control's (featureGates: flowControl); it has no probabilistic admitter",
-        "session-affinity-filter" | "session-affinity-scorer" | "lora-affinity-scorer"
+        "session-affinity-filter" | "session-affinity-scorer"
         | "load-aware-scorer" | "running-requests-size-scorer" | "context-length-aware"
         | "label-selector-filter" | "by-label" | "by-label-selector"
         | "endpoint-attribute-filter" | "endpoint-attribute-scorer" | "topology-affinity-filter"

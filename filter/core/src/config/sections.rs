@@ -61,6 +61,12 @@ pub struct CollectorConfig {
     pub metrics_path: String,
     /// ms
     pub metrics_poll_interval_ms: u64,
+    /// The path of each endpoint's model list (`collector.modelsPath`,
+    /// vLLM's `/v1/models`), polled through `metrics_cluster`.
+    pub models_path: String,
+    /// ms; how often each endpoint's model list is polled (and at once for
+    /// a new endpoint); 0: never (`collector.modelsPollIntervalMs`).
+    pub models_poll_interval_ms: u64,
     /// ms
     pub metrics_timeout_ms: u64,
     /// ms; older metrics are ignored by scorers
@@ -192,6 +198,8 @@ pub(super) struct RawCollector {
     metrics_cluster: Option<String>,
     metrics_path: Option<String>,
     metrics_poll_interval_ms: Option<u64>,
+    models_path: Option<String>,
+    models_poll_interval_ms: Option<u64>,
     metrics_timeout_ms: Option<u64>,
     metrics_stale_after_ms: Option<u64>,
     reap_after_ms: Option<u64>,
@@ -319,6 +327,27 @@ pub(super) fn collector(c: RawCollector) -> Result<CollectorConfig, ConfigError>
             None => "/metrics".into(),
         },
         metrics_poll_interval_ms: poll,
+        models_path: match c.models_path {
+            Some(p) if !p.starts_with('/') => {
+                return Err(err(
+                    "collector.modelsPath",
+                    format!("\"{p}\" must start with '/'"),
+                ))
+            }
+            Some(p) => p,
+            None => "/v1/models".into(),
+        },
+        models_poll_interval_ms: match c.models_poll_interval_ms {
+            Some(0) => 0,
+            ms => range_u64(
+                "collector.modelsPollIntervalMs",
+                ms,
+                10_000,
+                1_000,
+                86_400_000,
+                "ms, or 0 for never",
+            )?,
+        },
         metrics_timeout_ms: range_u64(
             "collector.metricsTimeoutMs",
             c.metrics_timeout_ms,

@@ -96,7 +96,7 @@ impl From<StoreError> for ApplyError {
 impl Engine {
     /// Tells workers that the endpoint or metrics table changed (the
     /// collector calls this after writing either).
-    fn bump_epoch(&self, store: &dyn Store) -> Result<(), StoreError> {
+    pub(super) fn bump_epoch(&self, store: &dyn Store) -> Result<(), StoreError> {
         update(
             store,
             LOAD_KEY,
@@ -237,6 +237,11 @@ impl Engine {
                 Some(())
             },
         )?;
+        if let Ok(Ok(v)) = &parsed {
+            // The served model names and LoRA adapters (`engine/models.rs`);
+            // the epoch bump below tells workers.
+            self.record_metrics_models(store, slot, generation, v)?;
+        }
         self.bump_epoch(store)?;
         Ok(problem)
     }

@@ -91,6 +91,7 @@ use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
 use kvroute_shared_state::index::IndexGeometry;
 use kvroute_shared_state::load::{Ticket, Undo};
 use kvroute_shared_state::metrics::{MetricsSnapshot, MetricsTable};
+use kvroute_shared_state::models::ModelsTable;
 use kvroute_shared_state::{Store, StoreError, ENDPOINTS_KEY, METRICS_KEY};
 use std::sync::{Arc, Mutex};
 
@@ -98,6 +99,7 @@ mod collect;
 mod facts;
 mod flow;
 mod mesh;
+mod models;
 mod offpath;
 mod route;
 mod snapshot;
@@ -106,7 +108,8 @@ mod state;
 pub use collect::{Applied, ApplyError};
 pub use facts::{OffPathText, RequestFacts};
 pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerDecision};
-pub use snapshot::Snapshot;
+pub use models::model_not_found;
+pub use snapshot::{ModelFit, Snapshot};
 pub use state::STATE_HASHES_MAX;
 
 /// Why a request was not routed by kvroute.
@@ -114,6 +117,8 @@ pub use state::STATE_HASHES_MAX;
 pub enum Unrouted {
     BadBody(ParseError),
     NoEndpoints,
+    /// No endpoint serves the body's `model` (`engine/models.rs`).
+    UnknownModel(String),
     /// Shared data refused a call (the message says how).
     Store(String),
 }
@@ -124,6 +129,7 @@ impl Unrouted {
         match self {
             Unrouted::BadBody(e) => e.label(),
             Unrouted::NoEndpoints => "no_endpoints",
+            Unrouted::UnknownModel(_) => "unknown_model",
             Unrouted::Store(_) => "shared_data",
         }
     }
@@ -167,6 +173,9 @@ pub struct Routed {
     /// `tokenizeIn: collector`: the prompt's new text for the collector
     /// (boxed: most requests have none).
     pub tokenize: Option<Box<TokenizeJob>>,
+    /// The body's `model` is a LoRA adapter on the endpoints that serve it
+    /// (`engine/models.rs`).
+    pub lora_adapter: bool,
 }
 
 /// A routed prompt's new text for the collector (`tokenizeIn: collector`).
@@ -231,6 +240,7 @@ struct Tables {
     /// Healthy endpoints, in table order.
     healthy: Arc<Vec<EndpointEntry>>,
     metrics: Arc<MetricsTable>,
+    models: Arc<ModelsTable>,
 }
 
 /// A per-engine (in Envoy: per worker VM) copy of [`Tables`]. Every request
@@ -286,19 +296,31 @@ impl Engine {
         })
     }
 
-    /// The healthy endpoints and the metrics table for state epoch `epoch`:
-    /// this engine's copies if they belong to it, else read and decoded
-    /// (and kept, if the epoch is known). Epoch 0 (no collector has bumped
-    /// it) is never cached.
+    /// The healthy endpoints and the metrics table for state epoch `epoch`
+    /// (see [`Engine::tables_with_models`]).
     fn tables(
         &self,
         store: &dyn Store,
         epoch: u64,
     ) -> Result<(Arc<Vec<EndpointEntry>>, Arc<MetricsTable>), StoreError> {
+        self.tables_with_models(store, epoch)
+            .map(|(healthy, metrics, _)| (healthy, metrics))
+    }
+
+    /// The healthy endpoints, the metrics table and the models table for
+    /// state epoch `epoch`: this engine's copies if they belong to it, else
+    /// read and decoded (and kept, if the epoch is known). Epoch 0 (no
+    /// collector has bumped it) is never cached.
+    #[allow(clippy::type_complexity)]
+    fn tables_with_models(
+        &self,
+        store: &dyn Store,
+        epoch: u64,
+    ) -> Result<(Arc<Vec<EndpointEntry>>, Arc<MetricsTable>, Arc<ModelsTable>), StoreError> {
         if epoch != 0 {
             if let Ok(guard) = self.tables.0.lock() {
                 if let Some(t) = guard.as_ref().filter(|t| t.epoch == epoch) {
-                    return Ok((t.healthy.clone(), t.metrics.clone()));
+                    return Ok((t.healthy.clone(), t.metrics.clone(), t.models.clone()));
                 }
             }
         }
@@ -308,16 +330,18 @@ impl Engine {
         let metrics = Arc::new(MetricsTable::decode(
             store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()),
         ));
+        let models = Arc::new(self.models_table(store)?);
         if epoch != 0 {
             if let Ok(mut guard) = self.tables.0.lock() {
                 *guard = Some(Tables {
                     epoch,
                     healthy: healthy.clone(),
                     metrics: metrics.clone(),
+                    models: models.clone(),
                 });
             }
         }
-        Ok((healthy, metrics))
+        Ok((healthy, metrics, models))
     }
 
     /// What the failure mode says to do with a request kvroute cannot route.
@@ -338,6 +362,7 @@ impl Engine {
                             503,
                         ),
                     ),
+                    Unrouted::UnknownModel(m) => (404, models::model_not_found(m)),
                     Unrouted::Store(m) => (503, openai_error(m, "service_unavailable", 503)),
                 };
                 Outcome::Reject { status, body, why }
@@ -369,3 +394,6 @@ impl Engine {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod models_tests;

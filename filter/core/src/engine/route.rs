@@ -3,6 +3,7 @@
 //! decision: the releases, a retried request's [`Engine::move_charge`] and
 //! a rejected one's [`Engine::take_back`].
 
+use super::snapshot::ModelFit;
 use super::{Engine, Outcome, Provisional, RequestFacts, Routed, Snapshot, TokenizeJob, Unrouted};
 use crate::precise::{Fallback, PreciseUse};
 use crate::scheduling::{Decision, Rng};
@@ -11,6 +12,17 @@ use kvroute_shared_state::index::{self, Holder};
 use kvroute_shared_state::load::{window_ms, LoadTable, Ticket, Undo};
 use kvroute_shared_state::{Store, StoreError, LOAD_KEY};
 use std::fmt::Write as _;
+
+/// What [`Engine::place`] came to (matched at once: its size does not
+/// matter).
+#[allow(clippy::large_enum_variant)]
+enum Placed {
+    Routed(Routed),
+    /// No healthy endpoint (or the profile's filters left none).
+    NoEndpoints,
+    /// No endpoint serves the body's `model`.
+    UnknownModel,
+}
 
 impl Engine {
     /// Routes one request: reads the state it is decided on
@@ -28,7 +40,10 @@ impl Engine {
     ) -> Outcome {
         let job = self.resolve_offpath(store, &mut facts);
         match self.place(store, &facts, now_ms, rng) {
-            Ok(Some(mut r)) => {
+            Ok(Placed::Routed(mut r)) => {
+                // An adapter's prompt is not hashed as the base model's
+                // (`engine/models.rs`): no text for the collector either.
+                let job = job.filter(|_| !r.lora_adapter);
                 r.stream = facts.stream;
                 r.tokenize = job.map(|job| {
                     Box::new(TokenizeJob {
@@ -44,7 +59,8 @@ impl Engine {
                 }
                 Outcome::Routed(r)
             }
-            Ok(None) => self.fail_for(Unrouted::NoEndpoints),
+            Ok(Placed::NoEndpoints) => self.fail_for(Unrouted::NoEndpoints),
+            Ok(Placed::UnknownModel) => self.fail_for(Unrouted::UnknownModel(facts.model)),
             Err(e) => self.fail_for(Unrouted::Store(e.to_string())),
         }
     }
@@ -59,15 +75,23 @@ impl Engine {
         facts: &RequestFacts,
         now_ms: u64,
         rng: &mut Rng,
-    ) -> Result<Option<Routed>, StoreError> {
+    ) -> Result<Placed, StoreError> {
         let Some(snap) = self.snapshot(store, facts, now_ms)? else {
-            return Ok(None);
+            return Ok(Placed::NoEndpoints);
         };
-        let precise = facts
+        let lora_adapter = match snap.model {
+            ModelFit::Unknown => return Ok(Placed::UnknownModel),
+            ModelFit::Adapter => true,
+            ModelFit::Served => false,
+        };
+        let precise_hashes = facts
             .precise
             .as_ref()
             .and_then(|p| p.as_ref().ok())
             .map(|(h, tokens)| (h.as_slice(), *tokens));
+        // vLLM hashes an adapter's blocks with its name: the base model's
+        // hashes would match nothing, or the wrong blocks.
+        let precise = precise_hashes.filter(|_| !lora_adapter);
         let held = match precise {
             Some((vllm_hashes, tokens)) => {
                 let unknown = facts.precise_unknown_blocks;
@@ -75,9 +99,14 @@ impl Engine {
             }
             None => None,
         };
-        let precise_use = precise.map(|(vllm_hashes, _)| {
+        let precise_use = precise_hashes.map(|(vllm_hashes, _)| {
             let blocks = vllm_hashes.len().min(u32::MAX as usize) as u32;
-            if held.is_some() {
+            if lora_adapter {
+                PreciseUse::Fallback {
+                    why: Fallback::LoraAdapter,
+                    blocks,
+                }
+            } else if held.is_some() {
                 PreciseUse::Matched { blocks }
             } else {
                 PreciseUse::Fallback {
@@ -94,6 +123,7 @@ impl Engine {
             candidates,
             view,
             load,
+            model: _,
         } = snap;
         // Scheduling (and the charge) on the held view when there is one;
         // the approximate index's bookkeeping below stays on its own blocks.
@@ -108,7 +138,7 @@ impl Engine {
             scheduler.schedule(sched_view, sched_candidates, rng)
         };
         let Some(decision) = decision else {
-            return Ok(None);
+            return Ok(Placed::NoEndpoints);
         };
         let chosen = &endpoints[decision.primary];
         let charge = self.config.scheduler.inflight.charge_work(
@@ -221,7 +251,7 @@ impl Engine {
             destination.push(',');
             destination.push_str(&endpoints[f].address);
         }
-        Ok(Some(Routed {
+        Ok(Placed::Routed(Routed {
             destination,
             ticket,
             decision,
@@ -231,6 +261,7 @@ impl Engine {
             precise: precise_use,
             provisional,
             tokenize: None,
+            lora_adapter,
         }))
     }
 

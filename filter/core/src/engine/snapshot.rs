@@ -4,6 +4,7 @@
 //! metrics; and precise mode's view of the blocks the servers hold
 //! ([`Engine::held_prefixes`]).
 
+use super::models::{self, Eligible};
 use super::{Engine, RequestFacts};
 use crate::learners::{bytes_per_token, output_tokens};
 use crate::scheduling::{Candidate, EndpointMetrics, RequestView};
@@ -87,6 +88,22 @@ pub struct Snapshot {
     /// The load table as read, with its CAS token (`None` if the key was
     /// missing): the charge tries its CAS on it before reading again.
     pub load: Option<(LoadTable, u32)>,
+    /// The model filter's verdict on the body's `model`
+    /// (`engine/models.rs`); with [`ModelFit::Unknown`] there are no
+    /// endpoints or candidates.
+    pub model: ModelFit,
+}
+
+/// How the pool stands towards a request's `model`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModelFit {
+    /// Served as a base model, or not known to be otherwise.
+    Served,
+    /// A LoRA adapter on the endpoints that serve it (precise mode falls
+    /// back: kvroute's vLLM hashes are the base model's).
+    Adapter,
+    /// No endpoint serves it.
+    Unknown,
 }
 
 impl Engine {
@@ -108,10 +125,33 @@ impl Engine {
         let load_cas = load_read.as_ref().map(|(_, cas)| *cas);
         let load = LoadTable::decode(load_read.as_ref().map(|(b, _)| b.as_slice()));
         drop(load_read);
-        let (endpoints, metrics) = self.tables(store, load.epoch)?;
+        let (endpoints, metrics, models_table) = self.tables_with_models(store, load.epoch)?;
         if endpoints.is_empty() {
             return Ok(None);
         }
+        // The model filter (`engine/models.rs`): only endpoints that may
+        // serve the body's `model` are candidates.
+        let endpoints = match models::eligible(&models_table, &endpoints, &facts.model) {
+            Eligible::All => endpoints,
+            Eligible::Some(keep) => models::pick(&endpoints, &keep),
+            Eligible::None => {
+                return Ok(Some(Snapshot {
+                    endpoints: Arc::new(Vec::new()),
+                    holders: Vec::new(),
+                    first_recorded: Vec::new(),
+                    shards: Default::default(),
+                    candidates: Vec::new(),
+                    view: RequestView::default(),
+                    load: None,
+                    model: ModelFit::Unknown,
+                }))
+            }
+        };
+        let model = if models::is_adapter(&models_table, &endpoints, &facts.model) {
+            ModelFit::Adapter
+        } else {
+            ModelFit::Served
+        };
         let stale_after = self.config.collector.metrics_stale_after_ms;
         // Real tokens for a text prompt, once the servers taught us the
         // model's bytes per token.
@@ -180,6 +220,7 @@ impl Engine {
                     capacity_blocks: h.capacity_blocks,
                     last_cold_pick: rec.map(|r| r.last_cold_pick).filter(|t| *t != 0),
                     key: endpoint_key(&e.address),
+                    lora: models::lora_slots(models_table.get(e.slot, e.generation), &facts.model),
                     ..load_candidate(rec, peer, m)
                 }
             })
@@ -218,6 +259,7 @@ impl Engine {
             candidates,
             view,
             load: load_cas.map(|cas| (load, cas)),
+            model,
         }))
     }
 

@@ -20,6 +20,7 @@ impl Engine {
             MetricsTable::decode(store.get(METRICS_KEY)?.as_ref().map(|(b, _)| b.as_slice()));
         let stale_after = self.config.collector.metrics_stale_after_ms;
         let held = self.held_state(store)?;
+        let models = self.models_table(store)?;
         let eps: Vec<serde_json::Value> = table
             .endpoints
             .iter()
@@ -69,6 +70,7 @@ impl Engine {
                         "failures": m.failures,
                     })),
                     "kvEvents": kv_events,
+                    "models": models.get(e.slot, e.generation).filter(|m| m.known).map(super::models::state_json),
                 })
             })
             .collect();

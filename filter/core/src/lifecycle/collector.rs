@@ -3,7 +3,10 @@
 //!
 //! Every tick: refresh membership from Envoy's admin API (`fromCluster`),
 //! poll each endpoint's `/metrics` through `collector.metricsCluster`, and
-//! reap charges older than `collector.reapAfterMs`. At most one call per
+//! reap charges older than `collector.reapAfterMs`. Every
+//! `collector.modelsPollIntervalMs` (and at once for a new endpoint) it
+//! also asks each endpoint's `collector.modelsPath` (`/v1/models`) for the
+//! models and LoRA adapters it serves (`engine/models.rs`). At most one call per
 //! target is in flight; a call that times out comes back with no headers and
 //! counts as a failed poll.
 //!
@@ -56,6 +59,8 @@ pub struct Timers {
     pub reap_every_ms: u64,
     /// `kvEvents.pollMs`, when `kvEvents.enabled`.
     pub kv_events_poll_ms: Option<u64>,
+    /// `collector.modelsPollIntervalMs`, unless 0 (never).
+    pub models_poll_ms: Option<u64>,
     /// `kvEvents.timeoutMs`.
     pub kv_events_timeout_ms: u32,
 }
@@ -85,6 +90,7 @@ impl Timers {
             reap_every_ms: (c.reap_after_ms / 4).clamp(100, 1000),
             kv_events_poll_ms,
             kv_events_timeout_ms: kv.timeout_ms.min(u64::from(u32::MAX)) as u32,
+            models_poll_ms: (c.models_poll_interval_ms > 0).then_some(c.models_poll_interval_ms),
         }
     }
 }
@@ -92,6 +98,11 @@ impl Timers {
 enum Pending {
     Admin,
     Metrics {
+        slot: u16,
+        generation: u16,
+    },
+    /// A `/v1/models` call (`engine/models.rs`).
+    Models {
         slot: u16,
         generation: u16,
     },
@@ -122,6 +133,10 @@ pub struct Collector {
     next_poll_ms: u64,
     next_reap_ms: u64,
     next_kv_events_ms: u64,
+    next_models_ms: u64,
+    /// Endpoints (slot, generation) whose model list was asked for: a new
+    /// one is asked at once, not at the next `modelsPollIntervalMs`.
+    models_asked: std::collections::HashSet<(u16, u16)>,
     /// The last time the clock answered (see [`Collector::now_ms`]).
     last_now_ms: u64,
     /// `lease` mode: this VM's part in the election.
@@ -179,6 +194,8 @@ impl Collector {
             next_poll_ms: 0,
             next_reap_ms: 0,
             next_kv_events_ms: 0,
+            next_models_ms: 0,
+            models_asked: Default::default(),
             last_now_ms: 0,
             stats: telemetry::start_collector_stats(host, lease.is_none()),
             lease,
@@ -321,6 +338,15 @@ impl Collector {
         if now >= self.next_poll_ms {
             self.next_poll_ms = now + self.timers.metrics_poll_ms;
             self.poll_metrics(host, now);
+            if let Some(every) = self.timers.models_poll_ms {
+                // Every endpoint each period; a new one with the next
+                // metrics round.
+                let all = now >= self.next_models_ms;
+                if all {
+                    self.next_models_ms = now + every;
+                }
+                self.poll_models(host, all);
+            }
         }
         if let Some(every) = self.timers.kv_events_poll_ms {
             if now >= self.next_kv_events_ms {
@@ -424,6 +450,66 @@ impl Collector {
                         &format!("kvroute collector: /metrics call for {}: {err}", e.address),
                     );
                     self.record(host, e.slot, e.generation, Err(()), now);
+                }
+            }
+        }
+    }
+
+    /// Asks endpoints for their model list (`/v1/models`): all of them
+    /// (`all`), or those not asked yet in their current generation.
+    fn poll_models(&mut self, host: &dyn Host, all: bool) {
+        let Some(cluster) = self.engine.config.collector.metrics_cluster.clone() else {
+            return;
+        };
+        let table = match self.engine.endpoint_table(host.store()) {
+            Ok(t) => t,
+            Err(e) => return self.host_error(host, "reading endpoints", e),
+        };
+        // Forget endpoints that left, so the set stays within the table.
+        let current: std::collections::HashSet<(u16, u16)> = table
+            .endpoints
+            .iter()
+            .map(|e| (e.slot, e.generation))
+            .collect();
+        self.models_asked.retain(|k| current.contains(k));
+        let path = self.engine.config.collector.models_path.clone();
+        let header = self.engine.config.routing.destination_header.clone();
+        for e in &table.endpoints {
+            let id = (e.slot, e.generation);
+            if !all && self.models_asked.contains(&id) {
+                continue;
+            }
+            let busy = self
+                .pending
+                .values()
+                .any(|p| matches!(p, Pending::Models { slot, .. } if *slot == e.slot));
+            if busy {
+                continue;
+            }
+            self.models_asked.insert(id);
+            let headers = [
+                (":method", "GET"),
+                (":path", path.as_str()),
+                (":authority", e.address.as_str()),
+                (ORIGINAL_DST_HOST_HEADER, e.address.as_str()),
+                (header.as_str(), e.address.as_str()),
+            ];
+            match host.http_call(&cluster, &headers, self.timers.metrics_timeout_ms) {
+                Ok(token) => {
+                    self.pending.insert(
+                        token,
+                        Pending::Models {
+                            slot: e.slot,
+                            generation: e.generation,
+                        },
+                    );
+                }
+                Err(err) => {
+                    self.counts.inc(host, Counter::ModelsPollFailures);
+                    host.log(
+                        Level::Debug,
+                        &format!("kvroute collector: {path} call for {}: {err}", e.address),
+                    );
                 }
             }
         }
@@ -747,6 +833,24 @@ impl Collector {
                     self.counts.inc(host, Counter::MetricsPollFailures);
                 }
                 self.record(host, slot, generation, result, now);
+            }
+            Pending::Models { slot, generation } => {
+                let result = match body.as_deref() {
+                    Some(b) => self
+                        .engine
+                        .record_model_list(host.store(), slot, generation, b),
+                    None => Err(format!(
+                        "answered {}",
+                        status.as_deref().unwrap_or("nothing (timeout or reset)")
+                    )),
+                };
+                if let Err(e) = result {
+                    self.counts.inc(host, Counter::ModelsPollFailures);
+                    host.log(
+                        Level::Debug,
+                        &format!("kvroute collector: slot {slot}: model list: {e}"),
+                    );
+                }
             }
             Pending::Relay {
                 slot,

@@ -216,6 +216,13 @@ pub enum Counter {
     PreciseFallbackNoHeldView,
     PreciseFallbackNotHashedYet,
     PreciseFallbackTokenizerLoading,
+    PreciseFallbackLoraAdapter,
+    /// Requests for a model no endpoint serves (`engine/models.rs`):
+    /// answered 404 (fail-closed) or passed on unrouted (fail-open).
+    UnknownModel,
+    /// The collector: `/v1/models` polls that failed (timeout, non-200,
+    /// not vLLM's list).
+    ModelsPollFailures,
     /// Precise mode (`tokenizeIn: collector`): routed on a stored prefix of
     /// the prompt, its new text estimated (a conversation's next turn).
     PrecisePrefixPartial,
@@ -247,7 +254,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 45] = [
+    pub const ALL: [Counter; 48] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -279,6 +286,9 @@ impl Counter {
         Counter::PreciseFallbackNoHeldView,
         Counter::PreciseFallbackNotHashedYet,
         Counter::PreciseFallbackTokenizerLoading,
+        Counter::PreciseFallbackLoraAdapter,
+        Counter::UnknownModel,
+        Counter::ModelsPollFailures,
         Counter::PrecisePrefixPartial,
         Counter::TokenizeQueued,
         Counter::TokenizeDropped,
@@ -330,6 +340,9 @@ impl Counter {
             Counter::PreciseFallbackTokenizerLoading => {
                 "kvroute_precise_fallback_tokenizer_loading"
             }
+            Counter::PreciseFallbackLoraAdapter => "kvroute_precise_fallback_lora_adapter",
+            Counter::UnknownModel => "kvroute_unknown_model",
+            Counter::ModelsPollFailures => "kvroute_models_poll_failures",
             Counter::PrecisePrefixPartial => "kvroute_precise_prefix_partial",
             Counter::TokenizeQueued => "kvroute_tokenize_queued",
             Counter::TokenizeDropped => "kvroute_tokenize_dropped",
@@ -361,6 +374,7 @@ impl Counter {
                 Fallback::NoHeldView => Counter::PreciseFallbackNoHeldView,
                 Fallback::NotHashedYet => Counter::PreciseFallbackNotHashedYet,
                 Fallback::TokenizerLoading => Counter::PreciseFallbackTokenizerLoading,
+                Fallback::LoraAdapter => Counter::PreciseFallbackLoraAdapter,
             },
         }
     }

@@ -635,10 +635,16 @@ pub(super) fn apply_outcome(w: &Worker, host: &dyn Host, outcome: Outcome) -> Ap
             }))
         }
         Outcome::FailOpen(why) => {
+            if matches!(why, Unrouted::UnknownModel(_)) {
+                w.counts.inc(host, Counter::UnknownModel);
+            }
             Stream::unrouted(w, host, &why);
             Applied::Unrouted
         }
-        Outcome::Reject { status, body, .. } => {
+        Outcome::Reject { status, body, why } => {
+            if matches!(why, Unrouted::UnknownModel(_)) {
+                w.counts.inc(host, Counter::UnknownModel);
+            }
             w.counts.inc(host, Counter::Rejected);
             match Stream::reply(w, host, status, &body) {
                 Action::Pause => Applied::Replied,

@@ -1019,6 +1019,7 @@ fn collector_timers_come_from_the_config() {
             reap_every_ms: 500,
             kv_events_poll_ms: None,
             kv_events_timeout_ms: 1000,
+            models_poll_ms: Some(10_000),
         }
     );
     let (_, c) = collector_polling(50, "");
@@ -1027,7 +1028,8 @@ fn collector_timers_come_from_the_config() {
 
 #[test]
 fn collector_polls_each_endpoint_once_at_a_time_and_counts_failures() {
-    let (host, mut c) = collector("");
+    // Model lists off: this test counts /metrics calls.
+    let (host, mut c) = collector(r#","modelsPollIntervalMs":0"#);
     c.on_tick(&host);
     let calls = host.calls.borrow().clone();
     assert_eq!(calls.len(), 2, "{calls:?}");
@@ -1073,7 +1075,7 @@ fn a_lease_mode_filter_collects_once_it_holds_the_lease() {
     let host = FakeHost::default();
     host.now_ns.set(1_000_000_000);
     *host.config.borrow_mut() = format!(
-        r#"{{{BASE},"collector":{{"mode":"lease","metricsCluster":"models","metricsPollIntervalMs":500}}}}"#
+        r#"{{{BASE},"collector":{{"mode":"lease","metricsCluster":"models","metricsPollIntervalMs":500,"modelsPollIntervalMs":0}}}}"#
     )
     .into_bytes();
     *host.root_id.borrow_mut() = b"kvroute".to_vec();
@@ -2034,7 +2036,7 @@ fn a_lease_follower_does_not_stamp_the_collectors_tick() {
     let host = FakeHost::default();
     host.now_ns.set(1_000_000_000);
     *host.config.borrow_mut() = format!(
-        r#"{{{BASE},"collector":{{"mode":"lease","metricsCluster":"models","metricsPollIntervalMs":500}}}}"#
+        r#"{{{BASE},"collector":{{"mode":"lease","metricsCluster":"models","metricsPollIntervalMs":500,"modelsPollIntervalMs":0}}}}"#
     )
     .into_bytes();
     *host.root_id.borrow_mut() = b"kvroute".to_vec();
@@ -2062,6 +2064,9 @@ fn a_lease_follower_does_not_stamp_the_collectors_tick() {
 #[cfg(feature = "tokenizer")]
 #[path = "tokenizing_tests.rs"]
 mod tokenizing_tests;
+
+#[path = "models_tests.rs"]
+mod models_tests;
 
 /// Flow control in a worker: admission, dispatch on the tick, shedding,
 /// and every charge released on every exit path.

@@ -179,10 +179,14 @@ pub enum Fallback {
     /// `tokenizeIn: collector`: the collector has not loaded the tokenizer
     /// yet (or could not).
     TokenizerLoading,
+    /// The body's `model` is a LoRA adapter: vLLM hashes every block of it
+    /// with the extra key `("lora", name, path)`, which kvroute's hashes do
+    /// not yet include.
+    LoraAdapter,
 }
 
 impl Fallback {
-    pub const ALL: [Fallback; 8] = [
+    pub const ALL: [Fallback; 9] = [
         Fallback::NoTokenizer,
         Fallback::UnknownModel,
         Fallback::Template,
@@ -191,6 +195,7 @@ impl Fallback {
         Fallback::NoHeldView,
         Fallback::NotHashedYet,
         Fallback::TokenizerLoading,
+        Fallback::LoraAdapter,
     ];
 
     /// A short stable label (the counter's suffix).
@@ -204,6 +209,7 @@ impl Fallback {
             Fallback::NoHeldView => "no_held_view",
             Fallback::NotHashedYet => "not_hashed_yet",
             Fallback::TokenizerLoading => "tokenizer_loading",
+            Fallback::LoraAdapter => "lora_adapter",
         }
     }
 }

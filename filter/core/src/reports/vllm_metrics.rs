@@ -32,6 +32,50 @@ pub struct VllmMetrics {
     /// `vllm:request_generation_tokens` (tokens generated per finished
     /// request): its sum and count, when the server exports both.
     pub generation: Option<GenerationTotals>,
+    /// The distinct `model_name` label values (the served model name), in
+    /// order of first sight, at most [`MAX_MODEL_NAMES`].
+    pub model_names: Vec<String>,
+    /// `vllm:lora_requests_info`, when the server has LoRA enabled.
+    pub lora: Option<LoraInfo>,
+}
+
+/// Most distinct `model_name` values kept from one `/metrics`.
+pub const MAX_MODEL_NAMES: usize = 64;
+/// Most adapter names kept from one `lora_requests_info` label.
+pub const MAX_LORA_NAMES: usize = 64;
+
+/// vLLM's `vllm:lora_requests_info{max_lora, running_lora_adapters,
+/// waiting_lora_adapters}`: a gauge set to the time of the last update, one
+/// series per label set ever seen, so the series with the largest value is
+/// the current one. The adapter labels are comma-separated names.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoraInfo {
+    /// Adapter slots (`--max-loras`).
+    pub max_lora: u16,
+    pub running: Vec<String>,
+    pub waiting: Vec<String>,
+}
+
+impl LoraInfo {
+    fn from_labels(labels: &str) -> LoraInfo {
+        let names = |key| -> Vec<String> {
+            label(labels, key)
+                .unwrap_or("")
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .take(MAX_LORA_NAMES)
+                .map(str::to_string)
+                .collect()
+        };
+        LoraInfo {
+            max_lora: label(labels, "max_lora")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map_or(0, |v| v.min(u64::from(u16::MAX)) as u16),
+            running: names("running_lora_adapters"),
+            waiting: names("waiting_lora_adapters"),
+        }
+    }
 }
 
 /// Sum and count of `vllm:request_generation_tokens`, summed over engines
@@ -87,6 +131,8 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
     let mut prefill_seen = [false; 3];
     let mut generation = GenerationTotals::default();
     let mut generation_seen = [false; 2];
+    // The latest `lora_requests_info` series: its value and labels.
+    let mut lora: Option<(f64, &str)> = None;
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -95,7 +141,17 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
         let Some((name, labels, value)) = split_sample(line) else {
             continue;
         };
+        if name.starts_with("vllm:") && m.model_names.len() < MAX_MODEL_NAMES {
+            if let Some(model) = label(labels, "model_name").filter(|n| !n.is_empty()) {
+                if !m.model_names.iter().any(|n| n == model) {
+                    m.model_names.push(model.to_string());
+                }
+            }
+        }
         match name {
+            "vllm:lora_requests_info" if lora.is_none_or(|(v, _)| value >= v) => {
+                lora = Some((value, labels));
+            }
             "vllm:num_requests_waiting" => {
                 m.waiting += value;
                 seen_load = true;
@@ -147,6 +203,7 @@ pub fn parse(text: &[u8]) -> Result<VllmMetrics, MetricsError> {
     if !seen_load {
         return Err(MetricsError::NotVllm);
     }
+    m.lora = lora.map(|(_, labels)| LoraInfo::from_labels(labels));
     if usage_n > 0 {
         m.kv_cache_usage = sane(usage_sum / f64::from(usage_n)).clamp(0.0, 1.0);
     }
@@ -321,6 +378,88 @@ vllm:cache_config_info{num_gpu_blocks="1000",a="x\"y",block_size="16"} 1.0
         assert_eq!((m.running, m.waiting, m.prefix_hits), (5.0, 4.0, 10.0));
         assert!((m.kv_cache_usage - 0.3).abs() < 1e-12);
         assert_eq!((m.block_size, m.num_gpu_blocks), (Some(16), Some(1000)));
+    }
+
+    /// Real vLLM 0.32 (CPU, tiny model) started with `--enable-lora
+    /// --lora-modules sql=… idle-lora=… --max-loras 2`, after one request on
+    /// `sql`: two series (running, then idle), the newest last. Before any
+    /// adapter request the server exports no series at all, only HELP/TYPE.
+    #[test]
+    fn real_vllm_lora_capture() {
+        let m = parse(include_bytes!(
+            "../../../../testdata/vllm/metrics-vllm-0.32-cpu-lora.txt"
+        ))
+        .unwrap();
+        assert_eq!(m.model_names, vec!["tiny".to_string()]);
+        assert_eq!(
+            m.lora,
+            Some(LoraInfo {
+                max_lora: 2,
+                running: vec![],
+                waiting: vec![]
+            })
+        );
+        // The same page with the newer series gone: "sql" ran and waited
+        // (vLLM counts a running adapter as waiting too).
+        let text = String::from_utf8_lossy(include_bytes!(
+            "../../../../testdata/vllm/metrics-vllm-0.32-cpu-lora.txt"
+        ))
+        .lines()
+        .filter(|l| !l.contains("running_lora_adapters=\"\""))
+        .collect::<Vec<_>>()
+        .join("\n");
+        let l = parse(text.as_bytes()).unwrap().lora.unwrap();
+        assert_eq!(
+            (l.running, l.waiting),
+            (vec!["sql".to_string()], vec!["sql".to_string()])
+        );
+    }
+
+    #[test]
+    fn model_names_and_lora_info() {
+        let m = parse(include_bytes!(
+            "../../../../testdata/vllm/metrics-vllm-0.32-cpu.txt"
+        ))
+        .unwrap();
+        assert_eq!(m.model_names, vec!["tiny".to_string()]);
+        assert_eq!(m.lora, None);
+        // vLLM 0.32's gauge (v1/metrics/loggers.py): labels in its declared
+        // order, the value the time of the update; every label set seen
+        // stays exported, the latest has the largest value.
+        let text = br#"
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="sql"} 1.7959421e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7959425e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="chat",waiting_lora_adapters=""} 1.7959423e+09
+vllm:num_requests_running{engine="0",model_name="base-a"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="base-a"} 0.0
+vllm:kv_cache_usage_perc{engine="1",model_name="base-b"} 0.0
+"#;
+        let m = parse(text).unwrap();
+        assert_eq!(m.model_names, vec!["base-a", "base-b"]);
+        assert_eq!(
+            m.lora,
+            Some(LoraInfo {
+                max_lora: 2,
+                running: vec![],
+                waiting: vec![]
+            })
+        );
+        let one = b"vllm:num_requests_running 0\nvllm:lora_requests_info{waiting_lora_adapters=\"b\",running_lora_adapters=\"a, b\",max_lora=\"99999999\"} 5\n";
+        let l = parse(one).unwrap().lora.unwrap();
+        assert_eq!(l.running, vec!["a", "b"]);
+        assert_eq!(l.waiting, vec!["b"]);
+        assert_eq!(l.max_lora, u16::MAX);
+        // Many distinct names are cut at the bound.
+        let mut many = String::from("vllm:num_requests_running 0\n");
+        for i in 0..MAX_MODEL_NAMES + 10 {
+            many.push_str(&format!("vllm:x{{model_name=\"m{i}\"}} 1\n"));
+        }
+        assert_eq!(
+            parse(many.as_bytes()).unwrap().model_names.len(),
+            MAX_MODEL_NAMES
+        );
     }
 
     #[test]

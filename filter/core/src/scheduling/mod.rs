@@ -9,6 +9,7 @@
 //! One concept per file, each with its formula at the top:
 //! [`affinity_filter`], the scorers ([`token_load`], [`active_request`],
 //! [`queue`], [`kv_cache_utilization`], [`prefix_cache`], [`no_hit_lru`],
+//! [`lora_affinity`],
 //! and kvroute's own: [`saturation`]'s `kvroute-load-scorer` and
 //! [`cache_balance`]),
 //! the pickers ([`max_score`], [`weighted_random`]), [`rng`],
@@ -22,6 +23,7 @@ pub mod affinity_filter;
 pub mod cache_balance;
 pub mod charge;
 pub mod kv_cache_utilization;
+pub mod lora_affinity;
 pub mod max_score;
 pub mod no_hit_lru;
 pub mod prefix_cache;
@@ -118,6 +120,9 @@ pub struct Candidate {
     /// A stable hash of the endpoint's `ip:port` (the same in every gateway
     /// replica), for rendezvous tie-breaking.
     pub key: u64,
+    /// Its LoRA adapter state towards the request's model
+    /// (`lora-affinity-scorer`).
+    pub lora: lora_affinity::LoraSlots,
 }
 
 impl Candidate {

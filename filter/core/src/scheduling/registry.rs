@@ -22,7 +22,10 @@ use super::prefix_cache::{self, PrefixCacheScorer};
 use super::saturation::{self, KvrouteLoadScorer};
 use super::scheduler::{Branch, Picker};
 use super::token_load::{self, TokenLoadScorer};
-use super::{cache_balance, kv_cache_utilization, max_score, no_hit_lru, queue, weighted_random};
+use super::{
+    cache_balance, kv_cache_utilization, lora_affinity, max_score, no_hit_lru, queue,
+    weighted_random,
+};
 use super::{Candidate, RequestView};
 use crate::config::check::Params;
 use crate::config::llm_d::{self, Inert};
@@ -39,6 +42,7 @@ pub enum Scorer {
     KvCacheUtilization,
     PrefixCache(PrefixCacheScorer),
     NoHitLru,
+    LoraAffinity,
     /// kvroute's: the saturation-aware load signal (`saturation`).
     KvrouteLoad(KvrouteLoadScorer),
     /// kvroute's: balance the fleet's cache working sets (`cache_balance`).
@@ -71,6 +75,7 @@ impl Scorer {
             Scorer::KvCacheUtilization => kv_cache_utilization::TYPE,
             Scorer::PrefixCache(_) => prefix_cache::TYPE,
             Scorer::NoHitLru => no_hit_lru::TYPE,
+            Scorer::LoraAffinity => lora_affinity::TYPE,
             Scorer::KvrouteLoad(_) => saturation::TYPE,
             Scorer::CacheBalance => cache_balance::TYPE,
         }
@@ -97,6 +102,7 @@ impl Scorer {
             }
             Scorer::PrefixCache(s) => s.score(req, cands, passing, out),
             Scorer::NoHitLru => no_hit_lru::score(req, cands, passing, out),
+            Scorer::LoraAffinity => lora_affinity::score(cands, passing, out),
             Scorer::KvrouteLoad(s) => s.score(req, cands, x.held, passing, out),
             Scorer::CacheBalance => {
                 // Only for a request with no sticky endpoint: a warm or
@@ -227,6 +233,7 @@ pub(crate) static PLUGINS: &[Plugin] = &[
     llm_d(prefix_cache::TYPE, |p| Ok(Compiled::Scorer(Scorer::PrefixCache(prefix_cache::compile(p)?))))
         .aka(&["prefix-cache"]),
     llm_d(no_hit_lru::TYPE, |p| no_hit_lru::compile(p).map(|()| Compiled::Scorer(Scorer::NoHitLru))),
+    llm_d(lora_affinity::TYPE, |p| lora_affinity::compile(p).map(|()| Compiled::Scorer(Scorer::LoraAffinity))),
     llm_d(max_score::TYPE, |p| Ok(Compiled::Picker(Picker::MaxScore(max_score::compile(p)?))))
         .aka(&["max-score"]),
     llm_d(weighted_random::TYPE, |p| weighted_random::compile(p).map(|()| Compiled::Picker(Picker::WeightedRandom))),

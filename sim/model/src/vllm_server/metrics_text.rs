@@ -45,6 +45,18 @@ impl Snapshot {
     }
 }
 
+/// vLLM 0.32's `vllm:lora_requests_info` (a server with LoRA enabled): one
+/// series, labels in vLLM's declared order, the value the time of the last
+/// update. The emulator's engine does not tell adapters apart, so none is
+/// reported running or waiting.
+pub fn lora_requests_info(max_loras: u32, now_unix_s: f64) -> String {
+    format!(
+        "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+         # TYPE vllm:lora_requests_info gauge\n\
+         vllm:lora_requests_info{{max_lora=\"{max_loras}\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"}} {now_unix_s:e}\n"
+    )
+}
+
 /// The page for a server of `model` with engine config `cfg`, started at
 /// Unix time `created`, in state `s` (the simulator renders its modelled
 /// servers' pages with this, and feeds them to the collector's parser).

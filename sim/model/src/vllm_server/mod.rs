@@ -39,6 +39,20 @@ pub struct EmulatorConfig {
     pub default_max_tokens: u32,
     /// Serve any `model` instead of answering 404.
     pub accept_any_model: bool,
+    /// LoRA adapters loaded at start (`--lora-modules`): served by name,
+    /// listed in `/v1/models` with `parent` the model, and reported in
+    /// `vllm:lora_requests_info`. The engine treats their requests as the
+    /// base model's.
+    pub lora_modules: Vec<String>,
+    /// Adapter slots (`--max-loras`), `max_lora` in `vllm:lora_requests_info`.
+    pub max_loras: u32,
+}
+
+impl EmulatorConfig {
+    /// Whether a request for `model` is served (the model or an adapter).
+    pub fn serves(&self, model: &str) -> bool {
+        self.accept_any_model || model == self.model || self.lora_modules.iter().any(|m| m == model)
+    }
 }
 
 impl Default for EmulatorConfig {
@@ -55,6 +69,8 @@ impl Default for EmulatorConfig {
             stream_interval: 1,
             default_max_tokens: 16,
             accept_any_model: false,
+            lora_modules: Vec::new(),
+            max_loras: 1,
         }
     }
 }

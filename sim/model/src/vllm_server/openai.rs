@@ -221,9 +221,35 @@ impl ResponseShape {
 
 /// `/v1/models`.
 pub fn models_body(model: &str, created: u64, max_model_len: u64) -> Value {
-    json!({
-        "object": "list",
-        "data": [{"id": model, "object": "model", "created": created, "owned_by": "vllm",
-                  "root": model, "parent": null, "max_model_len": max_model_len}],
-    })
+    models_body_with_loras(model, &[], created, max_model_len)
+}
+
+/// `GET /v1/models` as vLLM 0.32 answers it with LoRA adapters loaded: the
+/// base model's card, then one card per adapter (`root` its path, `parent`
+/// the base model, no `max_model_len`).
+pub fn models_body_with_loras(
+    model: &str,
+    loras: &[String],
+    created: u64,
+    max_model_len: u64,
+) -> Value {
+    let mut data = vec![
+        json!({"id": model, "object": "model", "created": created, "owned_by": "vllm",
+                  "root": model, "parent": null, "max_model_len": max_model_len}),
+    ];
+    for l in loras {
+        data.push(
+            json!({"id": l, "object": "model", "created": created, "owned_by": "vllm",
+                  "root": format!("/adapters/{l}"), "parent": model, "max_model_len": null}),
+        );
+    }
+    json!({"object": "list", "data": data})
+}
+
+/// vLLM 0.32's 404 for a model it does not serve, `served` being its base
+/// model (`entrypoints/serve/engine/serving.py`, `_check_model`; seen on the
+/// real server: "The model `nope` does not exist. Valid aliases: tiny.").
+pub fn model_not_found_body(model: &str, served: &str) -> Value {
+    json!({"error": {"message": format!("The model `{model}` does not exist. Valid aliases: {served}."),
+                     "type": "NotFoundError", "param": "model", "code": 404}})
 }

@@ -1,0 +1,210 @@
+//! The model filter and LoRA adapters on the engine (`engine/models.rs`).
+
+use super::{Engine, Outcome, Routed, Unrouted};
+use crate::config::Config;
+use crate::precise::{Fallback, PreciseUse};
+use crate::request::ApiKind;
+use crate::scheduling::Rng;
+use kvroute_shared_state::memory::MemoryStore;
+use kvroute_shared_state::Store;
+
+const PRECISE_DOC: &str = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2"]},
+    "plugins":[{"type":"token-producer","parameters":{"modelName":"base","udsTokenizerConfig":{"socketFile":"/x"}}},
+               {"type":"precise-prefix-cache-producer","parameters":{"tokenProcessorConfig":{"blockSizeTokens":4,"hashSeed":"0"}}},
+               {"type":"prefix-cache-scorer","parameters":{"prefixMatchInfoProducerName":"precise-prefix-cache-producer"}},
+               {"type":"max-score-picker"}],
+    "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-scorer"},{"pluginRef":"max-score-picker"}]}],
+    "kvEvents":{"enabled":true,"staleMs":5000}}"#;
+
+fn route(e: &Engine, s: &dyn Store, body: &[u8], now_ms: u64) -> Outcome {
+    let mut rng = Rng::new(3);
+    match e.facts(ApiKind::Completions, body) {
+        Ok(f) => e.route(s, f, now_ms, &mut rng),
+        Err(why) => e.fail_for(why),
+    }
+}
+
+fn routed(o: Outcome) -> Routed {
+    match o {
+        Outcome::Routed(r) => r,
+        other => panic!("expected Routed, got {other:?}"),
+    }
+}
+
+/// Both endpoints serve "base"; endpoint 1 has adapter "sql" loaded, and
+/// endpoint 2 also serves "other" as a base model.
+fn report_models(e: &Engine, s: &MemoryStore) {
+    let table = e.endpoint_table(s).unwrap();
+    for ep in &table.endpoints {
+        let body = if ep.address.ends_with(":1") {
+            r#"{"data":[{"id":"base"},{"id":"sql","parent":"base"}]}"#
+        } else {
+            r#"{"data":[{"id":"base"},{"id":"other"}]}"#
+        };
+        e.record_model_list(s, ep.slot, ep.generation, body.as_bytes())
+            .unwrap();
+    }
+}
+
+#[test]
+fn an_adapters_request_falls_back_from_precise_hashes() {
+    let e = Engine::new(Config::from_json(PRECISE_DOC.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    report_models(&e, &s);
+    let ids: Vec<u32> = (100..117).collect();
+    // Every held view fresh (empty), so the base model's request matches.
+    let table = e.endpoint_table(&s).unwrap();
+    for ep in &table.endpoints {
+        let body = serde_json::json!({"epoch": 7, "seq": 1, "complete": true, "blocks": []});
+        e.apply_relay_answer(
+            &s,
+            ep.slot,
+            ep.generation,
+            crate::reports::relay::Ask::Snapshot,
+            body.to_string().as_bytes(),
+            1000,
+        )
+        .unwrap();
+    }
+    let base = serde_json::json!({"model": "base", "prompt": ids}).to_string();
+    let r = routed(route(&e, &s, base.as_bytes(), 1500));
+    assert_eq!(r.precise, Some(PreciseUse::Matched { blocks: 4 }));
+    assert!(!r.lora_adapter);
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+
+    let sql = serde_json::json!({"model": "sql", "prompt": ids}).to_string();
+    let r = routed(route(&e, &s, sql.as_bytes(), 1500));
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::LoraAdapter,
+            blocks: 4
+        })
+    );
+    assert!(r.lora_adapter);
+    assert_eq!(r.destination.split(',').next(), Some("127.0.0.1:1"));
+    // Only endpoint 1 serves it: no fallback address to the other.
+    assert_eq!(r.destination, "127.0.0.1:1");
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+
+    // "other" is a base model on endpoint 2 only.
+    let other = serde_json::json!({"model": "other", "prompt": ids}).to_string();
+    let r = routed(route(&e, &s, other.as_bytes(), 1500));
+    assert_eq!(r.destination, "127.0.0.1:2");
+    assert!(!r.lora_adapter);
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+
+    // Unknown to both.
+    let none = serde_json::json!({"model": "nope", "prompt": ids}).to_string();
+    assert_eq!(
+        route(&e, &s, none.as_bytes(), 1500),
+        Outcome::FailOpen(Unrouted::UnknownModel("nope".into()))
+    );
+    // Nothing left charged; the state view shows each endpoint's models.
+    let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 0).unwrap()).unwrap();
+    assert_eq!(
+        v["endpoints"][0]["models"],
+        serde_json::json!({"base": ["base"], "adapters": [{"name": "sql", "running": false, "waiting": false}],
+                           "maxLora": 0, "overflow": false})
+    );
+    for ep in v["endpoints"].as_array().unwrap() {
+        assert_eq!(ep["inflightRequests"], 0, "{ep}");
+    }
+}
+
+#[test]
+fn a_model_list_replaces_only_its_own_part() {
+    let e = Engine::new(
+        Config::from_json(br#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2"]}}"#).unwrap(),
+    );
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let t = e.endpoint_table(&s).unwrap();
+    let (a, b) = (&t.endpoints[0], &t.endpoints[1]);
+    // Endpoint a reports by /metrics, b by nothing: b may serve anything.
+    e.record_metrics(
+        &s,
+        a.slot,
+        a.generation,
+        Ok(b"vllm:num_requests_running{model_name=\"base\"} 0\n"),
+        10,
+    )
+    .unwrap();
+    let body = br#"{"model":"x","prompt":"hello"}"#;
+    assert_eq!(routed(route(&e, &s, body, 20)).destination, "127.0.0.1:2");
+    // A bad list is an error and changes nothing.
+    assert!(e
+        .record_model_list(&s, b.slot, b.generation, b"nope")
+        .is_err());
+    assert_eq!(routed(route(&e, &s, body, 20)).destination, "127.0.0.1:2");
+    // b lists "base" only: "x" is served nowhere.
+    e.record_model_list(&s, b.slot, b.generation, br#"{"data":[{"id":"base"}]}"#)
+        .unwrap();
+    assert!(matches!(
+        route(&e, &s, body, 30),
+        Outcome::FailOpen(Unrouted::UnknownModel(_))
+    ));
+    // A failed /metrics poll keeps a's list.
+    e.record_metrics(&s, a.slot, a.generation, Err(()), 50)
+        .unwrap();
+    let r = routed(route(&e, &s, br#"{"model":"base","prompt":"hi"}"#, 60));
+    assert!(r.destination.contains("127.0.0.1:"));
+}
+
+#[test]
+fn lora_affinity_prefers_the_endpoint_running_the_adapter_then_a_free_slot() {
+    let doc = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2","127.0.0.1:3"]},
+        "plugins":[{"type":"lora-affinity-scorer"},{"type":"max-score-picker"}],
+        "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"lora-affinity-scorer"},{"pluginRef":"max-score-picker"}]}]}"#;
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    let t = e.endpoint_table(&s).unwrap();
+    // 1: base only, both slots taken by other adapters; 2: "sql" running
+    // (slots full); 3: "sql" loaded idle, a free slot.
+    let metrics = [
+        "vllm:num_requests_running{model_name=\"base\"} 2\nvllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"\"} 5\n",
+        "vllm:num_requests_running{model_name=\"base\"} 2\nvllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,b\",waiting_lora_adapters=\"\"} 5\n",
+        "vllm:num_requests_running{model_name=\"base\"} 0\nvllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 5\n",
+    ];
+    for (ep, m) in t.endpoints.iter().zip(metrics) {
+        e.record_metrics(&s, ep.slot, ep.generation, Ok(m.as_bytes()), 10)
+            .unwrap();
+        e.record_model_list(
+            &s,
+            ep.slot,
+            ep.generation,
+            br#"{"data":[{"id":"base"},{"id":"sql","parent":"base"},{"id":"a","parent":"base"},{"id":"b","parent":"base"}]}"#,
+        )
+        .unwrap();
+    }
+    let body = br#"{"model":"sql","prompt":"hello there"}"#;
+    let r = routed(route(&e, &s, body, 20));
+    assert_eq!(r.destination.split(',').next(), Some("127.0.0.1:2"));
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    // Adapter "c" runs nowhere: the free slot (3) wins.
+    e.record_model_list(
+        &s,
+        t.endpoints[2].slot,
+        t.endpoints[2].generation,
+        br#"{"data":[{"id":"base"},{"id":"c","parent":"base"}]}"#,
+    )
+    .unwrap();
+    for ep in &t.endpoints[..2] {
+        e.record_model_list(
+            &s,
+            ep.slot,
+            ep.generation,
+            br#"{"data":[{"id":"base"},{"id":"c","parent":"base"}]}"#,
+        )
+        .unwrap();
+    }
+    let r = routed(route(
+        &e,
+        &s,
+        br#"{"model":"c","prompt":"hello there"}"#,
+        30,
+    ));
+    assert_eq!(r.destination.split(',').next(), Some("127.0.0.1:3"));
+}
