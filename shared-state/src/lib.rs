@@ -35,6 +35,7 @@ pub mod load;
 pub mod memory;
 pub mod mesh;
 pub mod metrics;
+pub mod sessions;
 
 use std::fmt;
 
