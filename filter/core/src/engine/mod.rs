@@ -100,12 +100,14 @@ mod flow;
 mod mesh;
 mod offpath;
 mod route;
+mod session;
 mod snapshot;
 mod state;
 
 pub use collect::{Applied, ApplyError};
 pub use facts::{OffPathText, RequestFacts};
 pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerDecision};
+pub use session::{SessionLookup, SessionRef};
 pub use snapshot::Snapshot;
 pub use state::STATE_HASHES_MAX;
 
@@ -167,6 +169,8 @@ pub struct Routed {
     /// `tokenizeIn: collector`: the prompt's new text for the collector
     /// (boxed: most requests have none).
     pub tokenize: Option<Box<TokenizeJob>>,
+    /// How the request's session was looked up (`session-affinity-*`).
+    pub session: SessionLookup,
 }
 
 /// A routed prompt's new text for the collector (`tokenizeIn: collector`).

@@ -60,9 +60,10 @@ impl Engine {
         now_ms: u64,
         rng: &mut Rng,
     ) -> Result<Option<Routed>, StoreError> {
-        let Some(snap) = self.snapshot(store, facts, now_ms)? else {
+        let Some(mut snap) = self.snapshot(store, facts, now_ms)? else {
             return Ok(None);
         };
+        let session = self.mark_session(store, facts.session.as_ref(), &mut snap, now_ms);
         let precise = facts
             .precise
             .as_ref()
@@ -231,6 +232,7 @@ impl Engine {
             precise: precise_use,
             provisional,
             tokenize: None,
+            session,
         }))
     }
 
