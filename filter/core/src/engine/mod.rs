@@ -101,6 +101,8 @@ mod mesh;
 mod offpath;
 mod route;
 mod session;
+#[cfg(test)]
+mod session_tests;
 mod snapshot;
 mod state;
 
