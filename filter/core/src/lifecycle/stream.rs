@@ -417,7 +417,7 @@ impl Stream {
         let now_ns = w.clock_ns(host);
         let now = now_ns.map_or_else(|| w.now_ms_cached(), |ns| ns / 1_000_000);
         let facts = w.engine.facts(kind, &body).map(|mut f| {
-            f.session = self.session.take();
+            f.session = self.session.clone();
             f
         });
         drop(body);
