@@ -51,6 +51,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                     last_cold_pick: cold,
                     prefill_tokens_per_s: rate,
                     key: 0,
+                    session: false,
                 }
             },
         )
@@ -119,6 +120,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                     learn_output_tokens: out && ratio < 1.0,
                 },
                 max_fallbacks: fallbacks,
+                session: None,
             },
         )
 }

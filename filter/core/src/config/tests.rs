@@ -1654,3 +1654,6 @@ fn the_istio_precise_example_gives_the_tokenizer_by_reference() {
         other => panic!("{other:?}"),
     }
 }
+
+#[path = "session_tests.rs"]
+mod session_tests;
