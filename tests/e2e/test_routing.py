@@ -240,3 +240,64 @@ def test_client_destination_header_is_ignored(fleet, envoy):
         assert r.status == 200, r
         assert r.served_by in f.addresses, r
     assert outsider.stats(outsider.addresses[0])["requests"] == 0
+
+
+def _with_session_filter(cfg, params):
+    """Adds session-affinity-filter (after the affinity filter) to a config."""
+    cfg["plugins"].append({"type": "session-affinity-filter", "parameters": params})
+    cfg["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "session-affinity-filter"})
+    return cfg
+
+
+def test_a_session_sticks_then_moves_when_saturated_and_stays_moved(fleet, envoy):
+    """Issue 46: a session's requests (an agent's session header, 4 workers)
+    go to one server, whatever their prompts; when the saturation gate
+    releases that server and the session lands elsewhere, its binding moves
+    there and the session stays there once the old server is idle again."""
+    from test_kv_events import stat
+
+    f = fleet(2)
+    cfg = plugin_config(affinity={"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 50})
+    sources = [{"header": "x-session-id"}, {"attribute": "agent-identity"}]
+    e = envoy(
+        _with_session_filter(cfg, {"strategy": "session_id", "sessionIdConfig": {"sources": sources}}),
+        endpoints=f.addresses,
+        concurrency=4,
+    )
+    sess = {"x-claude-code-session-id": "e2e-session-1"}
+    # Distinct prompts: only the session keeps them together.
+    first = completion(e.port, text("session-turn-0", 2048), headers=sess)
+    assert first.status == 200, first
+    home = first.served_by
+    for i in range(1, 6):
+        r = completion(e.port, text(f"session-turn-{i}", 2048), headers=sess)
+        assert r.status == 200 and r.served_by == home, f"turn {i} left {home}: {r}"
+    # Without the header, such prompts do spread.
+    spread = {completion(e.port, text(f"no-session-{i}", 2048)).served_by for i in range(8)}
+    assert spread == set(f.addresses), spread
+
+    # The session's prefix, warm on home; then other clients' held requests
+    # sharing it load home until the gate releases it for the session.
+    prefix = text("session-prefix", PREFIX_BYTES)
+    r = completion(e.port, prefix + text("s-warm", SMALL_SUFFIX_BYTES), headers=sess)
+    assert r.served_by == home, r
+    held, moved_to = [], None
+    try:
+        for i in range(8):
+            held.append(_hold(e, prefix + text(f"s-hold-{i}", HOLD_SUFFIX_BYTES))[0])
+            probe = completion(e.port, prefix + text(f"s-probe-{i}", SMALL_SUFFIX_BYTES), headers=sess)
+            assert probe.status == 200, probe
+            if probe.served_by != home:
+                assert probe.decision["branch"] == "saturation-release", probe
+                moved_to = probe.served_by
+                break
+    finally:
+        for t in held:
+            t.join()
+    assert moved_to, "the session never left its saturated server"
+    assert wait_until(lambda: stat(e, "wasmcustom.kvroute_session_moved"), timeout=2, what="the move counted") == 1
+    # Home is idle again and as warm as ever: the session stays moved.
+    for i in range(4):
+        r = completion(e.port, prefix + text(f"s-after-{i}", SMALL_SUFFIX_BYTES), headers=sess)
+        assert r.status == 200 and r.served_by == moved_to, f"after {i}: {r}"
+    assert e.wasm_failures() == {}
