@@ -242,10 +242,22 @@ def test_client_destination_header_is_ignored(fleet, envoy):
     assert outsider.stats(outsider.addresses[0])["requests"] == 0
 
 
-def _with_session_filter(cfg, params):
-    """Adds session-affinity-filter (after the affinity filter) to a config."""
-    cfg["plugins"].append({"type": "session-affinity-filter", "parameters": params})
-    cfg["schedulingProfiles"][0]["plugins"].insert(1, {"pluginRef": "session-affinity-filter"})
+def _session_config(session_params):
+    """The tests' config with llm-d's gate (in-flight tokens, tau = 50 tokens),
+    session-affinity-filter after it, and active-request-scorer: released,
+    a request goes to the endpoint with fewer requests in flight."""
+    cfg = plugin_config(affinity={"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 50, "loadSignal": "inflight"})
+    keep = ("approx-prefix-cache-producer", "inflight-load-producer", "prefix-cache-affinity-filter", "max-score-picker")
+    cfg["plugins"] = [p for p in cfg["plugins"] if p["type"] in keep] + [
+        {"type": "active-request-scorer"},
+        {"type": "session-affinity-filter", "parameters": session_params},
+    ]
+    cfg["schedulingProfiles"][0]["plugins"] = [
+        {"pluginRef": "prefix-cache-affinity-filter"},
+        {"pluginRef": "session-affinity-filter"},
+        {"pluginRef": "active-request-scorer", "weight": 1},
+        {"pluginRef": "max-score-picker"},
+    ]
     return cfg
 
 
@@ -257,13 +269,9 @@ def test_a_session_sticks_then_moves_when_saturated_and_stays_moved(fleet, envoy
     from test_kv_events import stat
 
     f = fleet(2)
-    cfg = plugin_config(affinity={"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 50})
     sources = [{"header": "x-session-id"}, {"attribute": "agent-identity"}]
-    e = envoy(
-        _with_session_filter(cfg, {"strategy": "session_id", "sessionIdConfig": {"sources": sources}}),
-        endpoints=f.addresses,
-        concurrency=4,
-    )
+    cfg = _session_config({"strategy": "session_id", "sessionIdConfig": {"sources": sources}})
+    e = envoy(cfg, endpoints=f.addresses, concurrency=4)
     sess = {"x-claude-code-session-id": "e2e-session-1"}
     # Distinct prompts: only the session keeps them together.
     first = completion(e.port, text("session-turn-0", 2048), headers=sess)
@@ -276,28 +284,23 @@ def test_a_session_sticks_then_moves_when_saturated_and_stays_moved(fleet, envoy
     spread = {completion(e.port, text(f"no-session-{i}", 2048)).served_by for i in range(8)}
     assert spread == set(f.addresses), spread
 
-    # The session's prefix, warm on home; then other clients' held requests
-    # sharing it load home until the gate releases it for the session.
+    # The session's prefix, warm on home; another client's held request
+    # sharing it loads home past tau, and the gate releases home.
     prefix = text("session-prefix", PREFIX_BYTES)
     r = completion(e.port, prefix + text("s-warm", SMALL_SUFFIX_BYTES), headers=sess)
     assert r.served_by == home, r
-    held, moved_to = [], None
+    t, _ = _hold(e, prefix + text("s-hold", HOLD_SUFFIX_BYTES))
     try:
-        for i in range(8):
-            held.append(_hold(e, prefix + text(f"s-hold-{i}", HOLD_SUFFIX_BYTES))[0])
-            probe = completion(e.port, prefix + text(f"s-probe-{i}", SMALL_SUFFIX_BYTES), headers=sess)
-            assert probe.status == 200, probe
-            if probe.served_by != home:
-                assert probe.decision["branch"] == "saturation-release", probe
-                moved_to = probe.served_by
-                break
+        probe = completion(e.port, prefix + text("s-probe", SMALL_SUFFIX_BYTES), headers=sess)
     finally:
-        for t in held:
-            t.join()
-    assert moved_to, "the session never left its saturated server"
+        t.join()
+    assert probe.status == 200 and probe.served_by != home, probe
+    assert probe.decision["branch"] == "saturation-release", probe
+    moved_to = probe.served_by
     assert wait_until(lambda: stat(e, "wasmcustom.kvroute_session_moved"), timeout=2, what="the move counted") == 1
     # Home is idle again and as warm as ever: the session stays moved.
     for i in range(4):
         r = completion(e.port, prefix + text(f"s-after-{i}", SMALL_SUFFIX_BYTES), headers=sess)
         assert r.status == 200 and r.served_by == moved_to, f"after {i}: {r}"
+        assert r.decision["branch"] == "sticky", r
     assert e.wasm_failures() == {}
