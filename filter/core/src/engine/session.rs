@@ -65,7 +65,7 @@ impl Engine {
             Strategy::SessionId { sources, .. } => sources
                 .iter()
                 .flat_map(|s| s.headers())
-                .filter_map(|h| header(h))
+                .filter_map(&header)
                 .map(<[u8]>::trim_ascii)
                 .find(|v| !v.is_empty())
                 .filter(|v| v.len() <= session::MAX_SESSION_VALUE_BYTES)

@@ -379,7 +379,7 @@ pub fn encode_token(id: &str) -> String {
 /// than [`MAX_SESSION_VALUE_BYTES`].
 pub fn decode_token(token: &[u8]) -> Option<String> {
     let t = token.trim_ascii();
-    if t.is_empty() || t.len() > MAX_SESSION_VALUE_BYTES || t.len() % 4 != 0 {
+    if t.is_empty() || t.len() > MAX_SESSION_VALUE_BYTES || !t.len().is_multiple_of(4) {
         return None;
     }
     let pad = t.iter().rev().take_while(|&&c| c == b'=').count();
