@@ -12,6 +12,7 @@ mod lease;
 mod lifecycle;
 mod malformed;
 mod no_tokenizer;
+mod sessions;
 #[cfg(feature = "perfmap")]
 mod profile_loop;
 mod stats;
