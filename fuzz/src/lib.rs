@@ -18,7 +18,8 @@
 //!   accept, the same error label when both refuse.
 //! - [`check_config`]: errors name a problem; an accepted config is
 //!   deterministic, in range, and routes, charges and releases requests to
-//!   zero over a `MemoryStore`.
+//!   zero over a `MemoryStore`; the same bytes as a session shard and a
+//!   session token decode without a panic and re-encode to themselves.
 //! - [`engine::run`]: a program of routes, releases, clock steps, metrics
 //!   polls, membership changes and CAS conflicts against one engine; the
 //!   in-flight counters equal the outstanding charges after every step, and
@@ -406,6 +407,20 @@ pub fn check_config(doc: &[u8]) {
         "board re-encoding changed it"
     );
     assert!(board.records.len() <= kvroute_core::flow::board::MAX_RECORDS);
+    // A session shard (`kvroute/sessions/<i>`, shared data) and a session
+    // token (a client's header) from the same bytes: no panic; what decodes
+    // re-encodes to the same bytes and stays within its bounds.
+    use kvroute_shared_state::sessions::{Shard, SHARD_SLOTS};
+    if let Some(shard) = Shard::decode(doc) {
+        assert!(shard.bindings.len() <= SHARD_SLOTS);
+        assert_eq!(shard.encode(), doc, "session shard re-encoding changed it");
+    }
+    use kvroute_core::scheduling::session::{decode_token, encode_token, MAX_SESSION_VALUE_BYTES};
+    if let Some(id) = decode_token(doc) {
+        assert!(id.len() <= MAX_SESSION_VALUE_BYTES);
+        assert_eq!(decode_token(encode_token(&id).as_bytes()).as_deref(), Some(id.as_str()));
+        assert_eq!(encode_token(&id).as_bytes(), doc.trim_ascii(), "not canonical");
+    }
     let tokenizers = tokenizer_cost(doc);
     let base = alloc_count::start();
     let loaded = Config::from_json(doc);

@@ -37,6 +37,7 @@ pub mod memory;
 pub mod mesh;
 pub mod metrics;
 pub mod models;
+pub mod sessions;
 
 use std::fmt;
 

@@ -267,3 +267,65 @@ def test_passthrough_parser_routes_other_paths_on_load(fleet, envoy):
     assert res[0].status == 200, res
     wait_until(lambda: all(s["inflightRequests"] == 0 for s in e.state()["endpoints"]), timeout=10,
                what="every charge released")
+def _session_config(session_params):
+    """The tests' config with llm-d's gate (in-flight tokens, tau = 50 tokens),
+    session-affinity-filter after it, and active-request-scorer: released,
+    a request goes to the endpoint with fewer requests in flight."""
+    cfg = plugin_config(affinity={"peakPrefillThroughput": 1000, "maxTTFTPenaltyMs": 50, "loadSignal": "inflight"})
+    keep = ("approx-prefix-cache-producer", "inflight-load-producer", "prefix-cache-affinity-filter", "max-score-picker")
+    cfg["plugins"] = [p for p in cfg["plugins"] if p["type"] in keep] + [
+        {"type": "active-request-scorer"},
+        {"type": "session-affinity-filter", "parameters": session_params},
+    ]
+    cfg["schedulingProfiles"][0]["plugins"] = [
+        {"pluginRef": "prefix-cache-affinity-filter"},
+        {"pluginRef": "session-affinity-filter"},
+        {"pluginRef": "active-request-scorer", "weight": 1},
+        {"pluginRef": "max-score-picker"},
+    ]
+    return cfg
+
+
+def test_a_session_sticks_then_moves_when_saturated_and_stays_moved(fleet, envoy):
+    """Issue 46: a session's requests (an agent's session header, 4 workers)
+    go to one server, whatever their prompts; when the saturation gate
+    releases that server and the session lands elsewhere, its binding moves
+    there and the session stays there once the old server is idle again."""
+    from test_kv_events import stat
+
+    f = fleet(2)
+    sources = [{"header": "x-session-id"}, {"attribute": "agent-identity"}]
+    cfg = _session_config({"strategy": "session_id", "sessionIdConfig": {"sources": sources}})
+    e = envoy(cfg, endpoints=f.addresses, concurrency=4)
+    sess = {"x-claude-code-session-id": "e2e-session-1"}
+    # Distinct prompts: only the session keeps them together.
+    first = completion(e.port, text("session-turn-0", 2048), headers=sess)
+    assert first.status == 200, first
+    home = first.served_by
+    for i in range(1, 6):
+        r = completion(e.port, text(f"session-turn-{i}", 2048), headers=sess)
+        assert r.status == 200 and r.served_by == home, f"turn {i} left {home}: {r}"
+    # Without the header, such prompts do spread.
+    spread = {completion(e.port, text(f"no-session-{i}", 2048)).served_by for i in range(8)}
+    assert spread == set(f.addresses), spread
+
+    # The session's prefix, warm on home; another client's held request
+    # sharing it loads home past tau, and the gate releases home.
+    prefix = text("session-prefix", PREFIX_BYTES)
+    r = completion(e.port, prefix + text("s-warm", SMALL_SUFFIX_BYTES), headers=sess)
+    assert r.served_by == home, r
+    t, _ = _hold(e, prefix + text("s-hold", HOLD_SUFFIX_BYTES))
+    try:
+        probe = completion(e.port, prefix + text("s-probe", SMALL_SUFFIX_BYTES), headers=sess)
+    finally:
+        t.join()
+    assert probe.status == 200 and probe.served_by != home, probe
+    assert probe.decision["branch"] == "saturation-release", probe
+    moved_to = probe.served_by
+    assert wait_until(lambda: stat(e, "wasmcustom.kvroute_session_moved"), timeout=2, what="the move counted") == 1
+    # Home is idle again and as warm as ever: the session stays moved.
+    for i in range(4):
+        r = completion(e.port, prefix + text(f"s-after-{i}", SMALL_SUFFIX_BYTES), headers=sess)
+        assert r.status == 200 and r.served_by == moved_to, f"after {i}: {r}"
+        assert r.decision["branch"] == "sticky", r
+    assert e.wasm_failures() == {}

@@ -52,6 +52,7 @@ fn candidate() -> impl Strategy<Value = Candidate> {
                     prefill_tokens_per_s: rate,
                     key: 0,
                     lora: Default::default(),
+                    session: false,
                 }
             },
         )
@@ -120,6 +121,7 @@ fn scheduler() -> impl Strategy<Value = Scheduler> {
                     learn_output_tokens: out && ratio < 1.0,
                 },
                 max_fallbacks: fallbacks,
+                session: None,
             },
         )
 }

@@ -69,15 +69,15 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         "program-aware-fairness" | "slo-deadline-ordering-policy" | "priority-holdback-policy"
         | "soft-reflective-ceiling-policy" => "kvroute's flow control runs global-strict-fairness-policy, round-robin-fairness-policy, fcfs-ordering-policy, edf-ordering-policy and static-usage-limit-policy only",
         "sheddable-eviction-filter" | "priority-then-time-eviction-order-policy" => "kvroute does not evict in-flight requests (flowControl.enableEviction)",
+        "agent-identity" => "kvroute has no request attributes; for session affinity, list `{\"attribute\": \"agent-identity\"}` in session-affinity-*'s `sessionIdConfig.sources` without this plugin (kvroute reads the same headers, x-claude-code-session-id, x-session-affinity, session-id, session_id), and for fairness set flow control's fairness header",
         "probabilistic-admitter" => "kvroute's admission is flow control's (featureGates: flowControl); it has no probabilistic admitter",
-        "session-affinity-filter" | "session-affinity-scorer"
-        | "load-aware-scorer" | "running-requests-size-scorer" | "context-length-aware"
+        "load-aware-scorer" | "running-requests-size-scorer" | "context-length-aware"
         | "label-selector-filter" | "by-label" | "by-label-selector"
         | "endpoint-attribute-filter" | "endpoint-attribute-scorer" | "topology-affinity-filter"
         | "topology-affinity-scorer" | "utilization-filter" | "header-label-affinity-scorer"
         | "mm-embeddings-cache-scorer" | "mm-embeddings-cache-producer"
         | "burst-prefix-cache-producer" | "p2p-source-producer" | "session-id-producer"
-        | "no-hit-lru-filter" | "agent-identity" | "request-attribute-reporter"
+        | "no-hit-lru-filter" | "request-attribute-reporter"
         | "file-discovery" | "dcgm-data-source" | "dcgm-extractor" | "topology-extractor" => "kvroute does not implement it",
         // llm-d-router `pkg/epp/framework/plugins/requesthandling/parsers/`:
         // each parser claims path suffixes; kvroute routes the OpenAI ones

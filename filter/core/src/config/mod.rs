@@ -17,6 +17,7 @@ use crate::precise::{PreciseConfig, TokenizerConfig};
 use crate::scheduling::max_score::TieBreak;
 use crate::scheduling::prefix_cache::PrefixCacheScorer;
 use crate::scheduling::registry::{self, Compiled};
+use crate::scheduling::session::Role as SessionRole;
 use crate::scheduling::{Picker, Scheduler, Scorer};
 use check::{err, strict, Params};
 use serde::Deserialize;
@@ -365,12 +366,16 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut filters = Vec::new();
     let mut scorers = Vec::new();
     let mut picker = None;
+    let mut session = None;
     match raw.scheduling_profiles.len() {
         0 => {
             let runs_in_profile = |c: &Compiled| {
                 matches!(
                     c,
-                    Compiled::Filter(_) | Compiled::Scorer(_) | Compiled::Picker(_)
+                    Compiled::Filter(_)
+                        | Compiled::Scorer(_)
+                        | Compiled::Picker(_)
+                        | Compiled::Session(_)
                 )
             };
             if compiled.iter().any(runs_in_profile) {
@@ -415,6 +420,27 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
                         filters.push(f.clone())
                     }
                     Compiled::Scorer(s) => scorers.push((s.clone(), weight)),
+                    Compiled::Session(s) => {
+                        if !s.profile_name.is_empty() && s.profile_name != prof.name {
+                            return Err(err(
+                                format!("plugins[{k}].parameters.profileName"),
+                                format!("\"{}\" is not the profile that lists it (\"{}\"): kvroute runs one profile, so leave profileName empty or name that one (prefill/decode disaggregation is not supported)", s.profile_name, prof.name),
+                            ));
+                        }
+                        if session.is_some() {
+                            return Err(err(format!("{path}.pluginRef"), "a profile has one session-affinity plugin (llm-d advises against combining the scorer and the filter: they keep separate bindings)"));
+                        }
+                        match s.role {
+                            SessionRole::Scorer => {
+                                scorers.push((Scorer::SessionAffinity, weight))
+                            }
+                            SessionRole::Filter if r.weight.is_some() => {
+                                return Err(err(format!("{path}.weight"), "only scorers take a weight"));
+                            }
+                            SessionRole::Filter => {}
+                        }
+                        session = Some(s.clone());
+                    }
                     Compiled::Picker(p) => {
                         if picker.replace(*p).is_some() {
                             return Err(err(format!("{path}.pluginRef"), "a profile has one picker"));
@@ -466,6 +492,7 @@ fn compile(raw: RawConfig) -> Result<Config, ConfigError> {
         picker: picker.unwrap_or(Picker::MaxScore(TieBreak::Random)),
         inflight: inflight.unwrap_or_default(),
         max_fallbacks: routing.max_fallbacks,
+        session,
     };
     let precise_index = raw
         .plugins

@@ -268,13 +268,6 @@ fn router_chart_variants_are_refused_where_kvroute_cannot_honour_them() {
         ),
         // modelServers.protocol: grpc
         ("router-chart-vllm-grpc.json", "plugins[5].type", "gRPC"),
-        // payload-agnostic.yaml
-        // (passthrough-parser is accepted; the session scorer is next)
-        (
-            "router-chart-payload-agnostic.json",
-            "plugins[2].type",
-            "does not implement",
-        ),
         // llm-d-router deploy/config/epp-precise-prefix-cache-config.yaml
         (
             "epp-precise-prefix-cache-split.json",
@@ -962,7 +955,7 @@ fn known_llm_d_types_are_refused_with_a_reason() {
         ("slo-deadline-ordering-policy", "flow control runs"),
         ("sheddable-eviction-filter", "does not evict"),
         ("multicluster-queue-scorer", "multi-cluster"),
-        ("session-affinity-scorer", "does not implement"),
+        ("agent-identity", "sessionIdConfig.sources"),
         ("anthropic-parser", "Messages API (/v1/messages)"),
         ("vllmgrpc-parser", "gRPC"),
         ("sglanghttp-parser", "SGLang"),
@@ -1652,3 +1645,6 @@ fn the_istio_precise_example_gives_the_tokenizer_by_reference() {
         other => panic!("{other:?}"),
     }
 }
+
+#[path = "session_tests.rs"]
+mod session_tests;

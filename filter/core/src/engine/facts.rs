@@ -45,6 +45,9 @@ pub struct RequestFacts {
     pub precise_unknown_blocks: u32,
     /// The body's `model` (flow control's objective by model).
     pub model: String,
+    /// The request's session, read from its headers by the lifecycle
+    /// ([`Engine::session_ref`]); `None` without one.
+    pub session: Option<super::SessionRef>,
 }
 
 /// A prompt's rendered text, for the off-path lookup.
@@ -77,6 +80,7 @@ impl RequestFacts {
             offpath: None,
             precise_unknown_blocks: 0,
             model: String::new(),
+            session: None,
         }
     }
 }
@@ -155,6 +159,7 @@ impl Engine {
             offpath,
             precise_unknown_blocks: 0,
             model: req.model,
+            session: None,
         })
     }
 }

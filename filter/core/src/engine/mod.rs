@@ -102,6 +102,9 @@ mod mesh;
 mod models;
 mod offpath;
 mod route;
+mod session;
+#[cfg(test)]
+mod session_tests;
 mod snapshot;
 mod state;
 
@@ -109,6 +112,7 @@ pub use collect::{Applied, ApplyError};
 pub use facts::{OffPathText, RequestFacts};
 pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerDecision};
 pub use models::model_not_found;
+pub use session::{SessionLookup, SessionRef};
 pub use snapshot::{ModelFit, Snapshot};
 pub use state::STATE_HASHES_MAX;
 
@@ -176,6 +180,8 @@ pub struct Routed {
     /// The body's `model` is a LoRA adapter on the endpoints that serve it
     /// (`engine/models.rs`).
     pub lora_adapter: bool,
+    /// How the request's session was looked up (`session-affinity-*`).
+    pub session: SessionLookup,
 }
 
 /// A routed prompt's new text for the collector (`tokenizeIn: collector`).

@@ -76,7 +76,7 @@ impl Engine {
         now_ms: u64,
         rng: &mut Rng,
     ) -> Result<Placed, StoreError> {
-        let Some(snap) = self.snapshot(store, facts, now_ms)? else {
+        let Some(mut snap) = self.snapshot(store, facts, now_ms)? else {
             return Ok(Placed::NoEndpoints);
         };
         let lora_adapter = match snap.model {
@@ -84,6 +84,7 @@ impl Engine {
             ModelFit::Adapter => true,
             ModelFit::Served => false,
         };
+        let session = self.mark_session(store, facts.session.as_ref(), &mut snap, now_ms);
         let precise_hashes = facts
             .precise
             .as_ref()
@@ -262,6 +263,7 @@ impl Engine {
             provisional,
             tokenize: None,
             lora_adapter,
+            session,
         }))
     }
 

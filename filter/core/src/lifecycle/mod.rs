@@ -251,10 +251,25 @@ pub enum Counter {
     MeshDecisionsDropped,
     /// Mesh exchange: a relay could not continue from this proxy's cursor.
     MeshResyncs,
+    /// Session affinity: routed requests whose session named a healthy
+    /// endpoint (a token or a live binding).
+    SessionHits,
+    /// Session affinity: routed requests whose binding had been idle past
+    /// the TTL.
+    SessionExpired,
+    /// Session affinity (`session_id`): bindings made or refreshed by
+    /// accepted work.
+    SessionBound,
+    /// Session affinity (`session_id`): bindings moved to another endpoint
+    /// (the bound one was absent, released by the gate, or unreachable).
+    SessionMoved,
+    /// Session affinity (`session_id`): live bindings that gave up their
+    /// slot to a new session (the table was full).
+    SessionEvicted,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 48] = [
+    pub const ALL: [Counter; 53] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -303,6 +318,11 @@ impl Counter {
         Counter::MeshDecisionsReceived,
         Counter::MeshDecisionsDropped,
         Counter::MeshResyncs,
+        Counter::SessionHits,
+        Counter::SessionExpired,
+        Counter::SessionBound,
+        Counter::SessionMoved,
+        Counter::SessionEvicted,
     ];
 
     pub fn name(self) -> &'static str {
@@ -357,6 +377,11 @@ impl Counter {
             Counter::MeshDecisionsReceived => "kvroute_mesh_decisions_received",
             Counter::MeshDecisionsDropped => "kvroute_mesh_decisions_dropped",
             Counter::MeshResyncs => "kvroute_mesh_resyncs",
+            Counter::SessionHits => "kvroute_session_hits",
+            Counter::SessionExpired => "kvroute_session_expired",
+            Counter::SessionBound => "kvroute_session_bound",
+            Counter::SessionMoved => "kvroute_session_moved",
+            Counter::SessionEvicted => "kvroute_session_evicted",
         }
     }
 

@@ -23,8 +23,9 @@
 
 use super::flow::{send_shed, Admit, Arrival};
 use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
-use crate::engine::{openai_error, Outcome, Provisional, Unrouted};
+use crate::engine::{openai_error, Outcome, Provisional, SessionLookup, SessionRef, Unrouted};
 use crate::request::{ApiKind, ParseError};
+use crate::scheduling::session::{self, Presence, Strategy};
 use kvroute_shared_state::load::Ticket;
 use std::rc::Rc;
 
@@ -71,6 +72,15 @@ pub struct Stream {
     /// Flow control holds (or held) the request: its decision, if any, is
     /// the dispatch's (taken over at the next callback or the end).
     queued: bool,
+    /// The request's session (`session-affinity-*`), from its headers.
+    session: Option<SessionRef>,
+    /// Where the decision found the session's endpoint.
+    presence: Presence,
+    /// The endpoint that serves the routed request: the decision's
+    /// primary, or where Envoy retried it.
+    served: Option<String>,
+    /// Envoy retried the request to another endpoint than the primary.
+    retried: bool,
 }
 
 impl Stream {
@@ -92,6 +102,10 @@ impl Stream {
             id: 0,
             flow_headers: None,
             queued: false,
+            session: None,
+            presence: Presence::None,
+            served: None,
+            retried: false,
         }
     }
 
@@ -270,6 +284,7 @@ impl Stream {
             PathClass::Routable(kind) => Some(kind),
             PathClass::Passthrough => None,
         };
+        self.session = w.engine.session_ref(header);
         if w.flow.is_some() {
             let first = |names: [&str; 2]| names.iter().find_map(|n| header(n)).map(<[u8]>::to_vec);
             self.flow_headers = Some((
@@ -388,6 +403,8 @@ impl Stream {
             Ok((ticket, retries)) => {
                 self.ticket = ticket;
                 self.provisional = None;
+                self.served = Some(to.into_owned());
+                self.retried = true;
                 w.counts.inc(host, Counter::ChargeMoved);
                 w.counts.add(host, Counter::CasRetries, u64::from(retries));
             }
@@ -430,6 +447,10 @@ impl Stream {
         (timed, now_ns): (bool, Option<u64>),
     ) -> Action {
         let now = now_ns.map_or_else(|| w.now_ms_cached(), |ns| ns / 1_000_000);
+        let facts = facts.map(|mut f| {
+            f.session = self.session.clone();
+            f
+        });
         // Flow control: the request may wait, or be shed, before routing.
         let facts = match (facts, &w.flow) {
             (Ok(facts), Some(f)) => {
@@ -482,9 +503,11 @@ impl Stream {
         self.explanation = d.explanation;
         self.provisional = d.provisional;
         self.tokenize_job = d.tokenize_job;
+        self.presence = d.presence;
         if d.header_failed {
             self.release_rest(host);
         } else {
+            self.served = d.destination.split(',').next().map(str::to_string);
             self.destination = Some(d.destination);
         }
     }
@@ -521,6 +544,17 @@ impl Stream {
                 }
             }
         }
+        // Only a definite 2xx moves a session (a retried request has no
+        // provisional record left, so `accepted` is not read for it).
+        let sessions =
+            (self.worker.as_ref()).is_some_and(|w| w.engine.config.scheduler.session.is_some());
+        if sessions
+            && self.served.is_some()
+            && matches!(host.response_header(":status"),
+                Ok(Some(v)) if v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit))
+        {
+            self.settle_session(host);
+        }
         if let Some(x) = self.explanation.take() {
             if let Err(e) = host.set_response_header(DECISION_HEADER, &x) {
                 if let Some(w) = &self.worker {
@@ -533,6 +567,59 @@ impl Stream {
             self.release_rest(host);
         }
         Action::Continue
+    }
+
+    /// A server accepted the routed request: with `encoded_endpoint_header`
+    /// the response names the endpoint that served it; with `session_id`
+    /// the session's binding is bound, refreshed or moved there
+    /// ([`Engine::settle_session`](crate::engine::Engine::settle_session)).
+    /// Nothing is written for a request kvroute did not route (fail-open:
+    /// Envoy's load balancer chose, and a token would pin the client to an
+    /// endpoint kvroute never judged) or one a server did not accept.
+    fn settle_session(&mut self, host: &dyn Host) {
+        let (Some(w), Some(served)) = (self.worker.clone(), self.served.as_deref()) else {
+            return;
+        };
+        let Some(cfg) = &w.engine.config.scheduler.session else {
+            return;
+        };
+        match (&cfg.strategy, &self.session) {
+            (Strategy::EncodedEndpointHeader { header }, _) => {
+                if let Err(e) = host.set_response_header(header, &session::encode_token(served)) {
+                    w.host_error(host, "setting the session token header", e);
+                }
+            }
+            (Strategy::SessionId { .. }, Some(SessionRef::Id(id))) => {
+                let now = w.now_ms(host);
+                match w.engine.settle_session(
+                    host.store(),
+                    *id,
+                    served,
+                    self.presence,
+                    self.retried,
+                    now,
+                ) {
+                    Ok(Some(out)) => {
+                        use kvroute_shared_state::sessions::Settled;
+                        match out.settled {
+                            Settled::Bound | Settled::Refreshed => {
+                                w.counts.inc(host, Counter::SessionBound)
+                            }
+                            Settled::Moved => w.counts.inc(host, Counter::SessionMoved),
+                            Settled::Kept => {}
+                        }
+                        if out.evicted {
+                            w.counts.inc(host, Counter::SessionEvicted);
+                        }
+                        w.counts
+                            .add(host, Counter::CasRetries, u64::from(out.cas_retries));
+                    }
+                    Ok(None) => {}
+                    Err(e) => w.host_error(host, "writing the session binding", e),
+                }
+            }
+            _ => {}
+        }
     }
 
     pub fn on_response_body(
@@ -564,6 +651,8 @@ pub(super) struct Decided {
     /// The destination header could not be set: the request goes on
     /// unrouted and the stream gives everything back when it adopts this.
     header_failed: bool,
+    /// Where the decision found the session's endpoint.
+    presence: Presence,
 }
 
 /// How a decision was acted on.
@@ -595,12 +684,18 @@ pub(super) fn apply_outcome(w: &Worker, host: &dyn Host, outcome: Outcome) -> Ap
                     explanation: None,
                     tokenize_job: None,
                     header_failed: true,
+                    presence: Presence::None,
                 }));
             }
             w.counts.inc(host, Counter::Routed);
             w.counts
                 .add(host, Counter::CasRetries, u64::from(r.cas_retries));
             w.counts.inc(host, Counter::for_branch(r.decision.branch));
+            match r.session {
+                SessionLookup::Hit => w.counts.inc(host, Counter::SessionHits),
+                SessionLookup::Expired => w.counts.inc(host, Counter::SessionExpired),
+                SessionLookup::None | SessionLookup::Miss => {}
+            }
             if let Some(u) = r.precise {
                 w.counts.inc(host, Counter::for_precise(u));
             }
@@ -632,6 +727,7 @@ pub(super) fn apply_outcome(w: &Worker, host: &dyn Host, outcome: Outcome) -> Ap
                 explanation,
                 tokenize_job,
                 header_failed: false,
+                presence: r.decision.session,
             }))
         }
         Outcome::FailOpen(why) => {

@@ -2572,3 +2572,5 @@ fn passthrough_routes_unparsed_paths_on_load_alone() {
     assert_eq!(host.header("x-gateway-destination-endpoint"), None);
     assert_eq!(inflight(&host, &w), (0, 0));
 }
+#[path = "session_tests.rs"]
+mod session_tests;

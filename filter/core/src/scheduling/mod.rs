@@ -9,9 +9,10 @@
 //! One concept per file, each with its formula at the top:
 //! [`affinity_filter`], the scorers ([`token_load`], [`active_request`],
 //! [`queue`], [`kv_cache_utilization`], [`prefix_cache`], [`no_hit_lru`],
-//! [`lora_affinity`],
-//! and kvroute's own: [`saturation`]'s `kvroute-load-scorer` and
-//! [`cache_balance`]),
+//! [`lora_affinity`], [`session_affinity_scorer`], and kvroute's own:
+//! [`saturation`]'s `kvroute-load-scorer` and [`cache_balance`]),
+//! [`session_affinity_filter`] (with [`session`], what the two session
+//! plugins share),
 //! the pickers ([`max_score`], [`weighted_random`]), [`rng`],
 //! [`scheduler`] which runs a profile, and [`charge`] for the in-flight
 //! accounting a decision causes. Each plugin's file also holds its
@@ -32,6 +33,9 @@ pub mod registry;
 pub mod rng;
 pub mod saturation;
 pub mod scheduler;
+pub mod session;
+pub mod session_affinity_filter;
+pub mod session_affinity_scorer;
 pub mod token_load;
 pub mod weighted_random;
 
@@ -123,6 +127,10 @@ pub struct Candidate {
     /// Its LoRA adapter state towards the request's model
     /// (`lora-affinity-scorer`).
     pub lora: lora_affinity::LoraSlots,
+    /// The request's session points at this endpoint (a session token or
+    /// binding, `session-affinity-*`; see [`session`]). At most one
+    /// candidate has it.
+    pub session: bool,
 }
 
 impl Candidate {

@@ -21,11 +21,13 @@ use super::charge::{self, InflightConfig};
 use super::prefix_cache::{self, PrefixCacheScorer};
 use super::saturation::{self, KvrouteLoadScorer};
 use super::scheduler::{Branch, Picker};
+use super::session::SessionAffinity;
 use super::token_load::{self, TokenLoadScorer};
 use super::{
     cache_balance, kv_cache_utilization, lora_affinity, max_score, no_hit_lru, queue,
     weighted_random,
 };
+use super::{session_affinity_filter, session_affinity_scorer};
 use super::{Candidate, RequestView};
 use crate::config::check::Params;
 use crate::config::llm_d::{self, Inert};
@@ -47,6 +49,9 @@ pub enum Scorer {
     KvrouteLoad(KvrouteLoadScorer),
     /// kvroute's: balance the fleet's cache working sets (`cache_balance`).
     CacheBalance,
+    /// `session-affinity-scorer` (its strategy is the profile's
+    /// [`Scheduler::session`](super::Scheduler::session)).
+    SessionAffinity,
 }
 
 /// What a scorer may read about one request, over the candidates that
@@ -63,6 +68,9 @@ pub struct ScoreInput<'a> {
     pub lookahead: &'a [u64],
     /// `kvroute-load-scorer`'s held KV per candidate (empty unless it runs).
     pub held: &'a [u64],
+    /// The session's candidate, when present after the filters
+    /// (`session-affinity-scorer`).
+    pub session: Option<usize>,
 }
 
 impl Scorer {
@@ -78,6 +86,7 @@ impl Scorer {
             Scorer::LoraAffinity => lora_affinity::TYPE,
             Scorer::KvrouteLoad(_) => saturation::TYPE,
             Scorer::CacheBalance => cache_balance::TYPE,
+            Scorer::SessionAffinity => session_affinity_scorer::TYPE,
         }
     }
 
@@ -110,6 +119,7 @@ impl Scorer {
                 let cold = !matches!(x.branch, Branch::Sticky | Branch::SaturationRelease);
                 cache_balance::score(cands, passing, cold, out)
             }
+            Scorer::SessionAffinity => session_affinity_scorer::score(x.session, passing, out),
         }
     }
 }
@@ -126,6 +136,8 @@ pub(crate) enum Compiled {
     Tokenizer(TokenizerConfig),
     Inflight(InflightConfig),
     Filter(AffinityFilter),
+    /// `session-affinity-scorer` or `-filter`.
+    Session(SessionAffinity),
     Scorer(Scorer),
     Picker(Picker),
     /// Accepted, nothing to run (see [`Inert`]).
@@ -224,6 +236,8 @@ pub(crate) static PLUGINS: &[Plugin] = &[
         .aka(&["tokenizer"]).listed_as("token-producer (or tokenizer)"),
     llm_d(charge::TYPE, |p| Ok(Compiled::Inflight(charge::compile(p)?))),
     llm_d(affinity_filter::TYPE, |p| Ok(Compiled::Filter(affinity_filter::compile(p)?))),
+    llm_d(session_affinity_filter::TYPE, |p| Ok(Compiled::Session(session_affinity_filter::compile(p)?))),
+    llm_d(session_affinity_scorer::TYPE, |p| Ok(Compiled::Session(session_affinity_scorer::compile(p)?))),
     llm_d(token_load::TYPE, |p| Ok(Compiled::Scorer(Scorer::TokenLoad(token_load::compile(p)?)))),
     llm_d(active_request::TYPE, |p| Ok(Compiled::Scorer(Scorer::ActiveRequest(active_request::compile(p)?)))),
     llm_d(queue::TYPE, |p| queue::compile(p).map(|()| Compiled::Scorer(Scorer::Queue)))

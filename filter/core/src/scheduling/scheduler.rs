@@ -10,6 +10,8 @@ use super::affinity_filter::{AffinityFilter, FilterBranch};
 use super::charge::InflightConfig;
 use super::registry::ScoreInput;
 pub use super::registry::Scorer;
+use super::session::{self, Presence, Role, SessionAffinity};
+use super::session_affinity_filter;
 use super::token_load::TokenLoadScorer;
 use super::{max_score, no_hit_lru, weighted_random};
 use super::{Candidate, RequestView, Rng};
@@ -73,6 +75,9 @@ pub struct Decision {
     pub cold: bool,
     /// One entry per candidate, in candidate order.
     pub report: Vec<CandidateReport>,
+    /// Where the request's session endpoint stood after the affinity
+    /// filters (`session-affinity-*`; [`Presence::None`] without one).
+    pub session: Presence,
     /// Each scorer's unweighted score, for the simulator's decision log:
     /// `scorer_scores[i * scorers + k]` is scorer `k` (profile order) on
     /// candidate `i` (candidate order); 0 for a candidate the filter
@@ -88,6 +93,10 @@ pub struct Scheduler {
     pub picker: Picker,
     pub inflight: InflightConfig,
     pub max_fallbacks: usize,
+    /// The profile's `session-affinity-scorer` or `-filter` (one at most):
+    /// how the engine finds a request's session endpoint; a filter runs
+    /// after `filters`, a scorer is also in `scorers` for its weight.
+    pub session: Option<SessionAffinity>,
 }
 
 impl Default for Scheduler {
@@ -99,6 +108,7 @@ impl Default for Scheduler {
             picker: Picker::MaxScore(max_score::TieBreak::Random),
             inflight: InflightConfig::default(),
             max_fallbacks: 2,
+            session: None,
         }
     }
 }
@@ -151,6 +161,20 @@ impl Scheduler {
                 FilterBranch::Sticky => Branch::Sticky,
             };
         }
+        // The session plugins run after the affinity filters: the gate
+        // decides first (see `session`).
+        let presence = if self.session.is_some() {
+            session::presence(req, cands, &passing, branch, &self.filters)
+        } else {
+            Presence::None
+        };
+        if self
+            .session
+            .as_ref()
+            .is_some_and(|s| s.role == Role::Filter)
+        {
+            session_affinity_filter::apply(presence, &mut passing);
+        }
 
         // Weighted scores over the passing set.
         let mut totals = vec![0.0; passing.len()];
@@ -201,6 +225,10 @@ impl Scheduler {
             branch,
             lookahead: &lookahead,
             held: &held,
+            session: match presence {
+                Presence::Present(i) => Some(i),
+                _ => None,
+            },
         };
         for (k, (scorer, weight)) in self.scorers.iter().enumerate() {
             scorer.score(&input, &mut buf);
@@ -258,6 +286,7 @@ impl Scheduler {
             branch,
             cold: no_hit_lru::is_cold(req, cands, &passing),
             report,
+            session: presence,
             scorer_scores: scorer_scores.into_boxed_slice(),
         })
     }

@@ -14,4 +14,5 @@ mod malformed;
 mod no_tokenizer;
 #[cfg(feature = "perfmap")]
 mod profile_loop;
+mod sessions;
 mod stats;
