@@ -2462,3 +2462,6 @@ fn the_waiting_gauge_counts_every_worker_s_requests() {
     // One routed, one waiting in each worker: the gauge says 2.
     assert_eq!(host.gauge("kvroute_flow_waiting.band.0"), Some(2));
 }
+
+#[path = "tests_anthropic.rs"]
+mod anthropic;

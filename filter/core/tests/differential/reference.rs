@@ -93,6 +93,9 @@ pub fn parse_request(
             let mut b: EmbeddingsBody = serde_json::from_slice(body).map_err(json_err)?;
             (b.common(), Prompt::Text(Vec::new()))
         }
+        // Anthropic's Messages API came after this parser was frozen; its
+        // own parser reads with serde (no one-pass renderer to compare).
+        ApiKind::Messages => return kvroute_core::request::parse_request(kind, body, limits),
     };
     let model = match common.model {
         Some(m) if !m.is_empty() => m.into_owned(),

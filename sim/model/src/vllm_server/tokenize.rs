@@ -183,7 +183,7 @@ impl PromptTokenizer {
                     .unwrap_or(true);
                 Some(self.encode(text, add))
             }
-            ApiKind::Responses | ApiKind::Embeddings => None,
+            ApiKind::Responses | ApiKind::Embeddings | ApiKind::Messages => None,
         }
     }
 
