@@ -142,8 +142,10 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
 }
 
 /// One content block: the fields of vLLM's `AnthropicContentBlock` that
-/// the prompt depends on.
+/// the prompt depends on (all type-checked in every build, so a body is
+/// refused alike with and without the `tokenizer` feature).
 #[derive(Deserialize)]
+#[cfg_attr(not(feature = "tokenizer"), allow(dead_code))]
 struct Block<'a> {
     #[serde(rename = "type", borrow, default)]
     kind: Cow<'a, str>,
@@ -575,7 +577,9 @@ fn convert(p: &Parsed<'_>, body: &[u8]) -> Result<Option<Inputs>, ParseError> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{parse_request, parse_request_for_template, ApiKind, ParseLimits};
+    #[cfg(feature = "tokenizer")]
+    use super::super::parse_request_for_template;
+    use super::super::{parse_request, ApiKind, ParseLimits};
     use super::*;
 
     fn msgs(body: &str) -> Result<InferenceRequest, ParseError> {
