@@ -333,6 +333,18 @@ fn request_body(kind: ApiKind, r: &mut Reader) -> Vec<u8> {
         ApiKind::Completions => json!({"model": model, "prompt": format!("{system}{user}")}),
         ApiKind::Responses => json!({"model": model, "instructions": system, "input": user}),
         ApiKind::Embeddings => json!({"model": model, "input": user}),
+        ApiKind::Messages => {
+            let mut messages = Vec::new();
+            for t in 0..turns {
+                messages.push(json!({"role": "user", "content": [{"type": "text", "text": format!("{user} turn {t}")}]}));
+                if t + 1 < turns {
+                    messages.push(json!({"role": "assistant", "content": [
+                        {"type": "text", "text": format!("answer {t}")},
+                        {"type": "tool_use", "id": format!("t{t}"), "name": "f", "input": {}}]}));
+                }
+            }
+            json!({"model": model, "max_tokens": 16, "system": system, "messages": messages})
+        }
     };
     if shape & 4 != 0 {
         doc["cache_salt"] = json!("tenant-a");
@@ -388,7 +400,7 @@ pub fn run(data: &[u8]) {
         ops += 1;
         match r.u8() % 8 {
             0 | 1 => {
-                let kind = crate::KINDS[usize::from(r.u8()) % 4];
+                let kind = crate::KINDS[usize::from(r.u8()) % crate::KINDS.len()];
                 let body = request_body(kind, &mut r);
                 w.route(kind, &body);
             }

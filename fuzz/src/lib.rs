@@ -9,9 +9,10 @@
 //!   prompt; parsing is deterministic; the prompt's blocks satisfy
 //!   `prompt_tokens ≥ blocks × block_size_tokens`, respect
 //!   `maxPrefixTokensToMatch`, and are prefix-stable (a byte-prefix of the
-//!   prompt hashes to a prefix of the blocks); dropping the last chat
-//!   message renders a byte-prefix; allocation per parse is bounded by a
-//!   multiple of the body's size.
+//!   prompt hashes to a prefix of the blocks); dropping the last chat (or
+//!   Anthropic Messages) message renders a byte-prefix; precise mode's
+//!   parse (chat, Messages) gives the same request or error; allocation per
+//!   parse is bounded by a multiple of the body's size.
 //! - [`parse_differential::run`]: the parser against the frozen reference
 //!   parser it replaced, under every `ApiKind`: equal requests when both
 //!   accept, the same error label when both refuse.
@@ -75,11 +76,12 @@ use std::sync::OnceLock;
 static ALLOC: alloc_count::Counting = alloc_count::Counting;
 
 /// Every API the parser knows.
-pub const KINDS: [ApiKind; 4] = [
+pub const KINDS: [ApiKind; 5] = [
     ApiKind::ChatCompletions,
     ApiKind::Completions,
     ApiKind::Responses,
     ApiKind::Embeddings,
+    ApiKind::Messages,
 ];
 
 /// Block geometries the hashing invariants are checked under: the default,
@@ -135,10 +137,17 @@ pub fn check_parse(body: &[u8]) {
         let base = alloc_count::start();
         let parsed = parse_request(kind, body, &limits);
         check_alloc("parse_request", body.len(), alloc_count::peak_since(base));
-        if kind == ApiKind::ChatCompletions {
+        if matches!(kind, ApiKind::ChatCompletions | ApiKind::Messages) {
             // Precise mode's parse, which also takes what a chat template
-            // reads, gives the same request or error.
+            // reads (for Messages: vLLM's conversion to a chat request),
+            // gives the same request or error.
+            let base = alloc_count::start();
             let once = parse_request_for_template(kind, body, &limits).map(|(r, _)| r);
+            check_alloc(
+                "parse_request_for_template",
+                body.len(),
+                alloc_count::peak_since(base),
+            );
             assert_eq!(
                 once.as_ref(),
                 parsed.as_ref(),
@@ -249,6 +258,7 @@ fn check_message_extension(body: &[u8]) {
     for (kind, field) in [
         (ApiKind::ChatCompletions, "messages"),
         (ApiKind::Responses, "input"),
+        (ApiKind::Messages, "messages"),
     ] {
         let Some(Value::Array(items)) = doc.get(field) else {
             continue;
@@ -425,7 +435,10 @@ pub fn check_config(doc: &[u8]) {
             f.bands
         );
         assert!(f.ceiling > 0.0 && f.ceiling <= 1.0, "ceiling {}", f.ceiling);
-        assert!(f.bands.iter().all(|b| b.max_requests > 0 && b.max_bytes > 0));
+        assert!(f
+            .bands
+            .iter()
+            .all(|b| b.max_requests > 0 && b.max_bytes > 0));
         for o in &f.objectives {
             assert!(
                 f.bands.iter().any(|b| b.priority == o.priority),

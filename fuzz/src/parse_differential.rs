@@ -18,12 +18,14 @@
 mod reference;
 
 use crate::KINDS;
-use kvroute_core::request::ParseLimits;
+use kvroute_core::request::{ApiKind, ParseLimits};
 
 /// Parses `body` with both parsers under every API and compares.
 pub fn run(body: &[u8]) {
     let limits = ParseLimits::default();
-    for kind in KINDS {
+    // Anthropic's Messages API has no frozen reference (its parser reads
+    // with serde; the reference hands it back to the parser itself).
+    for kind in KINDS.into_iter().filter(|k| *k != ApiKind::Messages) {
         reference::compare(kind, body, &limits);
     }
 }
