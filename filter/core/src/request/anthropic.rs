@@ -838,6 +838,58 @@ mod tests {
         }
     }
 
+    /// Precise mode end to end: a Messages body's vLLM block hashes are
+    /// those of the chat request vLLM converts it into.
+    #[cfg(feature = "tokenizer")]
+    #[test]
+    fn precise_hashes_equal_the_converted_chat_requests() {
+        use crate::precise::vllm_hash::VllmBlockHasher;
+        use crate::precise::{PreciseConfig, TokenizerConfig};
+        let c = PreciseConfig {
+            block_size: 4,
+            hasher: VllmBlockHasher::new(Some("0")),
+            max_blocks: 1000,
+            tokenizers: vec![TokenizerConfig {
+                model_names: vec!["m".into()],
+                tokenizer: Some(std::sync::Arc::new(tiny(None))),
+                offpath: None,
+            }],
+        };
+        let hashes = |kind, body: &str| {
+            let (r, chat) =
+                parse_request_for_template(kind, body.as_bytes(), &ParseLimits::default()).unwrap();
+            c.request_hashes(&r, body.as_bytes(), chat.as_ref())
+        };
+        let a = hashes(
+            ApiKind::Messages,
+            r#"{"model":"m","max_tokens":8,"system":"Be brief and exact.","messages":[
+              {"role":"user","content":"What is the capital of France?"},
+              {"role":"assistant","content":[{"type":"text","text":"Paris."}]},
+              {"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok"},
+                 {"type":"text","text":"And of Spain?"}]}]}"#,
+        )
+        .unwrap();
+        let o = hashes(
+            ApiKind::ChatCompletions,
+            r#"{"model":"m","max_tokens":8,"messages":[{"role":"system","content":"Be brief and exact."},
+              {"role":"user","content":"What is the capital of France?"},
+              {"role":"assistant","content":"Paris."},
+              {"role":"tool","tool_call_id":"t","content":"ok"},
+              {"role":"user","content":"And of Spain?"}]}"#,
+        )
+        .unwrap();
+        assert!(a.0.len() >= 3, "{a:?}");
+        assert_eq!(a, o);
+        // Without what the parser took, no precise hashes (never the body
+        // read as chat).
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hello there"}]}"#;
+        let r = parse_request(ApiKind::Messages, body.as_bytes(), &ParseLimits::default()).unwrap();
+        assert_eq!(
+            c.request_hashes(&r, body.as_bytes(), None),
+            Err(crate::precise::Fallback::Unsupported)
+        );
+    }
+
     #[cfg(feature = "tokenizer")]
     fn msgs_ok(body: &str) -> bool {
         msgs(body).is_ok()
