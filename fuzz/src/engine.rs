@@ -341,6 +341,18 @@ fn request_body(kind: ApiKind, r: &mut Reader) -> Vec<u8> {
             let ids: Vec<u32> = format!("{system}{user}").bytes().map(u32::from).collect();
             json!({"model": model, "token_ids": ids, "sampling_params": {"max_tokens": r.u8(), "n": 1 + r.u8() % 3}})
         }
+        ApiKind::Messages => {
+            let mut messages = Vec::new();
+            for t in 0..turns {
+                messages.push(json!({"role": "user", "content": [{"type": "text", "text": format!("{user} turn {t}")}]}));
+                if t + 1 < turns {
+                    messages.push(json!({"role": "assistant", "content": [
+                        {"type": "text", "text": format!("answer {t}")},
+                        {"type": "tool_use", "id": format!("t{t}"), "name": "f", "input": {}}]}));
+                }
+            }
+            json!({"model": model, "max_tokens": 16, "system": system, "messages": messages})
+        }
     };
     if shape & 4 != 0 {
         doc["cache_salt"] = json!("tenant-a");
@@ -396,7 +408,7 @@ pub fn run(data: &[u8]) {
         ops += 1;
         match r.u8() % 8 {
             0 | 1 => {
-                let kind = crate::ALL_KINDS[usize::from(r.u8()) % crate::ALL_KINDS.len()];
+                let kind = crate::KINDS[usize::from(r.u8()) % crate::KINDS.len()];
                 let body = request_body(kind, &mut r);
                 w.route(kind, &body);
             }

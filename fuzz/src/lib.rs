@@ -10,9 +10,10 @@
 //!   prompt; parsing is deterministic; the prompt's blocks satisfy
 //!   `prompt_tokens ≥ blocks × block_size_tokens`, respect
 //!   `maxPrefixTokensToMatch`, and are prefix-stable (a byte-prefix of the
-//!   prompt hashes to a prefix of the blocks); dropping the last chat
-//!   message renders a byte-prefix; allocation per parse is bounded by a
-//!   multiple of the body's size.
+//!   prompt hashes to a prefix of the blocks); dropping the last chat (or
+//!   Anthropic Messages) message renders a byte-prefix; precise mode's
+//!   parse (chat, Messages) gives the same request or error; allocation per
+//!   parse is bounded by a multiple of the body's size.
 //! - [`parse_differential::run`]: the parser against the frozen reference
 //!   parser it replaced, under every `ApiKind`: equal requests when both
 //!   accept, the same error label when both refuse.
@@ -76,20 +77,13 @@ use std::sync::OnceLock;
 #[global_allocator]
 static ALLOC: alloc_count::Counting = alloc_count::Counting;
 
-/// The APIs the frozen reference parser knows (`parse_differential`).
-pub const KINDS: [ApiKind; 4] = [
-    ApiKind::ChatCompletions,
-    ApiKind::Completions,
-    ApiKind::Responses,
-    ApiKind::Embeddings,
-];
-
 /// Every API the parser knows.
-pub const ALL_KINDS: [ApiKind; 5] = [
+pub const KINDS: [ApiKind; 6] = [
     ApiKind::ChatCompletions,
     ApiKind::Completions,
     ApiKind::Responses,
     ApiKind::Embeddings,
+    ApiKind::Messages,
     ApiKind::Generate,
 ];
 
@@ -142,14 +136,21 @@ pub(crate) fn check_alloc(what: &str, input_len: usize, peak: usize) {
 /// Fuzz target `parse_request`: parse under every API, then hash.
 pub fn check_parse(body: &[u8]) {
     let limits = ParseLimits::default();
-    for kind in ALL_KINDS {
+    for kind in KINDS {
         let base = alloc_count::start();
         let parsed = parse_request(kind, body, &limits);
         check_alloc("parse_request", body.len(), alloc_count::peak_since(base));
-        if kind == ApiKind::ChatCompletions {
+        if matches!(kind, ApiKind::ChatCompletions | ApiKind::Messages) {
             // Precise mode's parse, which also takes what a chat template
-            // reads, gives the same request or error.
+            // reads (for Messages: vLLM's conversion to a chat request),
+            // gives the same request or error.
+            let base = alloc_count::start();
             let once = parse_request_for_template(kind, body, &limits).map(|(r, _)| r);
+            check_alloc(
+                "parse_request_for_template",
+                body.len(),
+                alloc_count::peak_since(base),
+            );
             assert_eq!(
                 once.as_ref(),
                 parsed.as_ref(),
@@ -261,6 +262,7 @@ fn check_message_extension(body: &[u8]) {
     for (kind, field) in [
         (ApiKind::ChatCompletions, "messages"),
         (ApiKind::Responses, "input"),
+        (ApiKind::Messages, "messages"),
     ] {
         let Some(Value::Array(items)) = doc.get(field) else {
             continue;
@@ -418,8 +420,15 @@ pub fn check_config(doc: &[u8]) {
     use kvroute_core::scheduling::session::{decode_token, encode_token, MAX_SESSION_VALUE_BYTES};
     if let Some(id) = decode_token(doc) {
         assert!(id.len() <= MAX_SESSION_VALUE_BYTES);
-        assert_eq!(decode_token(encode_token(&id).as_bytes()).as_deref(), Some(id.as_str()));
-        assert_eq!(encode_token(&id).as_bytes(), doc.trim_ascii(), "not canonical");
+        assert_eq!(
+            decode_token(encode_token(&id).as_bytes()).as_deref(),
+            Some(id.as_str())
+        );
+        assert_eq!(
+            encode_token(&id).as_bytes(),
+            doc.trim_ascii(),
+            "not canonical"
+        );
     }
     let tokenizers = tokenizer_cost(doc);
     let base = alloc_count::start();

@@ -18,12 +18,18 @@
 mod reference;
 
 use crate::KINDS;
-use kvroute_core::request::ParseLimits;
+use kvroute_core::request::{ApiKind, ParseLimits};
 
 /// Parses `body` with both parsers under every API and compares.
 pub fn run(body: &[u8]) {
     let limits = ParseLimits::default();
-    for kind in KINDS {
+    // Anthropic's Messages API and vLLM's generate API have no frozen
+    // reference (their parsers read with serde; the reference hands them
+    // back to the parser itself).
+    for kind in KINDS
+        .into_iter()
+        .filter(|k| !matches!(k, ApiKind::Messages | ApiKind::Generate))
+    {
         reference::compare(kind, body, &limits);
     }
 }

@@ -30,8 +30,8 @@ use crate::engine::{route_chat, World};
 use kvroute_core::config::Config;
 use kvroute_core::learners::{bytes_per_token, output_tokens};
 use kvroute_core::reports::{vllm_metrics, vllm_models};
-use kvroute_shared_state::models::{ModelsTable, MAX_NAMES, MAX_NAME_BYTES, MODELS_KEY};
 use kvroute_shared_state::metrics::{MetricsSnapshot, MetricsTable, RatioLearner};
+use kvroute_shared_state::models::{ModelsTable, MAX_NAMES, MAX_NAME_BYTES, MODELS_KEY};
 use kvroute_shared_state::{Store, METRICS_KEY};
 
 /// Most polls per input.
@@ -199,7 +199,10 @@ pub fn run(data: &[u8]) {
             assert_eq!(t.encode(), bytes, "kvroute/models does not re-encode");
             for m in &t.slots {
                 assert!(m.names.len() <= MAX_NAMES, "{m:?}");
-                assert!(m.names.iter().all(|n| n.name.len() <= MAX_NAME_BYTES && n.flags != 0));
+                assert!(m
+                    .names
+                    .iter()
+                    .all(|n| n.name.len() <= MAX_NAME_BYTES && n.flags != 0));
             }
         }
         w.check_accounting();

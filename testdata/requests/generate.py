@@ -68,6 +68,23 @@ good = {
     # vLLM's /inference/v1/generate (tokens in, tokens out).
     "generate-token-ids.json": {"model": "qwen3-32b", "token_ids": list(range(2000, 2300)), "stream": True,
         "sampling_params": {"max_tokens": 16, "temperature": 0.0, "n": 1}, "cache_salt": "tenant-7"},
+    # Anthropic's Messages API (/v1/messages).
+    "messages-basic.json": {"model": "qwen3-32b", "max_tokens": 256, "system": SYSTEM,
+        "metadata": {"user_id": "user-1"}, "messages": [
+        {"role": "user", "content": "Why does my Rust parser panic on an empty slice?"}]},
+    "messages-tools-multiturn.json": {"model": "qwen3-32b", "max_tokens": 512, "stream": True,
+        "system": [{"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "read_file", "description": "Read a file.",
+                   "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+        "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Fix src/parse.rs."}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Read it first.", "signature": "sig"},
+                                          {"type": "text", "text": "Reading it."},
+                                          {"type": "tool_use", "id": "toolu_01", "name": "read_file", "input": {"path": "src/parse.rs"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                      "content": [{"type": "text", "text": "fn parse(b: &[u8]) { b[0]; }"}]},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+                                     {"type": "text", "text": "And the screenshot."}]}]},
 }
 
 bad = {
@@ -103,6 +120,12 @@ bad = {
     "bad-max-tokens-over-u64.json": b'{"model":"m","max_tokens":18446744073709551616,"prompt":"x"}',
     "bad-max-tokens-1e400.json": b'{"model":"m","max_tokens":1e400,"prompt":"x"}',
     "bad-max-tokens-float.json": b'{"model":"m","max_tokens":1.5,"prompt":"x"}',
+    "bad-messages-role.json": {"model": "m", "max_tokens": 8, "messages": [{"role": "robot", "content": "x"}]},
+    "bad-messages-block-no-type.json": {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [{"text": "x"}]}]},
+    "bad-messages-tool-input-list.json": {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": [1, 2]}]}]},
+    "bad-messages-deep-tool-result-10k.json": b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":[{"type":"tool_result","content":'
+        + b'[{"type":"tool_result","content":' * 2000 + b'"x"' + b"}]" * 2000 + b"}]}]}",
 }
 
 for name, data in {**good, **bad}.items():

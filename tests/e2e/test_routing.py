@@ -8,11 +8,14 @@ so a block is 256 bytes of prompt text.
 import collections
 
 from conftest import (
+    DECISION,
     DEST_HEADER,
+    MODEL,
     chat,
     completion,
     in_background,
     plugin_config,
+    post,
     request,
     text,
     wait_until,
@@ -329,3 +332,59 @@ def test_a_session_sticks_then_moves_when_saturated_and_stays_moved(fleet, envoy
         assert r.status == 200 and r.served_by == moved_to, f"after {i}: {r}"
         assert r.decision["branch"] == "sticky", r
     assert e.wasm_failures() == {}
+def _message(port, system, messages, stream=False, headers=None):
+    body = {"model": MODEL, "max_tokens": 4, "stream": stream, "metadata": {"user_id": "e2e"},
+            "system": [{"type": "text", "text": system}], "messages": messages}
+    return post(port, "/v1/messages", body, headers)
+
+
+def test_anthropic_messages_conversation_sticks_and_streams(fleet, envoy):
+    """Anthropic's Messages API (issue 46): a multi-turn conversation with
+    tool use sticks to its endpoint, whose prefix cache (the emulator
+    converts the request as vLLM does) serves the earlier turns; the
+    event stream releases the charge; count_tokens passes unrouted."""
+    f = fleet(2)
+    e = envoy(endpoints=f.addresses)
+    conversations = [[] for _ in range(3)]
+    home = {}
+    for turn in range(3):
+        for c, messages in enumerate(conversations):
+            if turn == 1:
+                # The assistant called a tool; the user answers with its result.
+                messages.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": f"toolu_{c}", "content": text(f"result-{c}", 600)},
+                    {"type": "text", "text": text(f"user-{c}-{turn}", 300)}]})
+            else:
+                messages.append({"role": "user", "content": text(f"user-{c}-{turn}", 300)})
+            r = _message(e.port, text(f"anthropic-system-{c}", 8192), messages)
+            assert r.status == 200, r
+            body = r.json()
+            assert body["type"] == "message" and body["content"][0]["type"] == "text", body
+            if turn == 0:
+                home[c] = r.served_by
+                reply = [{"type": "text", "text": body["content"][0]["text"]},
+                         {"type": "tool_use", "id": f"toolu_{c}", "name": "lookup", "input": {"q": c}}]
+            else:
+                assert r.served_by == home[c], f"conversation {c} turn {turn} moved: {r}"
+                assert r.decision["branch"] == "sticky", r
+                # The server's prefix cache held the conversation so far.
+                assert body["usage"]["cache_read_input_tokens"] > 0, body
+                reply = body["content"][0]["text"]
+            messages.append({"role": "assistant", "content": reply})
+    # Streamed: Anthropic's event sequence, and the charge is released.
+    messages = conversations[0] + [{"role": "user", "content": "and now?"}]
+    r = _message(e.port, text("anthropic-system-0", 8192), messages, stream=True)
+    assert r.status == 200, r
+    assert r.served_by == home[0], r
+    events = [line[len("event: "):] for line in r.body.decode().splitlines() if line.startswith("event: ")]
+    assert events[:2] == ["message_start", "content_block_start"], events
+    assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"], events
+    assert set(events[2:-3]) == {"content_block_delta"}, events
+    wait_until(lambda: all(ep["inflightRequests"] == 0 and ep["inflightTokens"] == 0
+                           for ep in e.state()["endpoints"]), timeout=5, what="the charge to be released")
+    # count_tokens is passed untouched: answered, not routed (no decision).
+    r = post(e.port, "/v1/messages/count_tokens",
+             {"model": MODEL, "messages": [{"role": "user", "content": "how many?"}]})
+    assert r.status == 200, r
+    assert r.json()["input_tokens"] > 0, r
+    assert r.headers.get(DECISION) is None, r

@@ -13,7 +13,8 @@ cached from an earlier test and every full block is stored.
 Cases: a token-ID /v1/completions request; the same with a cache_salt; a
 salted vLLM /inference/v1/generate request (token IDs); a
 text /v1/completions request (tokenized by kvroute); a /v1/chat/completions
-request (the tier's chat template, rendered by kvroute, then tokenized). For
+request (the tier's chat template, rendered by kvroute, then tokenized); an
+Anthropic /v1/messages request (converted to a chat request as vLLM does). For
 the tokenized cases the token IDs are compared too, so a mismatch says
 whether the template, the tokenizer or the hash differs.
 """
@@ -114,8 +115,12 @@ def _check(real_fleet, hasher, path, api, body):
         sent = dict(body, max_tokens=1, temperature=0)
     r = e2e.post(server.port, path, sent, timeout=180)
     assert r.status == 200, r
-    if api != "generate":
-        assert r.json()["usage"]["prompt_tokens"] == len(ids), "vLLM counted other prompt tokens"
+    if api != "generate":  # vLLM's generate answer has no usage
+        usage = r.json()["usage"]
+        # Anthropic's usage splits the prompt into uncached and cached tokens.
+        prompt_tokens = usage.get("prompt_tokens", usage.get("input_tokens", 0) + (usage.get("cache_read_input_tokens") or 0)
+                                  + (usage.get("cache_creation_input_tokens") or 0))
+        assert prompt_tokens == len(ids), f"vLLM counted other prompt tokens: {usage}"
     chain = _stored_chain(_quiet(sink, start), ids[:BLOCK_SIZE])
     # The one generated token may complete one more block; the prompt's full
     # blocks come first.
@@ -168,3 +173,27 @@ def test_chat_completion_hashes_equal_vllms(real_fleet, hasher):
                                      {"type": "text", "text": words(seed + 4, 20)}]},
     ]}
     assert _check(real_fleet, hasher, "/v1/chat/completions", "chat", body) >= 3
+
+
+def test_anthropic_messages_hashes_equal_vllms(real_fleet, hasher):
+    """Issue 46: /v1/messages, which vLLM converts into a chat request
+    (system blocks, tool_use, tool_result), hashed by kvroute's own
+    conversion."""
+    from conftest import words
+
+    seed = secrets.randbelow(1 << 30)
+    body = {"model": MODEL, "max_tokens": 1, "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=" + secrets.token_hex(4)},
+        {"type": "text", "text": f"{secrets.token_hex(6)} " + words(seed, 120)}],
+        "messages": [
+            {"role": "user", "content": words(seed + 1, 60)},
+            {"role": "assistant", "content": [{"type": "text", "text": words(seed + 2, 30)},
+                                              {"type": "tool_use", "id": "toolu_01", "name": "lookup",
+                                               "input": {"q": words(seed + 5, 3), "n": 2}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_01",
+                 "content": [{"type": "text", "text": words(seed + 6, 20)}]},
+                {"type": "text", "text": words(seed + 3, 20)},
+                {"type": "text", "text": words(seed + 4, 20)}]},
+        ]}
+    assert _check(real_fleet, hasher, "/v1/messages", "messages", body) >= 3

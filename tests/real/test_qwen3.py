@@ -154,10 +154,10 @@ def hasher(qwen3_fleet, tmp_path_factory):
                    check=True, timeout=900)
     exe = REPO / "target" / "debug" / "examples" / "vllm_hashes"
 
-    def run(body):
+    def run(body, api="chat"):
         p = out / f"body-{secrets.token_hex(4)}.json"
         p.write_text(json.dumps(body))
-        r = subprocess.run([str(exe), str(cfg_path), "chat", str(p)], capture_output=True, text=True,
+        r = subprocess.run([str(exe), str(cfg_path), api, str(p)], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0, f"kvroute did not hash precisely: {r.stdout} {r.stderr}"
         return json.loads(r.stdout)
@@ -447,3 +447,40 @@ def test_qwen3_conversations_keep_their_cache_through_envoy(qwen3_fleet, envoy, 
     assert stat(g, "wasmcustom.kvroute_tokenizer_loaded") == 1
     assert g.wasm_failures() == {}
     g.assert_alive()
+
+
+def test_anthropic_messages_with_tool_use(qwen3_fleet, hasher, decode):
+    """Issue 46: a /v1/messages body (system blocks, tool_use with an object
+    input, a user's tool_result) hashed by kvroute's own conversion equals
+    what vLLM stores for it under Qwen3's template, which prints the tool
+    call's arguments. vLLM has no /tokenize for Messages: its count_tokens
+    must give kvroute's token count, then the stored chain must match."""
+    server, sink = qwen3_fleet.servers[PARITY_SERVER], qwen3_fleet.sinks[PARITY_SERVER]
+    seed = secrets.randbelow(1 << 30)
+    body = {"model": MODEL, "max_tokens": 1, "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cch=" + secrets.token_hex(4)},
+        {"type": "text", "text": f"{secrets.token_hex(8)} you are a careful assistant. " + words(seed, 120)}],
+        "messages": [
+            {"role": "user", "content": "What is the weather in Paris for the next three days?"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Paris", "days": 3, "units": {"t": "C"}}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1",
+                 "content": [{"type": "text", "text": "sun, rain, sun"}]},
+                {"type": "text", "text": words(seed + 99, 30)}]}]}
+    ours = hasher(body, "messages")
+    ids, hashes = ours["token_ids"], ours["hashes"]
+    r = e2e.post(server.port, "/v1/messages/count_tokens", body, timeout=120)
+    assert r.status == 200, r
+    assert r.json()["input_tokens"] == len(ids), (r.json(), len(ids), decode(ids)[-400:])
+    assert len(hashes) == len(ids) // BLOCK_SIZE >= 3, (len(ids), len(hashes))
+    start = len(sink.snapshot())
+    r = e2e.post(server.port, "/v1/messages", dict(body, temperature=0), timeout=180)
+    assert r.status == 200, r
+    chain = _stored_chain(_quiet(sink, start), ids[:BLOCK_SIZE])
+    assert len(chain) in (len(hashes), len(hashes) + 1), (len(chain), len(hashes))
+    assert [t for _, t in chain[:len(hashes)]] == [ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
+                                                   for i in range(len(hashes))], "token IDs differ"
+    assert [h for h, _ in chain[:len(hashes)]] == hashes, "block hashes differ"

@@ -5,7 +5,7 @@ the servers' own prefix caches show the reuse."""
 import collections
 import threading
 
-from conftest import completion, e2e, real_plugin_config, scrape, words
+from conftest import MODEL, completion, e2e, real_plugin_config, scrape, words
 
 GROUPS = 6
 PER_GROUP = 4
@@ -121,3 +121,40 @@ def test_vllm_generate_token_prompts_stick_through_envoy(real_fleet, envoy):
     # Rounds 1 and 2 of each group find its prefix's full blocks cached.
     hits = sum(after[a]["vllm:prefix_cache_hits_total"] - before[a]["vllm:prefix_cache_hits_total"] for a in addrs)
     assert hits >= 0.9 * groups * (rounds - 1) * prefix_len, (hits, dict(placement))
+def test_anthropic_messages_conversations_stick_to_their_real_server(real_fleet, envoy):
+    """Issue 46: multi-turn /v1/messages conversations (system blocks,
+    tool_use and tool_result) through Envoy: each stays on one server, and
+    that server's cache serves its earlier turns (Anthropic usage:
+    cache_read_input_tokens)."""
+    addrs = real_fleet.addresses
+    e = envoy(config=real_plugin_config(), endpoints=addrs)
+    convs = 4
+    history = [[] for _ in range(convs)]
+    home = {}
+    for turn in range(3):
+        for c in range(convs):
+            if turn == 1:
+                history[c].append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": f"toolu_{c}", "content": words(f"m-result-{c}", 40)},
+                    {"type": "text", "text": words(f"m-user-{c}-{turn}", SUFFIX_WORDS)}]})
+            else:
+                history[c].append({"role": "user", "content": words(f"m-user-{c}-{turn}", SUFFIX_WORDS)})
+            body = {"model": MODEL, "max_tokens": 2,
+                    "system": [{"type": "text", "text": words(f"m-system-{c}", PREFIX_WORDS)}],
+                    "messages": history[c]}
+            r = e2e.post(e.port, "/v1/messages", body, timeout=180)
+            assert r.status == 200, r
+            d = r.decision
+            assert d and d.get("endpoint") in addrs, r
+            usage = r.json()["usage"]
+            if turn == 0:
+                home[c] = d["endpoint"]
+                reply = [{"type": "text", "text": r.json()["content"][0]["text"]},
+                         {"type": "tool_use", "id": f"toolu_{c}", "name": "lookup", "input": {"q": c}}]
+            else:
+                assert d["endpoint"] == home[c], f"conversation {c} turn {turn} moved: {r}"
+                cached = usage.get("cache_read_input_tokens") or 0
+                assert cached >= 0.7 * (cached + usage["input_tokens"]), (c, turn, usage)
+                reply = r.json()["content"][0]["text"]
+            history[c].append({"role": "assistant", "content": reply})
+    print(f"\nplacement {home}")

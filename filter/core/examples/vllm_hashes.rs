@@ -4,7 +4,7 @@
 //! the `BlockStored` events of a real vLLM server (tests/real/test_hash_parity.py).
 //!
 //! ```text
-//! cargo run -p kvroute-core --example vllm_hashes -- CONFIG.json (completions|chat) BODY.json
+//! cargo run -p kvroute-core --example vllm_hashes -- CONFIG.json (completions|chat|messages|generate) BODY.json
 //! ```
 //!
 //! Prints one JSON line: `{"token_ids":[…],"hashes":[…]}` (hashes as u64,
@@ -93,7 +93,7 @@ fn offpath_hashes(
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 4 {
-        eprintln!("usage: vllm_hashes CONFIG.json (completions|chat|generate) BODY.json");
+        eprintln!("usage: vllm_hashes CONFIG.json (completions|chat|messages|generate) BODY.json");
         std::process::exit(2);
     }
     let read = |p: &str| std::fs::read(p).unwrap_or_else(|e| panic!("read {p}: {e}"));
@@ -105,6 +105,7 @@ fn main() {
         "completions" => ApiKind::Completions,
         "chat" => ApiKind::ChatCompletions,
         "generate" => ApiKind::Generate,
+        "messages" => ApiKind::Messages,
         k => panic!("unknown API {k}"),
     };
     let body = read(&args[3]);

@@ -32,6 +32,7 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::fmt;
 
+mod anthropic;
 mod json;
 mod render;
 #[cfg(feature = "tokenizer")]
@@ -62,6 +63,10 @@ pub enum ApiKind {
     /// llm-d's `vllmhttp-parser`). `model` may be absent (the server's
     /// one model).
     Generate,
+    /// `/v1/messages`: Anthropic's Messages API (`anthropic.rs`), which
+    /// vLLM serves through its chat path. Its `/v1/messages/count_tokens`
+    /// is not this (not routed).
+    Messages,
 }
 
 impl ApiKind {
@@ -80,6 +85,8 @@ impl ApiKind {
             Some(ApiKind::Embeddings)
         } else if path.ends_with("/inference/v1/generate") {
             Some(ApiKind::Generate)
+        } else if path.ends_with("/v1/messages") {
+            Some(ApiKind::Messages)
         } else {
             None
         }
@@ -299,6 +306,10 @@ pub fn parse_request_for_template(
     body: &[u8],
     limits: &ParseLimits,
 ) -> Result<(InferenceRequest, Option<ChatTemplateInputs>), ParseError> {
+    if kind == ApiKind::Messages {
+        check_size(body, limits)?;
+        return anthropic::parse(body, cfg!(feature = "tokenizer"));
+    }
     #[cfg(feature = "tokenizer")]
     if kind == ApiKind::ChatCompletions {
         let mut cap = template::Capturing::default();
@@ -308,12 +319,9 @@ pub fn parse_request_for_template(
     parse_request(kind, body, limits).map(|r| (r, None))
 }
 
-fn parse<C: render::Capture>(
-    kind: ApiKind,
-    body: &[u8],
-    limits: &ParseLimits,
-    cap: &mut C,
-) -> Result<InferenceRequest, ParseError> {
+/// The checks every body gets first: not empty, within the size limit, a
+/// JSON object (serde's derive would also accept an array).
+fn check_size(body: &[u8], limits: &ParseLimits) -> Result<(), ParseError> {
     if body.is_empty() {
         return Err(ParseError::Empty);
     }
@@ -323,10 +331,19 @@ fn parse<C: render::Capture>(
             actual: body.len(),
         });
     }
-    // A request is a JSON object; serde's derive would also accept an array.
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(ParseError::Json("expected a JSON object".into()));
     }
+    Ok(())
+}
+
+fn parse<C: render::Capture>(
+    kind: ApiKind,
+    body: &[u8],
+    limits: &ParseLimits,
+    cap: &mut C,
+) -> Result<InferenceRequest, ParseError> {
+    check_size(body, limits)?;
     let json_err = |e: serde_json::Error| ParseError::Json(e.to_string());
     let mut batch_rest = BatchRest::default();
     let (common, prompt) = match kind {
@@ -373,6 +390,7 @@ fn parse<C: render::Capture>(
             let ids = b.token_ids.ok_or(ParseError::MissingPrompt)?;
             (common, Prompt::TokenIds(ids))
         }
+        ApiKind::Messages => return anthropic::parse(body, false).map(|(r, _)| r),
     };
     let model = match common.model {
         Some(m) if !m.is_empty() => m.into_owned(),

@@ -67,19 +67,26 @@ ARMS = ["direct", "envoy-rr", "kvroute", "kv-default", "smg"]
 ROUTING_ARMS = ("kvroute", "kv-default")
 # Chat bodies of 8k, 64k, 400k bytes; and "-ids": /v1/completions bodies of
 # that size whose prompt is token IDs (bodies.generate_ids), for precise mode.
-SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024, "8k-ids": 8 * 1024, "400k-ids": 400 * 1024}
+# "-msgs": Anthropic /v1/messages bodies of the same text as the chat bodies.
+SIZES = {"8k": 8 * 1024, "64k": 64 * 1024, "400k": 400 * 1024, "8k-ids": 8 * 1024, "400k-ids": 400 * 1024,
+         "400k-msgs": 400 * 1024}
 # The default sizes: chat bodies, which every arm (smg too) serves.
 CHAT_SIZES = ["8k", "64k", "400k"]
 # Distinct bodies per size: cycling through them, every body comes back only
 # after this many requests.
-BODY_COUNTS = {"8k": 2048, "64k": 512, "400k": 128, "8k-ids": 2048, "400k-ids": 128}
+BODY_COUNTS = {"8k": 2048, "64k": 512, "400k": 128, "8k-ids": 2048, "400k-ids": 128, "400k-msgs": 128}
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+MESSAGES_PATH = "/v1/messages"
 
 
 def path_of(bodies_file):
-    """The API path of a bodies file (token-ID bodies are completions)."""
-    return COMPLETIONS_PATH if "-ids-" in os.path.basename(bodies_file) else CHAT_PATH
+    """The API path of a bodies file (token-ID bodies are completions,
+    -msgs bodies Anthropic messages)."""
+    name = os.path.basename(bodies_file)
+    if "-ids-" in name:
+        return COMPLETIONS_PATH
+    return MESSAGES_PATH if "-msgs-" in name else CHAT_PATH
 
 _children = []
 
@@ -640,7 +647,8 @@ def main(argv=None):
                 if s.endswith("-ids"):
                     gen = bodies_mod.generate_ids(SIZES[s], count, args.seed)
                 else:
-                    gen = bodies_mod.generate(SIZES[s], count, args.seed, marker=args.fresh)
+                    api = "messages" if s.endswith("-msgs") else "chat"
+                    gen = bodies_mod.generate(SIZES[s], count, args.seed, marker=args.fresh, api=api)
                 for b in gen:
                     f.write(b)
                     f.write("\n")

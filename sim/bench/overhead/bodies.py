@@ -72,7 +72,19 @@ def _text(rng, words, n_chars):
     return "".join(out)[:n_chars]
 
 
-def _body(system, user, max_tokens=16):
+def _body(system, user, max_tokens=16, api="chat"):
+    if api == "messages":
+        # Anthropic's Messages API: the same text, system as a text block.
+        return json.dumps(
+            {
+                "model": MODEL,
+                "max_tokens": max_tokens,
+                "system": [{"type": "text", "text": system}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": user}]}],
+                "stream": False,
+            },
+            separators=(",", ":"),
+        )
     return json.dumps(
         {
             "model": MODEL,
@@ -87,15 +99,19 @@ def _body(system, user, max_tokens=16):
 MARKER_PLACES = ("turn", "tail")
 
 
-def generate(size, count, seed=1, marker=None):
+def generate(size, count, seed=1, marker=None, api="chat"):
     """`count` bodies of exactly `size` bytes (as sent), as strings; with
     `marker` "turn" each user turn starts with MARKER, with "tail" it ends
-    with it."""
+    with it. `api="messages"`: Anthropic Messages bodies of the same text
+    (system and user turn as text blocks)."""
     if marker not in (None,) + MARKER_PLACES:
         raise ValueError(f"marker: {marker!r} is not one of {MARKER_PLACES}")
     rng = random.Random(f"kvroute-overhead-{seed}-{size}")
     words = _vocabulary(random.Random(f"kvroute-overhead-vocab-{seed}"))
-    overhead = len(_body("", ""))
+    def body_of(system, user):
+        return _body(system, user, api=api)
+
+    overhead = len(body_of("", ""))
     content = max(16, size - overhead)
     system_chars = int(content * SYSTEM_SHARE)
     systems = [
@@ -118,13 +134,13 @@ def generate(size, count, seed=1, marker=None):
 
         # Fit to the exact size: JSON escapes (\n) make the text longer on the wire.
         user_len = content - system_chars
-        body = _body(system, turn(user_len))
+        body = body_of(system, turn(user_len))
         while len(body) > size and user_len > len(head) + len(tail):
             user_len -= max(1, len(body) - size)
-            body = _body(system, turn(user_len))
+            body = body_of(system, turn(user_len))
         pad = size - len(body)
         if pad > 0:
-            body = _body(system, turn(user_len) + "." * pad)
+            body = body_of(system, turn(user_len) + "." * pad)
         bodies.append(body)
     return bodies
 

@@ -110,6 +110,9 @@ def _route(match, status, body, content_type="application/json"):
 def _listener(index, port, buffer_limit, access_log=None):
     routes = [
         _route({"safe_regex": {"regex": ".*/v1/(chat/)?completions"}}, 200, CHAT_RESPONSE),
+        # Anthropic's Messages API (the benchmark's -msgs bodies): the same
+        # answer; the body does not matter to the proxies.
+        _route({"safe_regex": {"regex": ".*/v1/messages"}}, 200, CHAT_RESPONSE),
         _route({"path": "/v1/models"}, 200, MODELS_RESPONSE),
         _route({"path": "/get_model_info"}, 200, MODEL_INFO_RESPONSE),
         _route({"path": "/get_server_info"}, 200, SERVER_INFO_RESPONSE),

@@ -3,6 +3,8 @@
 //! | route | answer |
 //! |---|---|
 //! | `POST /v1/chat/completions`, `POST /v1/completions` | vLLM-style JSON or SSE |
+//! | `POST /v1/messages` | Anthropic's Messages JSON or event stream, as vLLM converts it (`vllm_server::anthropic`) |
+//! | `POST /v1/messages/count_tokens` | `{"input_tokens": N}` |
 //! | `GET /v1/models`, `GET /health` | as vLLM |
 //! | `GET /metrics` | Prometheus text, or a fault (see `/emulator/metrics-mode`) |
 //! | `POST /emulator/reset` | clears prefix cache and counters |
@@ -28,6 +30,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use kvroute_core::request::{parse_request, ApiKind, ParseLimits};
 use kvroute_sim_model::vllm_model::{AdmitError, RequestId};
+use kvroute_sim_model::vllm_server::anthropic;
 use serde_json::json;
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -192,10 +195,13 @@ async fn handle(
             }
         }
         (Method::GET, "/emulator/stats") => json_response(&ep, StatusCode::OK, &stats(&ep)),
+        (Method::POST, p) if p.trim_end_matches('/').ends_with("/v1/messages/count_tokens") => {
+            count_tokens(&ep, &body)
+        }
         (Method::POST, p)
             if matches!(
                 ApiKind::from_path(p),
-                Some(ApiKind::ChatCompletions | ApiKind::Completions)
+                Some(ApiKind::ChatCompletions | ApiKind::Completions | ApiKind::Messages)
             ) =>
         {
             completion(&ep, p, &body, reset_after_first).await
@@ -205,7 +211,7 @@ async fn handle(
             StatusCode::NOT_FOUND,
             &format!(
                 "no route for {p}: the emulator serves /v1/chat/completions, /v1/completions, \
-                 /v1/models, /health, /metrics and /emulator/{{reset,metrics-mode,stats}}"
+                 /v1/messages, /v1/models, /health, /metrics and /emulator/{{reset,metrics-mode,stats}}"
             ),
         ),
     })
@@ -299,6 +305,28 @@ impl Drop for AbortGuard {
     }
 }
 
+/// `/v1/messages/count_tokens`: the converted chat prompt's token count,
+/// as vLLM answers it (`{"input_tokens": N}`).
+fn count_tokens(ep: &Arc<Endpoint>, body: &[u8]) -> Response<Body> {
+    let bad = |m: &str| json_response(ep, StatusCode::BAD_REQUEST, &anthropic::error_body(m));
+    let chat = match anthropic::to_chat_body(body) {
+        Ok(b) => b,
+        Err(e) => return bad(&e),
+    };
+    let parsed = match parse_request(ApiKind::ChatCompletions, &chat, &ParseLimits::default()) {
+        Ok(p) => p,
+        Err(e) => return bad(&e.to_string()),
+    };
+    match engine_request(&parsed, &chat, &ep.cfg, &ep.hasher, false) {
+        Ok(r) => json_response(
+            ep,
+            StatusCode::OK,
+            &json!({"input_tokens": r.prompt_tokens}),
+        ),
+        Err(e) => bad(&e),
+    }
+}
+
 async fn completion(
     ep: &Arc<Endpoint>,
     path: &str,
@@ -307,6 +335,26 @@ async fn completion(
 ) -> Response<Body> {
     let Some(kind) = ApiKind::from_path(path) else {
         return error_response(ep, StatusCode::NOT_FOUND, "unknown API");
+    };
+    // Anthropic's Messages API: vLLM serves the chat request it converts
+    // the body into, and answers in Anthropic's shapes.
+    let messages = kind == ApiKind::Messages;
+    let error_response = |ep: &Endpoint, status: StatusCode, message: &str| {
+        if messages {
+            json_response(ep, status, &anthropic::error_body(message))
+        } else {
+            error_response(ep, status, message)
+        }
+    };
+    let chat_body;
+    let (kind, body) = if messages {
+        chat_body = match anthropic::to_chat_body(body) {
+            Ok(b) => b,
+            Err(e) => return error_response(ep, StatusCode::BAD_REQUEST, &e),
+        };
+        (ApiKind::ChatCompletions, &chat_body[..])
+    } else {
+        (kind, body)
     };
     let parsed = match parse_request(kind, body, &ParseLimits::default()) {
         Ok(p) => p,
@@ -325,7 +373,8 @@ async fn completion(
             v.pointer("/stream_options/include_usage")
                 .and_then(|b| b.as_bool())
         })
-        .unwrap_or(false);
+        .unwrap_or(false)
+        || messages;
     let ereq = match engine_request(&parsed, body, &ep.cfg, &ep.hasher, ep.kv_events_enabled()) {
         Ok(r) => r,
         Err(e) => return error_response(ep, StatusCode::BAD_REQUEST, &e),
@@ -355,13 +404,14 @@ async fn completion(
     };
     let guard = AbortGuard { ep: ep.clone(), id };
     let request_no = (u64::from(ep.addr.port()) << 40) ^ id;
-    let shape = ResponseShape::new(
+    let mut shape = ResponseShape::new(
         kind,
         &parsed.model,
         prompt_tokens,
         request_no,
         include_usage,
     );
+    shape.messages = messages;
     if parsed.stream {
         let (tx, body_rx) = mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(16);
         tokio::spawn(stream_answer(guard, rx, tx, shape, reset_after_first));
@@ -428,17 +478,23 @@ async fn stream_answer(
     let mut sent = 0u32;
     while let Some(p) = rx.recv().await {
         let mut out = String::new();
-        if p.first && shape.chat {
+        if shape.messages {
+            let text = shape.text(sent, p.generated);
+            let end = p.finished.then_some((p.generated, p.cached_tokens));
+            out = shape.messages_events(p.first, &text, end);
+        } else if p.first && shape.chat {
             out.push_str(&shape.role_chunk());
         }
-        out.push_str(&shape.content_chunk(&shape.text(sent, p.generated), p.finished));
-        sent = p.generated;
-        if p.finished {
-            if shape.include_usage {
-                out.push_str(&shape.usage_chunk(p.generated, p.cached_tokens));
+        if !shape.messages {
+            out.push_str(&shape.content_chunk(&shape.text(sent, p.generated), p.finished));
+            if p.finished {
+                if shape.include_usage {
+                    out.push_str(&shape.usage_chunk(p.generated, p.cached_tokens));
+                }
+                out.push_str(ResponseShape::DONE);
             }
-            out.push_str(ResponseShape::DONE);
         }
+        sent = p.generated;
         if tx.send(Ok(Frame::data(Bytes::from(out)))).await.is_err() {
             return; // client gone; the guard aborts the request
         }

@@ -82,7 +82,6 @@ pub(crate) fn unsupported_reason(kind: &str) -> Option<&'static str> {
         // llm-d-router `pkg/epp/framework/plugins/requesthandling/parsers/`:
         // each parser claims path suffixes; kvroute routes the OpenAI ones
         // (`routing.paths`) and passes any other request on untouched.
-        "anthropic-parser" => "kvroute does not parse Anthropic's Messages API (/v1/messages) yet, so those requests would pass unrouted; list openai-parser only (kvroute routes the OpenAI-compatible paths in `routing.paths`)",
         "vllmgrpc-parser" | "vertexai-parser" => "kvroute routes HTTP/JSON OpenAI-compatible requests only; it does not parse gRPC request bodies",
         "sglanghttp-parser" => "it parses SGLang's own /generate, not the OpenAI-compatible API, and kvroute does not route that path; for the OpenAI paths list openai-parser only",
         k if k.starts_with("multicluster-") => "multi-cluster routing is not supported: kvroute routes within one Envoy cluster",
@@ -322,8 +321,8 @@ pub(super) fn sections(
         refers_to(
             path,
             name,
-            &["openai-parser", "vllmhttp-parser", "passthrough-parser"],
-            "kvroute parses OpenAI-compatible bodies (openai-parser) and vLLM's /inference/v1/generate (vllmhttp-parser, which also covers the OpenAI paths), and routes other requests on load alone (passthrough-parser)",
+            &["openai-parser", "anthropic-parser", "vllmhttp-parser", "passthrough-parser"],
+            "kvroute parses OpenAI-compatible bodies (openai-parser), Anthropic's /v1/messages (anthropic-parser) and vLLM's /inference/v1/generate (vllmhttp-parser, which also covers the OpenAI paths), and routes other requests on load alone (passthrough-parser)",
         )?;
         if type_of(name) == Some("passthrough-parser") {
             passthrough.set(true);

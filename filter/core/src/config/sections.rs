@@ -509,13 +509,14 @@ pub(super) fn routing(r: RawRouting) -> Result<RoutingConfig, ConfigError> {
             "/v1/responses",
             "/v1/embeddings",
             "/inference/v1/generate",
+            "/v1/messages",
         ]
         .map(String::from)
         .to_vec()
     });
     for (i, p) in paths.iter().enumerate() {
         if crate::request::ApiKind::from_path(p).is_none() {
-            return Err(err(format!("routing.paths[{i}]"), format!("\"{p}\" is not an OpenAI API path kvroute can parse (…/v1/chat/completions, …/v1/completions, …/v1/responses, …/v1/embeddings, …/inference/v1/generate)")));
+            return Err(err(format!("routing.paths[{i}]"), format!("\"{p}\" is not an API path kvroute can parse (…/v1/chat/completions, …/v1/completions, …/v1/responses, …/v1/embeddings, Anthropic's …/v1/messages, vLLM's …/inference/v1/generate)")));
         }
     }
     if let Some(s) = &r.state_path {

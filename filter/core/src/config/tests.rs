@@ -252,14 +252,18 @@ fn router_chart_default_loads_with_its_data_layer_plugins() {
 }
 
 #[test]
+fn router_chart_with_the_anthropic_parser_loads() {
+    // router.epp.parsers: ["openai-parser", "anthropic-parser"]: kvroute
+    // parses /v1/messages itself (in routing.paths by default).
+    let c = Config::from_json(&fixture("router-chart-openai-anthropic.json")).unwrap();
+    assert!(c.routing.paths.iter().any(|p| p == "/v1/messages"));
+    assert!(!c.routing.passthrough);
+    assert_eq!(c.warnings, Vec::<String>::new());
+}
+
+#[test]
 fn router_chart_variants_are_refused_where_kvroute_cannot_honour_them() {
     for (file, path, msg) in [
-        // router.epp.parsers: ["openai-parser", "anthropic-parser"]
-        (
-            "router-chart-openai-anthropic.json",
-            "plugins[6].type",
-            "Messages API",
-        ),
         // modelServers.type: triton (passthrough-parser, triton metrics)
         (
             "router-chart-triton.json",
@@ -744,11 +748,11 @@ fn top_level_llm_d_sections() {
         assert!(e.message.contains(msg), "{extra}: {e}");
     }
     let e = reject(&with_plugins(
-        serde_json::json!([{"type": "anthropic-parser"}]),
+        serde_json::json!([{"type": "vllmgrpc-parser"}]),
         serde_json::json!({}),
     ));
     assert_eq!(e.path, "plugins[5].type");
-    assert!(e.message.contains("OpenAI-compatible"), "{e}");
+    assert!(e.message.contains("gRPC"), "{e}");
 }
 
 #[test]
@@ -956,7 +960,6 @@ fn known_llm_d_types_are_refused_with_a_reason() {
         ("sheddable-eviction-filter", "does not evict"),
         ("multicluster-queue-scorer", "multi-cluster"),
         ("agent-identity", "sessionIdConfig.sources"),
-        ("anthropic-parser", "Messages API (/v1/messages)"),
         ("vllmgrpc-parser", "gRPC"),
         ("sglanghttp-parser", "SGLang"),
     ] {

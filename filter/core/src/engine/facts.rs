@@ -184,6 +184,9 @@ fn offpath_text(
             Some(chat) => m.renderer.render_inputs(chat)?,
             None => m.renderer.render_chat(body)?,
         }),
+        (Prompt::Text(_), ApiKind::Messages) => Ok(m
+            .renderer
+            .render_inputs(chat.ok_or(Fallback::Unsupported)?)?),
         (Prompt::Text(_), _) => Err(Fallback::Unsupported),
     }
 }

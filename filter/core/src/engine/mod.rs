@@ -85,7 +85,7 @@
 
 use crate::config::{Config, EndpointSource, FailureMode};
 use crate::precise::PreciseUse;
-use crate::request::{ParseError, ParseLimits};
+use crate::request::{ApiKind, ParseError, ParseLimits};
 use crate::scheduling::Decision;
 use kvroute_shared_state::endpoints::{EndpointEntry, EndpointTable};
 use kvroute_shared_state::index::IndexGeometry;
@@ -265,6 +265,59 @@ impl Clone for TableCache {
 pub fn openai_error(message: &str, kind: &str, code: u32) -> String {
     serde_json::json!({"error": {"message": message, "type": kind, "param": null, "code": code}})
         .to_string()
+}
+
+/// Anthropic-style error body (the Messages API's): its `error.type` from
+/// the status, as Anthropic documents them.
+pub fn anthropic_error(message: &str, status: u32) -> String {
+    let kind = match status {
+        400 => "invalid_request_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        _ => "api_error",
+    };
+    serde_json::json!({"type": "error", "error": {"type": kind, "message": message}}).to_string()
+}
+
+/// A local error reply's body in the shape of the request's API: Anthropic's
+/// for the Messages API, else OpenAI's (`kind` is OpenAI's error type).
+pub fn error_body(api: ApiKind, message: &str, kind: &str, status: u32) -> String {
+    match api {
+        ApiKind::Messages => anthropic_error(message, status),
+        _ => openai_error(message, kind, status),
+    }
+}
+
+impl Outcome {
+    /// A rejection's body in the shape of the request's API (built from its
+    /// reason again; other outcomes are unchanged).
+    /// (`None`: a passthrough request, whose API is not known: unchanged.)
+    pub fn for_api(self, api: Option<ApiKind>) -> Outcome {
+        match self {
+            Outcome::Reject { status, why, .. } if api == Some(ApiKind::Messages) => {
+                Outcome::Reject {
+                    status,
+                    body: anthropic_error(&why.message(), status),
+                    why,
+                }
+            }
+            other => other,
+        }
+    }
+}
+
+impl Unrouted {
+    /// What a local error reply says.
+    pub fn message(&self) -> String {
+        match self {
+            Unrouted::BadBody(e) => e.to_string(),
+            Unrouted::NoEndpoints => "no model server endpoints are available".into(),
+            Unrouted::UnknownModel(m) => format!("The model `{m}` does not exist."),
+            Unrouted::Store(m) => m.clone(),
+        }
+    }
 }
 
 impl Engine {

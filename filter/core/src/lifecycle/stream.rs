@@ -23,7 +23,9 @@
 
 use super::flow::{send_shed, Admit, Arrival};
 use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
-use crate::engine::{openai_error, Outcome, Provisional, SessionLookup, SessionRef, Unrouted};
+use crate::engine::{
+    anthropic_error, openai_error, Outcome, Provisional, SessionLookup, SessionRef, Unrouted,
+};
 use crate::request::{ApiKind, ParseError};
 use crate::scheduling::session::{self, Presence, Strategy};
 use kvroute_shared_state::load::Ticket;
@@ -308,7 +310,7 @@ impl Stream {
         if end_of_stream {
             // A POST without a body cannot be routed.
             let why = Unrouted::BadBody(ParseError::Empty);
-            return match w.engine.fail_for(why.clone()) {
+            return match w.engine.fail_for(why.clone()).for_api(Some(kind)) {
                 Outcome::Reject { status, body, .. } => {
                     w.counts.inc(host, Counter::Rejected);
                     Self::reply(&w, host, status, &body)
@@ -339,9 +341,13 @@ impl Stream {
                 actual: body_size,
             });
             self.kind = None;
-            return match w.engine.fail_for(why.clone()) {
+            return match w.engine.fail_for(why.clone()).for_api(Some(kind)) {
                 Outcome::Reject { body, .. } => {
                     w.counts.inc(host, Counter::Rejected);
+                    let body = match kind {
+                        ApiKind::Messages => anthropic_error(&why.message(), 413),
+                        _ => body,
+                    };
                     Self::reply(&w, host, 413, &body)
                 }
                 _ => {
@@ -481,6 +487,7 @@ impl Stream {
                 Ok(facts) => w.engine.route(host.store(), facts, now, &mut rng),
                 Err(why) => w.engine.fail_for(why),
             }
+            .for_api(self.kind)
         };
         w.samples
             .on_decision(host, now_ns.filter(|_| timed), &outcome);

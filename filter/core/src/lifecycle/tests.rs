@@ -2572,5 +2572,7 @@ fn passthrough_routes_unparsed_paths_on_load_alone() {
     assert_eq!(host.header("x-gateway-destination-endpoint"), None);
     assert_eq!(inflight(&host, &w), (0, 0));
 }
+#[path = "tests_anthropic.rs"]
+mod anthropic;
 #[path = "session_tests.rs"]
 mod session_tests;

@@ -300,6 +300,13 @@ impl PreciseConfig {
                     None => tok.chat_ids(body)?,
                 }))
             }
+            // vLLM's conversion to a chat request is the parser's
+            // (`request/anthropic.rs`): without it, no hashes.
+            (Prompt::Text(_), ApiKind::Messages) => {
+                let tok = self.tokenizer_for(&req.model)?;
+                let chat = chat.ok_or(Fallback::Unsupported)?;
+                Ok(Cow::Owned(tok.chat_ids_from(chat)?))
+            }
             (Prompt::Text(_), _) => Err(Fallback::Unsupported),
         }
     }

@@ -181,6 +181,9 @@ impl ChatRenderer {
         &self,
         chat: &ChatTemplateInputs,
     ) -> Result<(String, bool), TokenizeError> {
+        if let Some(why) = chat.unsupported {
+            return Err(TokenizeError::Unsupported(why));
+        }
         let env = self.template_env()?;
         if let Some(e) = &chat.error {
             return Err(TokenizeError::Template(format!("messages: {e}")));

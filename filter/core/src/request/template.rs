@@ -38,6 +38,10 @@ pub struct ChatTemplateInputs {
     /// Why these fields do not deserialise (the first reason), if they do
     /// not: the template is then not rendered.
     pub error: Option<String>,
+    /// Why vLLM's prompt for this request cannot be reproduced (an
+    /// Anthropic request's conversion, `anthropic.rs`): the request falls
+    /// back to the approximate index.
+    pub unsupported: Option<&'static str>,
 }
 
 /// One message of a chat body.

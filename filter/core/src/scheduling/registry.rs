@@ -260,6 +260,7 @@ pub(crate) static PLUGINS: &[Plugin] = &[
     inert("kvroute-saturation-detector", Inert::Detector),
     inert("openai-parser", Inert::Parser),
     inert("vllmhttp-parser", Inert::Parser),
+    inert("anthropic-parser", Inert::Parser),
     inert("passthrough-parser", Inert::Parser),
     inert("global-strict-fairness-policy", Inert::FlowPolicy),
     inert("round-robin-fairness-policy", Inert::FlowPolicy),

@@ -93,9 +93,12 @@ pub fn parse_request(
             let mut b: EmbeddingsBody = serde_json::from_slice(body).map_err(json_err)?;
             (b.common(), Prompt::Text(Vec::new()))
         }
-        // Added to the parser after this reference was frozen: nothing to
-        // compare against (the callers pass the four OpenAI APIs only).
-        ApiKind::Generate => panic!("the frozen reference predates vLLM's generate API"),
+        // Anthropic's Messages API and vLLM's generate API came after this
+        // parser was frozen; their parsers read with serde (no one-pass
+        // renderer to compare).
+        ApiKind::Messages | ApiKind::Generate => {
+            return kvroute_core::request::parse_request(kind, body, limits)
+        }
     };
     let model = match common.model {
         Some(m) if !m.is_empty() => m.into_owned(),

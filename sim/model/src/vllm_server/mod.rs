@@ -5,6 +5,7 @@
 //! them directly, so both drivers build the same engine input and the same
 //! page from the same state.
 
+pub mod anthropic;
 pub mod metrics_text;
 pub mod openai;
 pub mod tokenize;

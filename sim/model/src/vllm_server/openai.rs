@@ -100,6 +100,9 @@ pub fn error_body(status: u16, message: &str) -> Value {
 #[derive(Clone, Debug)]
 pub struct ResponseShape {
     pub chat: bool,
+    /// Anthropic's Messages API: the chat answer re-shaped
+    /// (`super::anthropic`).
+    pub messages: bool,
     pub id: String,
     pub created: u64,
     pub model: String,
@@ -121,6 +124,7 @@ impl ResponseShape {
         let prefix = if chat { "chatcmpl" } else { "cmpl" };
         ResponseShape {
             chat,
+            messages: false,
             id: format!("{prefix}-{request_no:032x}"),
             created: super::unix_now_s() as u64,
             model: model.to_owned(),
@@ -193,9 +197,38 @@ impl ResponseShape {
 
     pub const DONE: &'static str = "data: [DONE]\n\n";
 
+    /// One streamed step of a Messages answer: `message_start` and the
+    /// text block's start first, a `text_delta`, and at the end the
+    /// block's stop, `message_delta` (usage) and `message_stop`.
+    pub fn messages_events(&self, first: bool, text: &str, finished: Option<(u32, u32)>) -> String {
+        use super::anthropic;
+        let mut out = String::new();
+        if first {
+            out.push_str(&anthropic::start_events(
+                &self.id,
+                &self.model,
+                self.prompt_tokens,
+            ));
+        }
+        out.push_str(&anthropic::delta_event(text));
+        if let Some((generated, cached)) = finished {
+            out.push_str(&anthropic::end_events(anthropic::usage(
+                self.prompt_tokens,
+                generated,
+                cached,
+            )));
+        }
+        out
+    }
+
     /// The whole non-streaming answer.
     pub fn full_body(&self, completion_tokens: u32, cached_tokens: u32) -> Value {
         let text = self.text(0, completion_tokens);
+        if self.messages {
+            use super::anthropic;
+            let usage = anthropic::usage(self.prompt_tokens, completion_tokens, cached_tokens);
+            return anthropic::message_body(&self.id, &self.model, &text, usage);
+        }
         let usage = self.usage(completion_tokens, cached_tokens);
         if self.chat {
             json!({

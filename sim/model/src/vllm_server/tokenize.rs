@@ -184,7 +184,9 @@ impl PromptTokenizer {
                 Some(self.encode(text, add))
             }
             // Generate prompts are token IDs (never text).
-            ApiKind::Responses | ApiKind::Embeddings | ApiKind::Generate => None,
+            ApiKind::Responses | ApiKind::Embeddings | ApiKind::Messages | ApiKind::Generate => {
+                None
+            }
         }
     }
 

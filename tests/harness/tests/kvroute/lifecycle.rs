@@ -5,6 +5,9 @@
 //! After the victim ends, the endpoint must hold exactly the witness's
 //! charge: a missed release shows as too much, a double release as too
 //! little (counters saturate at zero, so a lone request could hide it).
+//! Each API with its own response stream: OpenAI's completions (SSE
+//! `data:` chunks) and Anthropic's Messages (`message_start` …
+//! `message_stop` events).
 
 use crate::support::*;
 use kvroute_harness::{Cluster, EndOrder, Req};
@@ -30,17 +33,48 @@ const EXITS: [Exit; 7] = [
     Exit::TimeoutAfterFirstByte,
 ];
 
-fn leave(c: &Cluster, req: Req, exit: Exit) {
+/// An API: its path, a streaming body, its response stream's first event
+/// and the whole stream.
+struct Api {
+    path: &'static str,
+    body: fn(&str) -> Vec<u8>,
+    first: &'static [u8],
+    stream: &'static [&'static [u8]],
+}
+
+const APIS: [Api; 2] = [
+    Api {
+        path: "/v1/completions",
+        body: |p| completion(p, true),
+        first: b"data: {\"choices\":[]}\n\n",
+        stream: &[b"data: a\n\n", b"data: [DONE]\n\n"],
+    },
+    Api {
+        path: "/v1/messages",
+        body: |p| {
+            serde_json::json!({"model": "m", "max_tokens": 16, "stream": true,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": p}]}]})
+            .to_string()
+            .into_bytes()
+        },
+        first: b"event: message_start\ndata: {\"type\":\"message_start\"}\n\n",
+        stream: &[
+            b"event: message_start\ndata: {\"type\":\"message_start\"}\n\n",
+            b"event: content_block_start\ndata: {}\n\nevent: content_block_delta\ndata: {}\n\n",
+            b"event: content_block_stop\ndata: {}\n\nevent: message_delta\ndata: {}\n\n",
+            b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        ],
+    },
+];
+
+fn leave(c: &Cluster, api: &Api, req: Req, exit: Exit) {
     let first_byte = |c: &Cluster| {
         c.respond_headers(req, 200, &[("content-type", "text/event-stream")], false)
             .unwrap();
-        c.respond_body(req, b"data: {\"choices\":[]}\n\n", false)
-            .unwrap();
+        c.respond_body(req, api.first, false).unwrap();
     };
     match exit {
-        Exit::Success => c
-            .respond(req, &[b"data: a\n\n", b"data: [DONE]\n\n"])
-            .unwrap(),
+        Exit::Success => c.respond(req, api.stream).unwrap(),
         Exit::ResetBeforeFirstByte => c.upstream_reset(req).unwrap(),
         Exit::ResetAfterFirstByte => {
             first_byte(c);
@@ -62,53 +96,58 @@ fn leave(c: &Cluster, req: Req, exit: Exit) {
 
 #[test]
 fn every_exit_path_releases_exactly_once() {
-    for order in [EndOrder::DoneLogDelete, EndOrder::LogDoneDelete] {
-        for exit in EXITS {
-            for output_estimate in [false, true] {
-                let cfg = if output_estimate {
-                    config(serde_json::json!({"plugins": [
-                        {"type": "approx-prefix-cache-producer"},
-                        {"type": "inflight-load-producer", "parameters": {"addEstimatedOutputTokens": true}},
-                        {"type": "prefix-cache-affinity-filter"},
-                        {"type": "token-load-scorer"},
-                        {"type": "max-score-picker"}
-                    ], "schedulingProfiles": [{"name": "default", "plugins": [
-                        {"pluginRef": "prefix-cache-affinity-filter"},
-                        {"pluginRef": "token-load-scorer"},
-                        {"pluginRef": "max-score-picker"}
-                    ]}]}))
-                } else {
-                    config(serde_json::json!({}))
-                };
-                let c = fleet(1, &cfg);
-                c.set_end_order(order);
-                let body = completion(&prompt("lifecycle", 2000), true);
-                let witness = c.post(1, "/v1/completions", &body).unwrap();
-                let target = primary(&c, witness).expect("witness routed");
-                let (witness_tokens, witness_requests) = inflight_of(&c, &target);
-                assert_eq!(witness_requests, 1);
-                assert!(witness_tokens > 0, "a cold prompt charges tokens");
-                let victim = c.post(1, "/v1/completions", &body).unwrap();
-                assert_eq!(
-                    primary(&c, victim).as_deref(),
-                    Some(target.as_str()),
-                    "same prefix sticks"
-                );
-                leave(&c, victim, exit);
-                let case = format!("{order:?} {exit:?} output_estimate={output_estimate}");
-                assert_eq!(
-                    inflight_of(&c, &target),
-                    (witness_tokens, 1),
-                    "{case}: witness charge changed"
-                );
-                // Now the witness leaves by the same path: all back to zero.
-                leave(&c, witness, exit);
-                assert_eq!(
-                    total_inflight(&c),
-                    (0, 0),
-                    "{case}: counters did not return to zero"
-                );
-                assert!(c.vm_failure(1).is_none(), "{case}");
+    for api in &APIS {
+        for order in [EndOrder::DoneLogDelete, EndOrder::LogDoneDelete] {
+            for exit in EXITS {
+                for output_estimate in [false, true] {
+                    let cfg = if output_estimate {
+                        config(serde_json::json!({"plugins": [
+                            {"type": "approx-prefix-cache-producer"},
+                            {"type": "inflight-load-producer", "parameters": {"addEstimatedOutputTokens": true}},
+                            {"type": "prefix-cache-affinity-filter"},
+                            {"type": "token-load-scorer"},
+                            {"type": "max-score-picker"}
+                        ], "schedulingProfiles": [{"name": "default", "plugins": [
+                            {"pluginRef": "prefix-cache-affinity-filter"},
+                            {"pluginRef": "token-load-scorer"},
+                            {"pluginRef": "max-score-picker"}
+                        ]}]}))
+                    } else {
+                        config(serde_json::json!({}))
+                    };
+                    let c = fleet(1, &cfg);
+                    c.set_end_order(order);
+                    let body = (api.body)(&prompt("lifecycle", 2000));
+                    let witness = c.post(1, api.path, &body).unwrap();
+                    let target = primary(&c, witness).expect("witness routed");
+                    let (witness_tokens, witness_requests) = inflight_of(&c, &target);
+                    assert_eq!(witness_requests, 1);
+                    assert!(witness_tokens > 0, "a cold prompt charges tokens");
+                    let victim = c.post(1, api.path, &body).unwrap();
+                    assert_eq!(
+                        primary(&c, victim).as_deref(),
+                        Some(target.as_str()),
+                        "same prefix sticks"
+                    );
+                    leave(&c, api, victim, exit);
+                    let case = format!(
+                        "{} {order:?} {exit:?} output_estimate={output_estimate}",
+                        api.path
+                    );
+                    assert_eq!(
+                        inflight_of(&c, &target),
+                        (witness_tokens, 1),
+                        "{case}: witness charge changed"
+                    );
+                    // Now the witness leaves by the same path: all back to zero.
+                    leave(&c, api, witness, exit);
+                    assert_eq!(
+                        total_inflight(&c),
+                        (0, 0),
+                        "{case}: counters did not return to zero"
+                    );
+                    assert!(c.vm_failure(1).is_none(), "{case}");
+                }
             }
         }
     }

@@ -71,7 +71,13 @@ fn run(mode: &str) {
     let c: Cluster = fleet(1, &cfg);
     let mut rejected_open = 0;
     for (name, body) in corpus() {
-        for path in ["/v1/completions", "/v1/chat/completions"] {
+        // Bodies bad only for Anthropic's Messages API go there alone.
+        let paths: &[&str] = if name.starts_with("bad-messages-") {
+            &["/v1/messages"]
+        } else {
+            &["/v1/completions", "/v1/chat/completions", "/v1/messages"]
+        };
+        for &path in paths {
             let req = c
                 .post(1, path, &body)
                 .unwrap_or_else(|e| panic!("{mode} {name} {path}: {e:#}"));
@@ -103,6 +109,13 @@ fn run(mode: &str) {
                     json.get("error").is_some(),
                     "{name}: not an OpenAI-style error"
                 );
+                if path == "/v1/messages" {
+                    assert_eq!(
+                        json["type"], "error",
+                        "{name}: not an Anthropic-style error"
+                    );
+                    assert!(json["error"]["type"].is_string(), "{name}");
+                }
                 if name.contains("maxBodyBytes") {
                     assert_eq!(status, 413, "{name}");
                 }
@@ -157,6 +170,7 @@ fn good_corpus_routes_in_both_modes() {
                 "responses" => "/v1/responses",
                 "embeddings" => "/v1/embeddings",
                 "generate" => "/inference/v1/generate",
+                "messages" => "/v1/messages",
                 _ => continue,
             };
             let req = c
