@@ -37,7 +37,7 @@ enum Upstream {
 fn metrics_config() -> String {
     config(serde_json::json!({"collector": {
         "metricsCluster": "vllm", "metricsPollIntervalMs": 1000, "metricsTimeoutMs": 500,
-        "metricsStaleAfterMs": 5000
+        "metricsStaleAfterMs": 5000, "modelsPollIntervalMs": 0
     }}))
 }
 
@@ -104,9 +104,11 @@ fn metrics_poll_parse_garbage_timeout_and_staleness() {
     for e in &table.endpoints {
         assert!(!m.get(e.slot, e.generation).unwrap().is_fresh(now_ms, 5000));
     }
-    // Requests still route on in-flight counters alone.
+    // Requests still route on in-flight counters alone (for the model the
+    // capture's server serves: the model filter remembers it).
+    let body = serde_json::json!({"model": "tiny", "prompt": "metrics are dead", "max_tokens": 16});
     let req = c
-        .post(1, "/v1/completions", &completion("metrics are dead", false))
+        .post(1, "/v1/completions", body.to_string().as_bytes())
         .unwrap();
     assert!(primary(&c, req).is_some());
 }
