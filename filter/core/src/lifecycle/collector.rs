@@ -32,7 +32,7 @@
 use super::lease::{Lease, Schedule, Standing};
 use super::mesh_link::MeshLink;
 use super::telemetry::{self, CollectorStats};
-use super::{Counter, Counts, Host, Level};
+use super::{Counter, Counts, Host, HostResult, Level};
 use crate::config::{CollectorMode, EndpointSource, ORIGINAL_DST_HOST_HEADER, RELAY_HOST_HEADER};
 use crate::engine::Engine;
 use crate::reports::relay::{ask_path, next_ask, Ask};
@@ -408,6 +408,29 @@ impl Collector {
         }
     }
 
+    /// A GET of `path` on one endpoint through `cluster` (the metrics
+    /// cluster: `ORIGINAL_DST` by header, or `override_host` by the
+    /// destination header), with the metrics timeout.
+    fn endpoint_get(
+        &self,
+        host: &dyn Host,
+        cluster: &str,
+        path: &str,
+        address: &str,
+    ) -> HostResult<u32> {
+        let headers = [
+            (":method", "GET"),
+            (":path", path),
+            (":authority", address),
+            (ORIGINAL_DST_HOST_HEADER, address),
+            (
+                self.engine.config.routing.destination_header.as_str(),
+                address,
+            ),
+        ];
+        host.http_call(cluster, &headers, self.timers.metrics_timeout_ms)
+    }
+
     fn poll_metrics(&mut self, host: &dyn Host, now: u64) {
         let Some(cluster) = self.engine.config.collector.metrics_cluster.clone() else {
             return;
@@ -417,7 +440,6 @@ impl Collector {
             Err(e) => return self.host_error(host, "reading endpoints", e),
         };
         let path = self.engine.config.collector.metrics_path.clone();
-        let header = self.engine.config.routing.destination_header.clone();
         for e in &table.endpoints {
             let busy = self
                 .pending
@@ -426,14 +448,7 @@ impl Collector {
             if busy {
                 continue;
             }
-            let headers = [
-                (":method", "GET"),
-                (":path", path.as_str()),
-                (":authority", e.address.as_str()),
-                (ORIGINAL_DST_HOST_HEADER, e.address.as_str()),
-                (header.as_str(), e.address.as_str()),
-            ];
-            match host.http_call(&cluster, &headers, self.timers.metrics_timeout_ms) {
+            match self.endpoint_get(host, &cluster, &path, &e.address) {
                 Ok(token) => {
                     self.pending.insert(
                         token,
@@ -473,7 +488,6 @@ impl Collector {
             .collect();
         self.models_asked.retain(|k| current.contains(k));
         let path = self.engine.config.collector.models_path.clone();
-        let header = self.engine.config.routing.destination_header.clone();
         for e in &table.endpoints {
             let id = (e.slot, e.generation);
             if !all && self.models_asked.contains(&id) {
@@ -487,14 +501,7 @@ impl Collector {
                 continue;
             }
             self.models_asked.insert(id);
-            let headers = [
-                (":method", "GET"),
-                (":path", path.as_str()),
-                (":authority", e.address.as_str()),
-                (ORIGINAL_DST_HOST_HEADER, e.address.as_str()),
-                (header.as_str(), e.address.as_str()),
-            ];
-            match host.http_call(&cluster, &headers, self.timers.metrics_timeout_ms) {
+            match self.endpoint_get(host, &cluster, &path, &e.address) {
                 Ok(token) => {
                     self.pending.insert(
                         token,
