@@ -14,15 +14,22 @@
 //! - an applied answer sets the endpoint's peer load to the answer's sums
 //!   (stamped now) and moves its eviction clock forward, never back;
 //! - shared data never grows past what it held after the first route plus
-//!   the outbox's bound, and the load table has records only for the
-//!   endpoint table's slots;
+//!   the outbox's bound and the session table's (one shard of 64
+//!   bindings), and the load table has records only for the endpoint
+//!   table's slots;
+//! - a peer decision's session is bound to the answer's endpoint when the
+//!   answer names no other session (a moved one always; a bound or
+//!   refreshed one unless it was bound elsewhere), and a told session
+//!   never binds to an endpoint outside the table;
 //! - the in-flight charges equal the outstanding requests (`World`).
 
 use crate::engine::{route_chat, World};
 use kvroute_core::config::Config;
-use kvroute_core::engine::ApplyError;
-use kvroute_core::reports::mesh::parse_answer;
+use kvroute_core::engine::{endpoint_key, ApplyError};
+use kvroute_core::reports::mesh::{parse_answer, ExchangeAnswer, ANSWER_LIMIT};
+use kvroute_shared_state::endpoints::EndpointEntry;
 use kvroute_shared_state::load::LoadTable;
+use kvroute_shared_state::sessions::{shard_key, Binding, Shard, SHARD_SLOTS};
 use kvroute_shared_state::mesh::{MAX_OUTBOX_BYTES, OUTBOX_KEY};
 use kvroute_shared_state::{Store, LOAD_KEY};
 
@@ -31,8 +38,11 @@ pub const MAX_ANSWERS: usize = 32;
 
 const CONFIG: &str = r#"{"endpoints":{"static":["127.0.0.1:8001","127.0.0.1:8002","127.0.0.1:8003"]},
   "plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":4,"lruCapacityPerServer":64}},
-             {"type":"prefix-cache-scorer"},{"type":"max-score-picker"}],
-  "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-scorer"},{"pluginRef":"max-score-picker"}]}],
+             {"type":"prefix-cache-scorer"},{"type":"max-score-picker"},
+             {"type":"session-affinity-scorer","parameters":{"strategy":"session_id",
+               "sessionIdConfig":{"sources":[{"header":"x-session-id"}],"maxSessions":64}}}],
+  "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"prefix-cache-scorer"},
+             {"pluginRef":"session-affinity-scorer"},{"pluginRef":"max-score-picker"}]}],
   "kvEvents":{"enabled":true},
   "sharedState":{"indexBudgetBytes":65536}}"#;
 
@@ -44,6 +54,41 @@ fn load(w: &World) -> LoadTable {
 /// Everything but the outbox and the load table's peer fields.
 fn index_bytes(w: &World) -> usize {
     w.store.bytes_with_prefix("kvroute/ix/")
+}
+
+/// The session table's bindings (one shard: `maxSessions` 64).
+fn sessions(w: &World) -> Vec<Binding> {
+    let v = w.store.get(&shard_key(0)).expect("MemoryStore get");
+    Shard::decode_or_empty(v.as_ref().map(|(b, _)| b.as_slice())).bindings
+}
+
+/// An applied answer's sessions, when it names exactly one: a moved one
+/// is bound to the answer's endpoint; a bound or refreshed one is too,
+/// unless it was bound elsewhere before (kept).
+fn check_sessions(w: &World, a: &ExchangeAnswer, before: &[Binding], e: &EndpointEntry) {
+    let told: Vec<(u64, bool)> = a
+        .decisions
+        .iter()
+        .take(ANSWER_LIMIT as usize)
+        .filter_map(|d| d.session.map(|h| (h, d.session_moved)))
+        .collect();
+    let Some(&(h, _)) = told.first() else {
+        return;
+    };
+    if told.iter().any(|&(x, _)| x != h) {
+        return;
+    }
+    let key = endpoint_key(&e.address);
+    let now = sessions(w);
+    let bound = now.iter().find(|b| b.session == h).map(|b| b.endpoint);
+    let was = before.iter().find(|b| b.session == h).map(|b| b.endpoint);
+    let moved = told.iter().any(|&(_, m)| m);
+    match was {
+        Some(k) if k != key && !moved => {
+            assert_eq!(bound, Some(k), "a peer's refresh moved a session")
+        }
+        _ => assert_eq!(bound, Some(key), "a peer's session was not bound here"),
+    }
 }
 
 /// Routes one chat request outside `World`'s bookkeeping, tells the
@@ -62,7 +107,9 @@ fn accepted(w: &mut World, i: usize) {
         w.engine.route(&w.store, facts, w.now_ms, &mut rng)
     {
         if let Some(p) = &r.provisional {
-            w.engine.note_accepted(&w.store, p).expect("note_accepted");
+            w.engine
+                .note_accepted(&w.store, p, None)
+                .expect("note_accepted");
         }
         if let Some(t) = &r.ticket {
             w.engine
@@ -95,6 +142,7 @@ pub fn run(data: &[u8]) {
         let before_load = load(&w);
         let before_ix = w.store.get("kvroute/ix/0").expect("MemoryStore get");
         let before_ix_bytes = index_bytes(&w);
+        let before_sessions = sessions(&w);
         match w
             .engine
             .apply_mesh_answer(&w.store, e.slot, e.generation, body, w.now_ms)
@@ -114,10 +162,12 @@ pub fn run(data: &[u8]) {
                     "a garbage answer changed the index"
                 );
                 assert_eq!(index_bytes(&w), before_ix_bytes);
+                assert_eq!(sessions(&w), before_sessions, "a garbage answer bound a session");
             }
             Ok(applied) => {
                 let a = parse_answer(body).expect("the engine accepted it");
                 assert_eq!((applied.epoch, applied.seq), (a.epoch, a.seq));
+                check_sessions(&w, &a, &before_sessions, e);
                 let after = load(&w);
                 let rec = after.get(e.slot, e.generation).expect("its record");
                 assert_eq!(
@@ -155,11 +205,17 @@ pub fn run(data: &[u8]) {
             .expect("MemoryStore get")
             .map_or(0, |(b, _)| b.len());
         assert!(outbox <= MAX_OUTBOX_BYTES, "outbox {outbox}");
+        let session_table = 2 + SHARD_SLOTS * 24;
         assert!(
-            bytes <= base_bytes + MAX_OUTBOX_BYTES + 64,
+            bytes <= base_bytes + MAX_OUTBOX_BYTES + session_table + 64,
             "shared data grew: {base_bytes} -> {bytes}"
         );
-        assert!(keys <= base_keys + 2, "keys {base_keys} -> {keys}");
+        assert!(keys <= base_keys + 3, "keys {base_keys} -> {keys}");
+        let keys_of: Vec<u64> = eps.iter().map(|e| endpoint_key(&e.address)).collect();
+        assert!(
+            sessions(&w).iter().all(|b| keys_of.contains(&b.endpoint)),
+            "a session bound outside the endpoint table"
+        );
         // Records only for the table's slots, whatever an answer names.
         assert!(load(&w).records.len() <= records, "the load table grew");
     }

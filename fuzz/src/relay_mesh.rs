@@ -8,7 +8,7 @@
 //! | op % 3 | what | then |
 //! |---|---|---|
 //! | 0 | a raw request body | u16 LE length, bytes |
-//! | 1 | a well-formed exchange, written as JSON | proxy byte, cursor byte, u16 LE `after`, limit byte, flags byte (1: load, 2: ttl), u16 prompt, u16 output, u8 requests, u16 ttl, decision count byte (% 5); per decision: u8 newBlocks, u8 hash count (% 40), u64 LE hashes |
+//! | 1 | a well-formed exchange, written as JSON | proxy byte, cursor byte, u16 LE `after`, limit byte, flags byte (1: load, 2: ttl), u16 prompt, u16 output, u8 requests, u16 ttl, decision count byte (% 5); per decision: u8 newBlocks, u8 hash count (% 40), u8 prompt-bytes kind, u64 LE hashes, session byte (1: a session, u64 LE hash follows; 2: moved) |
 //! | 2 | the clock moves | u16 LE ms |
 //!
 //! Checked, besides "no panic":
@@ -179,6 +179,9 @@ impl Model {
                     new_blocks: d.new_blocks,
                     prompt_bytes: d.prompt_bytes,
                     hashes: d.hashes.into(),
+                    // Passed on as posted; a moved flag needs a session.
+                    session: d.session,
+                    session_moved: d.session.is_some() && d.session_moved,
                 })
                 .collect(),
         }
@@ -257,10 +260,15 @@ fn structured(r: &mut Reader, cursors: &HashMap<String, u64>) -> (ExchangeReques
                 2 => u32::from(r.u16()),
                 _ => u32::MAX,
             };
+            let hashes = (0..h).map(|_| r.u64()).collect();
+            // A session often absent; its moved flag sometimes set alone.
+            let s = r.u8();
             Decision {
                 new_blocks,
                 prompt_bytes,
-                hashes: (0..h).map(|_| r.u64()).collect(),
+                hashes,
+                session: (s & 1 != 0).then(|| r.u64()),
+                session_moved: s & 2 != 0,
             }
         })
         .collect();
@@ -303,6 +311,12 @@ fn structured(r: &mut Reader, cursors: &HashMap<String, u64>) -> (ExchangeReques
                 let mut v = serde_json::json!({"newBlocks": d.new_blocks, "hashes": d.hashes});
                 if d.prompt_bytes != 0 {
                     v["promptBytes"] = d.prompt_bytes.into();
+                }
+                if let Some(h) = d.session {
+                    v["session"] = h.into();
+                }
+                if d.session_moved {
+                    v["sessionMoved"] = true.into();
                 }
                 v
             })

@@ -268,6 +268,7 @@ fn mesh_mode() {
             new_blocks: 64,
             prompt_bytes: 16_384,
             hashes: (0..64).map(|_| g.rand()).collect(),
+            ..Decision::default()
         })
         .collect();
     let now = Instant::now();

@@ -80,9 +80,11 @@ pub struct Load {
 }
 
 /// One accepted decision: the blocks it advanced the server's eviction
-/// clock by, the text prompt bytes it routed here (absent: 0), and its
-/// block hashes (from the start of an index group; none when nothing was
-/// new).
+/// clock by, the text prompt bytes it routed here (absent: 0), its block
+/// hashes (from the start of an index group; none when nothing was new),
+/// and, when it settled a session's binding here, the session id's hash
+/// and whether it moved the binding (absent: none, not moved). The relay
+/// passes the session on as it came: it is the proxies' business.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Decision {
@@ -90,6 +92,10 @@ pub struct Decision {
     #[serde(default)]
     pub prompt_bytes: u32,
     pub hashes: Vec<u64>,
+    #[serde(default)]
+    pub session: Option<u64>,
+    #[serde(default)]
+    pub session_moved: bool,
 }
 
 /// A `POST /mesh/exchange` body. Unknown fields are ignored (forward
@@ -137,10 +143,18 @@ pub struct AnswerDecision {
     pub prompt_bytes: u32,
     #[serde(serialize_with = "hash_list")]
     pub hashes: Arc<[u64]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
+    #[serde(skip_serializing_if = "is_false")]
+    pub session_moved: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn hash_list<S: Serializer>(h: &Arc<[u64]>, s: S) -> Result<S::Ok, S::Error> {
@@ -247,6 +261,8 @@ struct Entry {
     new_blocks: u32,
     prompt_bytes: u32,
     hashes: Arc<[u64]>,
+    session: Option<u64>,
+    session_moved: bool,
 }
 
 /// A proxy's load, until `expires`.
@@ -423,6 +439,8 @@ impl MeshState {
                 new_blocks: e.new_blocks,
                 prompt_bytes: e.prompt_bytes,
                 hashes: e.hashes.clone(),
+                session: e.session,
+                session_moved: e.session.is_some() && e.session_moved,
             });
         }
 
@@ -447,6 +465,8 @@ impl MeshState {
             new_blocks: d.new_blocks,
             prompt_bytes: d.prompt_bytes,
             hashes: d.hashes.into(),
+            session: d.session,
+            session_moved: d.session_moved,
         });
         while self.ring.len() > self.limits.ring_decisions
             || self.ring_hashes > self.limits.ring_hashes
@@ -581,8 +601,8 @@ mod tests {
     fn d(new_blocks: u32, hashes: &[u64]) -> Decision {
         Decision {
             new_blocks,
-            prompt_bytes: 0,
             hashes: hashes.to_vec(),
+            ..Decision::default()
         }
     }
 
@@ -627,6 +647,7 @@ mod tests {
             new_blocks: 0,
             prompt_bytes: 9000,
             hashes: vec![],
+            ..Decision::default()
         };
         m.exchange(posting(req("a"), vec![bytes_only, d(2, &[5])]), t);
         let b = m.exchange(req("b"), t);
@@ -642,6 +663,50 @@ mod tests {
             "{json}"
         );
         assert!(json.contains(r#"{"newBlocks":2,"hashes":[5]}"#), "{json}");
+    }
+
+    #[test]
+    fn a_decisions_session_reaches_the_others_as_posted() {
+        let mut m = state(MeshLimits::default());
+        let t = Instant::now();
+        let body = br#"{"proxy":"a","decisions":[
+            {"newBlocks":1,"hashes":[4],"session":18446744073709551615,"sessionMoved":true},
+            {"newBlocks":0,"hashes":[],"session":7},
+            {"newBlocks":0,"hashes":[],"sessionMoved":true},
+            {"newBlocks":2,"hashes":[5]}]}"#;
+        let r = parse_request(body, &MeshLimits::default()).unwrap();
+        m.exchange(r, t);
+        let b = m.exchange(req("b"), t);
+        let got: Vec<(Option<u64>, bool)> = b
+            .decisions
+            .iter()
+            .map(|d| (d.session, d.session_moved))
+            .collect();
+        // A moved flag without a session means nothing and is not passed on.
+        assert_eq!(
+            got,
+            vec![
+                (Some(u64::MAX), true),
+                (Some(7), false),
+                (None, false),
+                (None, false)
+            ]
+        );
+        let json = serde_json::to_string(&b).unwrap();
+        assert!(
+            json.contains(
+                r#"{"newBlocks":1,"hashes":[4],"session":18446744073709551615,"sessionMoved":true}"#
+            ),
+            "{json}"
+        );
+        assert!(
+            json.contains(r#"{"newBlocks":0,"hashes":[],"session":7}"#),
+            "{json}"
+        );
+        assert!(json.contains(r#"{"newBlocks":2,"hashes":[5]}"#), "{json}");
+        // A session that is not a number is a bad request.
+        let bad = br#"{"proxy":"a","decisions":[{"newBlocks":0,"hashes":[],"session":"x"}]}"#;
+        assert!(parse_request(bad, &MeshLimits::default()).is_err());
     }
 
     #[test]

@@ -7,8 +7,10 @@
 //! divides the bytes every proxy routed by the tokens the server counted),
 //! and the prompt's approximate block hashes from the index group that
 //! holds its first new block on (an index group is keyed by its own blocks
-//! only, so a receiver can insert them without the prefix before). The
-//! collector takes the whole outbox on each exchange and posts it.
+//! only, so a receiver can insert them without the prefix before), and,
+//! for a request of a `session_id` session, the session's hash and whether
+//! this acceptance moved its binding ([`SessionNote`]). The collector takes
+//! the whole outbox on each exchange and posts it.
 //!
 //! Bounded: at most [`MAX_OUTBOX_BYTES`] encoded, each entry at most
 //! [`MAX_ENTRY_HASHES`] hashes (a longer prompt's tail is not told: the
@@ -27,9 +29,25 @@ pub const MAX_OUTBOX_BYTES: usize = 64 * 1024;
 /// Most hashes one entry carries (32 KiB; 2,048 blocks).
 pub const MAX_ENTRY_HASHES: usize = 4096;
 
-const MAGIC: u8 = 0x4e;
+// 0x4e: the format before sessions (decodes as empty: an upgrade in place
+// loses one period's decisions, never misreads them).
+const MAGIC: u8 = 0x4f;
 const HEADER_BYTES: usize = 1 + 8 + 4;
-const ENTRY_HEAD_BYTES: usize = 2 + 2 + 4 + 4 + 2;
+// slot, generation, new blocks, prompt bytes, session flags, session, hashes.
+const ENTRY_HEAD_BYTES: usize = 2 + 2 + 4 + 4 + 1 + 8 + 2;
+const SESSION_SET: u8 = 1;
+const SESSION_MOVED: u8 = 2;
+
+/// A session's part in an accepted decision: the hash of its session id
+/// (the binding table's key; the id itself never leaves the proxy) and
+/// whether this acceptance moved the session's binding here (the teller
+/// found its bound endpoint absent or released, or Envoy retried the
+/// request here) rather than binding or refreshing it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SessionNote {
+    pub hash: u64,
+    pub moved: bool,
+}
 
 /// One accepted decision, as the exchange tells it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -42,6 +60,8 @@ pub struct Accepted {
     pub prompt_bytes: u32,
     /// Approximate block hashes from the start of an index group on.
     pub hashes: Vec<u64>,
+    /// The request's session binding, settled here (`session_id` only).
+    pub session: Option<SessionNote>,
 }
 
 impl Accepted {
@@ -76,6 +96,13 @@ impl Outbox {
             w.u16(e.generation);
             w.u32(e.new_blocks);
             w.u32(e.prompt_bytes);
+            let s = e.session.unwrap_or_default();
+            w.u8(match e.session {
+                None => 0,
+                Some(s) if s.moved => SESSION_SET | SESSION_MOVED,
+                Some(_) => SESSION_SET,
+            });
+            w.u64(s.hash);
             w.u16(e.hashes.len() as u16);
             for &h in &e.hashes {
                 w.u64(h);
@@ -105,6 +132,15 @@ impl Outbox {
             let generation = r.u16()?;
             let new_blocks = r.u32()?;
             let prompt_bytes = r.u32()?;
+            let flags = r.u8()?;
+            let hash = r.u64()?;
+            if flags & !(SESSION_SET | SESSION_MOVED) != 0 {
+                return None;
+            }
+            let session = (flags & SESSION_SET != 0).then_some(SessionNote {
+                hash,
+                moved: flags & SESSION_MOVED != 0,
+            });
             let len = usize::from(r.u16()?);
             if len > MAX_ENTRY_HASHES {
                 return None;
@@ -119,6 +155,7 @@ impl Outbox {
                 new_blocks,
                 prompt_bytes,
                 hashes,
+                session,
             });
         }
         r.is_empty().then_some(Outbox { dropped, entries })
@@ -224,6 +261,10 @@ mod tests {
             new_blocks: n as u32,
             prompt_bytes: 40 * n as u32 + 1,
             hashes: (0..n as u64).map(|h| h * 7 + u64::from(slot)).collect(),
+            session: (slot % 2 == 1).then_some(SessionNote {
+                hash: u64::MAX - u64::from(slot),
+                moved: slot % 4 == 3,
+            }),
         }
     }
 
@@ -232,8 +273,17 @@ mod tests {
         let s = MemoryStore::new();
         post(&s, entry(0, 3)).unwrap();
         post(&s, entry(2, 5)).unwrap();
+        post(&s, entry(3, 0)).unwrap();
+        post(&s, entry(5, 1)).unwrap();
         let o = take(&s).unwrap();
-        assert_eq!(o.entries, vec![entry(0, 3), entry(2, 5)]);
+        assert_eq!(
+            o.entries,
+            vec![entry(0, 3), entry(2, 5), entry(3, 0), entry(5, 1)]
+        );
+        // Sessions round-trip: none, a moved one, a bound one.
+        assert_eq!(o.entries[0].session, None);
+        assert!(o.entries[2].session.unwrap().moved);
+        assert!(!o.entries[3].session.unwrap().moved);
         assert_eq!(o.dropped, 0);
         assert!(take(&s).unwrap().entries.is_empty());
     }
@@ -247,7 +297,7 @@ mod tests {
             assert!(bytes.len() <= MAX_OUTBOX_BYTES, "{}", bytes.len());
         }
         let o = take(&s).unwrap();
-        // 4,814 bytes per entry: 13 fit in 64 KiB.
+        // 4,823 bytes per entry: 13 fit in 64 KiB.
         assert_eq!(o.entries.len(), 13);
         assert_eq!(o.dropped, 200 - 13);
         // The newest are kept.
@@ -271,11 +321,29 @@ mod tests {
         for bad in [
             &b""[..],
             b"\x4e",
-            b"\x4e\0\0\0\0\0\0\0\0\xff\xff\xff\xff",
+            b"\x4f\0\0\0\0\0\0\0\0\xff\xff\xff\xff",
             b"xyz",
         ] {
             assert_eq!(Outbox::decode(Some(bad)), Outbox::default());
         }
+        // The format before sessions is not misread.
+        let mut old = entry(2, 3);
+        old.session = None;
+        let mut bytes = Outbox {
+            dropped: 0,
+            entries: vec![old],
+        }
+        .encode();
+        bytes[0] = 0x4e;
+        assert_eq!(Outbox::decode(Some(&bytes)), Outbox::default());
+        // Unknown session flags are garbage.
+        let mut bytes = Outbox {
+            dropped: 0,
+            entries: vec![entry(1, 0)],
+        }
+        .encode();
+        bytes[HEADER_BYTES + 12] |= 4;
+        assert_eq!(Outbox::decode(Some(&bytes)), Outbox::default());
         let mut good = Outbox::default();
         good.push(entry(3, 4));
         let mut bytes = good.encode();

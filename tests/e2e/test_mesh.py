@@ -89,3 +89,74 @@ def test_a_gateway_that_cannot_reach_the_exchange_routes_alone_and_counts_it(env
                what="counted exchange failures")
     assert received(g) == 0
     assert g.wasm_failures() == {}
+
+
+def test_a_session_crosses_gateways_and_moves_on_every_gateway(envoy, servers):  # noqa: F811
+    """Issue 46, sessions across proxies: a `session_id` binding made through
+    one gateway is told through the exchange, so the session's requests
+    (distinct prompts: only the binding keeps them together) stay on one
+    server whichever gateway routes them; when one gateway's saturation gate
+    releases the server and the session moves, the other gateway, which saw
+    no saturation, moves it too and keeps it there once the old server is
+    idle and warm again."""
+    from test_routing import HOLD_SUFFIX_BYTES, PREFIX_BYTES, SMALL_SUFFIX_BYTES, _hold, _session_config
+    from conftest import completion
+
+    srvs = servers(2)
+    addrs = [s.address for s in srvs]
+    cfg = _session_config({"strategy": "session_id", "sessionIdConfig": {"sources": [{"header": "x-session-id"}]}})
+    kv = kv_config(srvs)
+    cfg["endpoints"], cfg["collector"], cfg["kvEvents"] = kv["endpoints"], kv["collector"], kv["kvEvents"]
+    a, b = envoy(cfg, endpoints=addrs), envoy(cfg, endpoints=addrs)
+    for g in (a, b):
+        wait_until(lambda: all(x["kvEvents"].get("fresh") for x in g.state()["endpoints"]),
+                   timeout=10, what="relays polled")
+    sess = {"x-session-id": "mesh-session-1"}
+    peer_bound = {id(a): 0, id(b): 0}
+
+    def through(g, prompt):
+        r = completion(g.port, prompt, headers=sess)
+        assert r.status == 200, r
+        # Every accepted request binds or refreshes: the other gateway is told.
+        other = b if g is a else a
+        peer_bound[id(other)] += 1
+        n = peer_bound[id(other)]
+        wait_until(lambda: stat(other, "wasmcustom.kvroute_session_peer_bound")
+                   + stat(other, "wasmcustom.kvroute_session_peer_moved") >= n,
+                   timeout=10, what=f"the other gateway told {n} bindings")
+        return r
+
+    home = through(a, text("mesh-session-turn-0", 2048)).served_by
+    for i in range(1, 7):
+        g = b if i % 2 else a
+        r = through(g, text(f"mesh-session-turn-{i}", 2048))
+        assert r.served_by == home, f"turn {i} through gateway {'b' if g is b else 'a'} left {home}: {r}"
+    # Without the header such prompts spread, through either gateway.
+    spread = {completion(b.port, text(f"mesh-no-session-{i}", 2048)).served_by for i in range(8)}
+    assert spread == set(addrs), spread
+
+    # Through A: the session's prefix, warm on home; another client's held
+    # request loads home past tau and A's gate releases it: the session moves.
+    prefix = text("mesh-session-prefix", PREFIX_BYTES)
+    assert through(a, prefix + text("ms-warm", SMALL_SUFFIX_BYTES)).served_by == home
+    t, _ = _hold(a, prefix + text("ms-hold", HOLD_SUFFIX_BYTES))
+    try:
+        probe = completion(a.port, prefix + text("ms-probe", SMALL_SUFFIX_BYTES), headers=sess)
+    finally:
+        t.join()
+    assert probe.status == 200 and probe.served_by != home, probe
+    assert probe.decision["branch"] == "saturation-release", probe
+    moved_to = probe.served_by
+    wait_until(lambda: stat(a, "wasmcustom.kvroute_session_moved") == 1, timeout=5, what="A counted the move")
+    wait_until(lambda: stat(b, "wasmcustom.kvroute_session_peer_moved") == 1, timeout=10, what="B told of the move")
+    # Home is idle again and as warm as ever: B, which never saw it
+    # saturated, sends the session where it moved; so does A.
+    wait_until(lambda: all(x["inflightRequests"] == 0 for x in b.state()["endpoints"]
+                           + a.state()["endpoints"]), timeout=10, what="the held request released")
+    for i in range(4):
+        g = b if i % 2 == 0 else a
+        r = completion(g.port, prefix + text(f"ms-after-{i}", SMALL_SUFFIX_BYTES), headers=sess)
+        assert r.status == 200 and r.served_by == moved_to, f"after {i}: {r}"
+    for g in (a, b):
+        assert stat(g, "wasmcustom.kvroute_mesh_exchange_failures") == 0
+        assert g.wasm_failures() == {}

@@ -20,7 +20,15 @@
 //!   bytes-per-token learner (`charsPerToken: "auto"`) divides the bytes
 //!   the whole mesh routed by the tokens the server counted (with only its
 //!   own bytes, a proxy of G learnt 1/G of the model's figure and counted
-//!   every text prompt G times over). The load
+//!   every text prompt G times over). A decision that settled a
+//!   `session_id` session's binding carries the session's hash and whether
+//!   it moved the binding; the receiver settles its own binding for the
+//!   session towards the decision's endpoint: it binds an unbound session,
+//!   refreshes a binding that points there, moves one that points elsewhere
+//!   only when the teller moved its own (the teller found the bound
+//!   endpoint absent or released: llm-d's rule, applied where the decision
+//!   was made), and otherwise keeps it. So a session that moves on one
+//!   proxy moves on all, and the last move wins. The load
 //!   sum is kept beside the endpoint's own charges and counts in decisions
 //!   while it is younger than `mesh.peerTtlMs` (`engine::snapshot`).
 //!
@@ -29,9 +37,12 @@
 
 use super::{Engine, Provisional};
 use kvroute_shared_state::cas::update;
+use kvroute_shared_state::endpoints::EndpointEntry;
 use kvroute_shared_state::index::{self, Holder, InsertStats, GROUP_BLOCKS};
 use kvroute_shared_state::load::{LoadTable, PeerLoad};
-use kvroute_shared_state::mesh::{self, Accepted};
+use kvroute_shared_state::mesh::{self, Accepted, SessionNote};
+use kvroute_shared_state::metrics::MetricsTable;
+use kvroute_shared_state::sessions::Settled;
 use kvroute_shared_state::{Store, StoreError, LOAD_KEY};
 
 /// One endpoint's own in-flight sums, as this proxy tells them.
@@ -53,6 +64,19 @@ pub struct PeerDecision<'a> {
     pub prompt_bytes: u32,
     /// Approximate block hashes from the start of an index group on.
     pub hashes: &'a [u64],
+    /// The session binding it settled there.
+    pub session: Option<SessionNote>,
+}
+
+/// What applying the other proxies' news about an endpoint did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerApplied {
+    /// The index writes.
+    pub index: InsertStats,
+    /// Session bindings bound or refreshed, and moved, towards the
+    /// endpoint (`session_id` sessions only).
+    pub sessions_bound: u32,
+    pub sessions_moved: u32,
 }
 
 /// What the collector posts at one exchange.
@@ -80,14 +104,20 @@ impl Engine {
     }
 
     /// A server accepted the request: puts its decision in the outbox
-    /// (when the exchange is on, and the decision inserted blocks or
-    /// routed text bytes). Returns the CAS races lost.
-    pub fn note_accepted(&self, store: &dyn Store, p: &Provisional) -> Result<u32, StoreError> {
+    /// (when the exchange is on, and the decision inserted blocks, routed
+    /// text bytes or settled a session's binding). Returns the CAS races
+    /// lost.
+    pub fn note_accepted(
+        &self,
+        store: &dyn Store,
+        p: &Provisional,
+        session: Option<SessionNote>,
+    ) -> Result<u32, StoreError> {
         if !self.config.mesh.enabled {
             return Ok(0);
         }
         let from = p.from_block.filter(|&f| f < p.hashes.len());
-        if from.is_none() && p.undo.routed_bytes == 0 {
+        if from.is_none() && p.undo.routed_bytes == 0 && session.is_none() {
             return Ok(0);
         }
         // From the start of the index group holding the first new block:
@@ -103,6 +133,35 @@ impl Engine {
                 new_blocks: p.undo.new_blocks.min(u64::from(u32::MAX)) as u32,
                 prompt_bytes: p.undo.routed_bytes.min(u64::from(u32::MAX)) as u32,
                 hashes,
+                session,
+            },
+        )
+    }
+
+    /// A server accepted a request whose decision left nothing to tell
+    /// (Envoy retried it on another endpoint, `served`: its decision was
+    /// taken back) but which settled its session's binding there: tells
+    /// the binding alone. An endpoint not in the table is not told.
+    pub fn note_session(
+        &self,
+        store: &dyn Store,
+        served: &str,
+        session: SessionNote,
+    ) -> Result<u32, StoreError> {
+        if !self.config.mesh.enabled {
+            return Ok(0);
+        }
+        let table = self.endpoint_table(store)?;
+        let Some(e) = table.endpoints.iter().find(|e| e.address == served) else {
+            return Ok(0);
+        };
+        mesh::post(
+            store,
+            Accepted {
+                slot: e.slot,
+                generation: e.generation,
+                session: Some(session),
+                ..Accepted::default()
             },
         )
     }
@@ -132,10 +191,10 @@ impl Engine {
         })
     }
 
-    /// Applies what the other proxies told about one endpoint: their
-    /// in-flight sum (`None`: keep the last one, which ages out) and their
-    /// accepted decisions there, oldest first (`(new_blocks, hashes)`,
-    /// hashes from the start of an index group). Returns the index writes.
+    /// Applies what the other proxies told about one endpoint at `now_ms`:
+    /// their in-flight sum (`None`: keep the last one, which ages out) and
+    /// their accepted decisions there, oldest first (blocks, bytes, hashes
+    /// from the start of an index group, session).
     pub fn apply_peer(
         &self,
         store: &dyn Store,
@@ -143,22 +202,55 @@ impl Engine {
         generation: u16,
         load: Option<PeerLoad>,
         decisions: &[PeerDecision<'_>],
-    ) -> Result<InsertStats, StoreError> {
-        let total_new: u64 = decisions.iter().map(|d| u64::from(d.new_blocks)).sum();
-        let total_bytes: u64 = decisions.iter().map(|d| u64::from(d.prompt_bytes)).sum();
+        now_ms: u64,
+    ) -> Result<PeerApplied, StoreError> {
         if load.is_none() && decisions.is_empty() {
-            return Ok(InsertStats::default());
+            return Ok(PeerApplied::default());
         }
         // Only a healthy endpoint this proxy knows: a stale or hostile
         // slot must not grow the load table. (Read once: the tables are
         // the collector's, which is who calls this.)
         let (endpoints, metrics) = self.tables(store, 0)?;
-        if !endpoints
+        let Some(address) = endpoints
             .iter()
-            .any(|e| e.slot == slot && e.generation == generation)
-        {
-            return Ok(InsertStats::default());
+            .find(|e| e.slot == slot && e.generation == generation)
+            .map(|e| e.address.clone())
+        else {
+            return Ok(PeerApplied::default());
+        };
+        let mut applied = PeerApplied::default();
+        for s in decisions.iter().filter_map(|d| d.session) {
+            match self.settle_session(store, s.hash, &address, s.moved, now_ms)? {
+                Some(o) if matches!(o.settled, Settled::Bound | Settled::Refreshed) => {
+                    applied.sessions_bound += 1
+                }
+                Some(o) if o.settled == Settled::Moved => applied.sessions_moved += 1,
+                _ => {}
+            }
         }
+        applied.index = self.apply_peer_index(
+            store,
+            slot,
+            generation,
+            load,
+            decisions,
+            (&endpoints, &metrics),
+        )?;
+        Ok(applied)
+    }
+
+    /// [`Engine::apply_peer`]'s load-table and index part.
+    fn apply_peer_index(
+        &self,
+        store: &dyn Store,
+        slot: u16,
+        generation: u16,
+        load: Option<PeerLoad>,
+        decisions: &[PeerDecision<'_>],
+        (endpoints, metrics): (&[EndpointEntry], &MetricsTable),
+    ) -> Result<InsertStats, StoreError> {
+        let total_new: u64 = decisions.iter().map(|d| u64::from(d.new_blocks)).sum();
+        let total_bytes: u64 = decisions.iter().map(|d| u64::from(d.prompt_bytes)).sum();
         // One load-table write: the peers' load, their routed bytes, and
         // the eviction clock moved by every decision at once. The counter
         // before is returned, so each decision's entries are recorded at
@@ -251,6 +343,9 @@ pub struct MeshApplied {
     /// sum covers.
     pub decisions: u32,
     pub proxies: u32,
+    /// Session bindings their decisions bound or refreshed, and moved.
+    pub sessions_bound: u32,
+    pub sessions_moved: u32,
 }
 
 impl Engine {
@@ -274,6 +369,10 @@ impl Engine {
                 new_blocks: d.new_blocks,
                 prompt_bytes: d.prompt_bytes,
                 hashes: &d.hashes[..d.hashes.len().min(mesh::MAX_ENTRY_HASHES)],
+                session: d.session.map(|hash| SessionNote {
+                    hash,
+                    moved: d.session_moved,
+                }),
             })
             .collect();
         let peer = PeerLoad {
@@ -282,7 +381,7 @@ impl Engine {
             requests: a.load.requests,
             at_ms: now_ms.max(1),
         };
-        self.apply_peer(store, slot, generation, Some(peer), &decisions)?;
+        let applied = self.apply_peer(store, slot, generation, Some(peer), &decisions, now_ms)?;
         Ok(MeshApplied {
             epoch: a.epoch,
             seq: a.seq,
@@ -290,6 +389,8 @@ impl Engine {
             resync: a.resync,
             decisions: decisions.len() as u32,
             proxies: a.load.proxies,
+            sessions_bound: applied.sessions_bound,
+            sessions_moved: applied.sessions_moved,
         })
     }
 }
@@ -362,7 +463,9 @@ mod tests {
                     new_blocks: d.new_blocks,
                     prompt_bytes: d.prompt_bytes,
                     hashes: &d.hashes,
+                    session: d.session,
                 }],
+                1,
             )
             .unwrap();
         }
@@ -377,7 +480,7 @@ mod tests {
         let to = first.primary_address().to_owned();
         // Not accepted yet: nothing to tell.
         assert!(a.0.mesh_outgoing(&a.1).unwrap().decisions.is_empty());
-        a.0.note_accepted(&a.1, first.provisional.as_ref().unwrap())
+        a.0.note_accepted(&a.1, first.provisional.as_ref().unwrap(), None)
             .unwrap();
         let out = tell(&a, &b);
         assert_eq!(out.decisions.len(), 1);
@@ -406,13 +509,13 @@ mod tests {
         let off = proxy(false);
         let r = route(&off.0, &off.1, &chat(1), 1);
         off.0
-            .note_accepted(&off.1, r.provisional.as_ref().unwrap())
+            .note_accepted(&off.1, r.provisional.as_ref().unwrap(), None)
             .unwrap();
         assert!(off.0.mesh_outgoing(&off.1).unwrap().decisions.is_empty());
 
         let on = proxy(true);
         let r = route(&on.0, &on.1, &chat(1), 1);
-        on.0.note_accepted(&on.1, r.provisional.as_ref().unwrap())
+        on.0.note_accepted(&on.1, r.provisional.as_ref().unwrap(), None)
             .unwrap();
         on.0.release_rest(&on.1, r.ticket.as_ref().unwrap(), false)
             .unwrap();
@@ -420,7 +523,7 @@ mod tests {
         // blocks are told, only the text bytes it routed there.
         let again = route(&on.0, &on.1, &chat(1), 2);
         assert_eq!(again.primary_address(), r.primary_address());
-        on.0.note_accepted(&on.1, again.provisional.as_ref().unwrap())
+        on.0.note_accepted(&on.1, again.provisional.as_ref().unwrap(), None)
             .unwrap();
         let out = on.0.mesh_outgoing(&on.1).unwrap().decisions;
         assert_eq!(out.len(), 2);
@@ -438,7 +541,7 @@ mod tests {
         let a = proxy(true);
         let b = proxy(true);
         let r = route(&a.0, &a.1, &chat(1), 1);
-        a.0.note_accepted(&a.1, r.provisional.as_ref().unwrap())
+        a.0.note_accepted(&a.1, r.provisional.as_ref().unwrap(), None)
             .unwrap();
         let (slot, generation) = slot_of(&a.0, &a.1, r.primary_address());
         let bytes = |s: &MemoryStore| {
@@ -457,7 +560,7 @@ mod tests {
         let Outcome::Routed(t) = a.0.route(&a.1, facts, 2, &mut Rng::new(7)) else {
             panic!("not routed")
         };
-        a.0.note_accepted(&a.1, t.provisional.as_ref().unwrap())
+        a.0.note_accepted(&a.1, t.provisional.as_ref().unwrap(), None)
             .unwrap();
         assert!(a
             .0
@@ -478,7 +581,8 @@ mod tests {
             requests: 4,
             at_ms: 10_000,
         };
-        e.apply_peer(&s, slot, generation, Some(peer), &[]).unwrap();
+        e.apply_peer(&s, slot, generation, Some(peer), &[], 1)
+            .unwrap();
         let facts = e.facts(ApiKind::ChatCompletions, &chat(1)).unwrap();
         let at = |now| {
             let snap = e.snapshot(&s, &facts, now).unwrap().unwrap();
@@ -508,15 +612,26 @@ mod tests {
             new_blocks,
             prompt_bytes: u32::MAX,
             hashes,
+            session: Some(SessionNote {
+                hash: 9,
+                moved: true,
+            }),
         };
-        e.apply_peer(&s, 900, 3, None, &[d(u32::MAX, &[1, 2, 3])])
+        e.apply_peer(&s, 900, 3, None, &[d(u32::MAX, &[1, 2, 3])], 1)
             .unwrap();
-        e.apply_peer(&s, 5000, 1, None, &[d(1, &[])]).unwrap();
+        e.apply_peer(&s, 5000, 1, None, &[d(1, &[])], 1).unwrap();
         let (slot, generation) = slot_of(&e, &s, "127.0.0.1:1");
         let long: Vec<u64> = (0..20_000).collect();
         for _ in 0..3 {
-            e.apply_peer(&s, slot, generation, None, &[d(u32::MAX, &long), d(0, &[])])
-                .unwrap();
+            e.apply_peer(
+                &s,
+                slot,
+                generation,
+                None,
+                &[d(u32::MAX, &long), d(0, &[])],
+                1,
+            )
+            .unwrap();
         }
         let t = LoadTable::decode(s.get(LOAD_KEY).unwrap().as_ref().map(|(v, _)| v.as_slice()));
         assert_eq!(
@@ -535,7 +650,8 @@ mod tests {
             requests: u32::MAX,
             at_ms: 5,
         };
-        e.apply_peer(&s, slot, generation, Some(huge), &[]).unwrap();
+        e.apply_peer(&s, slot, generation, Some(huge), &[], 5)
+            .unwrap();
         let facts = e.facts(ApiKind::ChatCompletions, &chat(1)).unwrap();
         let snap = e.snapshot(&s, &facts, 5).unwrap().unwrap();
         let i = snap.endpoints.iter().position(|x| x.slot == slot).unwrap();
@@ -543,5 +659,195 @@ mod tests {
         // Routing still works.
         let r = route(&e, &s, &chat(1), 5);
         assert!(!r.primary_address().is_empty());
+    }
+
+    /// Two proxies with `session_id` sessions and the exchange on.
+    fn session_proxy() -> (Engine, MemoryStore) {
+        let doc = r#"{"endpoints":{"static":["127.0.0.1:1","127.0.0.1:2","127.0.0.1:3"]},
+            "plugins":[{"type":"approx-prefix-cache-producer","parameters":{"blockSizeTokens":16}},
+                       {"type":"token-load-scorer"},{"type":"max-score-picker"},
+                       {"type":"session-affinity-scorer","parameters":{"strategy":"session_id"}}],
+            "schedulingProfiles":[{"name":"d","plugins":[{"pluginRef":"token-load-scorer"},
+                {"pluginRef":"session-affinity-scorer","weight":10},{"pluginRef":"max-score-picker"}]}]}"#;
+        let mut c = Config::from_json(doc.as_bytes()).unwrap();
+        c.mesh.enabled = true;
+        let e = Engine::new(c);
+        let s = MemoryStore::new();
+        e.collector_init(&s).unwrap();
+        (e, s)
+    }
+
+    fn bound_to(p: &(Engine, MemoryStore), id: &[u8], now_ms: u64) -> Option<String> {
+        let sref = p.0.session_ref(|h| (h == "x-session-id").then_some(id));
+        let facts = p.0.facts(ApiKind::ChatCompletions, &chat(0)).unwrap();
+        let mut snap = p.0.snapshot(&p.1, &facts, now_ms).unwrap().unwrap();
+        match p.0.mark_session(&p.1, sref.as_ref(), &mut snap, now_ms) {
+            crate::engine::SessionLookup::Hit => {
+                let i = snap.candidates.iter().position(|c| c.session)?;
+                Some(snap.endpoints[i].address.clone())
+            }
+            _ => None,
+        }
+    }
+
+    fn hash_of(p: &(Engine, MemoryStore), id: &[u8]) -> u64 {
+        match p.0.session_ref(|h| (h == "x-session-id").then_some(id)) {
+            Some(crate::engine::SessionRef::Id(h)) => h,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A session bound through one proxy is bound on the other after an
+    /// exchange; a move through one moves it on the other; a refresh
+    /// elsewhere does not; without the exchange nothing crosses.
+    #[test]
+    fn session_bindings_cross_the_mesh_and_the_last_move_wins() {
+        let a = session_proxy();
+        let b = session_proxy();
+        let h = hash_of(&a, b"agent-1");
+        assert_eq!(
+            h,
+            hash_of(&b, b"agent-1"),
+            "every proxy keys a session alike"
+        );
+        // A's request is accepted on :2, binding the session there.
+        let r = route(&a.0, &a.1, &chat(1), 1);
+        let home = r.primary_address().to_owned();
+        let out =
+            a.0.settle_session(&a.1, h, &home, false, 1)
+                .unwrap()
+                .unwrap();
+        assert_eq!(out.settled, Settled::Bound);
+        let note = SessionNote {
+            hash: h,
+            moved: false,
+        };
+        a.0.note_accepted(&a.1, r.provisional.as_ref().unwrap(), Some(note))
+            .unwrap();
+        assert_eq!(bound_to(&b, b"agent-1", 2), None, "not told yet");
+        let told = tell(&a, &b);
+        assert_eq!(told.decisions[0].session, Some(note));
+        assert_eq!(bound_to(&b, b"agent-1", 2).as_deref(), Some(home.as_str()));
+        // B routes the session there too, against load: its binding leads.
+        let mut facts = b.0.facts(ApiKind::ChatCompletions, &chat(3)).unwrap();
+        facts.session =
+            b.0.session_ref(|n| (n == "x-session-id").then_some(&b"agent-1"[..]));
+        let Outcome::Routed(rb) = b.0.route(&b.1, facts, 3, &mut Rng::new(1)) else {
+            panic!("not routed")
+        };
+        assert_eq!(rb.primary_address(), home);
+        // A's retry elsewhere moves the binding; told alone (no decision).
+        let away = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+            .into_iter()
+            .find(|x| *x != home)
+            .unwrap();
+        let out = a.0.settle_session(&a.1, h, away, true, 4).unwrap().unwrap();
+        assert_eq!(out.settled, Settled::Moved);
+        a.0.note_session(
+            &a.1,
+            away,
+            SessionNote {
+                hash: h,
+                moved: true,
+            },
+        )
+        .unwrap();
+        tell(&a, &b);
+        assert_eq!(bound_to(&b, b"agent-1", 5).as_deref(), Some(away));
+        // A binding A only refreshed (or bound anew) elsewhere does not
+        // move B's: the teller found no reason to move.
+        let third = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+            .into_iter()
+            .find(|x| *x != home && *x != away)
+            .unwrap();
+        a.0.note_session(
+            &a.1,
+            third,
+            SessionNote {
+                hash: h,
+                moved: false,
+            },
+        )
+        .unwrap();
+        let applied = {
+            let out = a.0.mesh_outgoing(&a.1).unwrap();
+            let d = &out.decisions[0];
+            b.0.apply_peer(
+                &b.1,
+                d.slot,
+                d.generation,
+                None,
+                &[PeerDecision {
+                    session: d.session,
+                    ..PeerDecision::default()
+                }],
+                6,
+            )
+            .unwrap()
+        };
+        assert_eq!((applied.sessions_bound, applied.sessions_moved), (0, 0));
+        assert_eq!(bound_to(&b, b"agent-1", 7).as_deref(), Some(away));
+        // A refresh keeps B's binding alive past its own idle TTL.
+        let ttl = 300_000;
+        a.0.note_session(
+            &a.1,
+            away,
+            SessionNote {
+                hash: h,
+                moved: false,
+            },
+        )
+        .unwrap();
+        let out = a.0.mesh_outgoing(&a.1).unwrap();
+        let d = &out.decisions[0];
+        let applied =
+            b.0.apply_peer(
+                &b.1,
+                d.slot,
+                d.generation,
+                None,
+                &[PeerDecision {
+                    session: d.session,
+                    ..PeerDecision::default()
+                }],
+                ttl,
+            )
+            .unwrap();
+        assert_eq!(applied.sessions_bound, 1);
+        assert_eq!(bound_to(&b, b"agent-1", ttl + 6).as_deref(), Some(away));
+        // A session told for an endpoint B does not know binds nothing.
+        let stranger =
+            b.0.apply_peer(
+                &b.1,
+                900,
+                1,
+                None,
+                &[PeerDecision {
+                    session: Some(SessionNote {
+                        hash: 5,
+                        moved: true,
+                    }),
+                    ..PeerDecision::default()
+                }],
+                8,
+            )
+            .unwrap();
+        assert_eq!(stranger, PeerApplied::default());
+        // Exchange off: nothing is told.
+        let mut off = session_proxy();
+        let mut c = off.0.config.clone();
+        c.mesh.enabled = false;
+        off.0 = Engine::new(c);
+        off.0
+            .note_session(
+                &off.1,
+                away,
+                SessionNote {
+                    hash: h,
+                    moved: true,
+                },
+            )
+            .unwrap();
+        assert!(off.0.mesh_outgoing(&off.1).unwrap().decisions.is_empty());
     }
 }

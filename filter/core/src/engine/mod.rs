@@ -110,10 +110,10 @@ mod state;
 
 pub use collect::{Applied, ApplyError};
 pub use facts::{OffPathText, RequestFacts};
-pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerDecision};
+pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerApplied, PeerDecision};
 pub use models::model_not_found;
 pub use session::{SessionLookup, SessionRef};
-pub use snapshot::{ModelFit, Snapshot};
+pub use snapshot::{endpoint_key, ModelFit, Snapshot};
 pub use state::STATE_HASHES_MAX;
 
 /// Why a request was not routed by kvroute.

@@ -13,13 +13,14 @@
 //! endpoint) or Envoy retried the request elsewhere (the bound endpoint
 //! could not be reached). Outvoted, it stays.
 //!
-//! Bindings are per proxy: the mesh exchange (`engine/mesh.rs`) does not
-//! carry them. Each proxy's binding for a session converges on the same
-//! endpoint because prefix affinity, which every proxy shares through the
-//! mesh, already sends the session's growing prompt to its warm server.
+//! Across proxies, the mesh exchange (`engine/mesh.rs`) carries each
+//! settled binding (the session id's hash, never the id, and whether it
+//! moved) with the accepted decision; the other proxies settle theirs the
+//! same way, so a session bound or moved through one gateway is bound or
+//! moved on every gateway of the mesh after the next exchange.
 
 use super::{Engine, Snapshot};
-use crate::scheduling::session::{self, Presence, Strategy};
+use crate::scheduling::session::{self, Strategy};
 use kvroute_shared_state::sessions::{self, Lookup, SessionGeometry, SettleOutcome};
 use kvroute_shared_state::{Store, StoreError};
 
@@ -120,17 +121,18 @@ impl Engine {
         }
     }
 
-    /// Records accepted work of session `id` served by `served` (`ip:port`)
-    /// whose decision found the session's endpoint `presence`; `retried`:
-    /// Envoy served it elsewhere than the decision's primary. `None` when
-    /// the strategy keeps no binding.
+    /// Records accepted work of session `id` served by `served` (`ip:port`);
+    /// `may_move`: a binding to another endpoint moves here (this proxy's
+    /// decision found the session's endpoint absent
+    /// ([`Presence::may_move`](crate::scheduling::session::Presence::may_move)) or Envoy served it elsewhere than the
+    /// decision's primary; or another proxy's decision moved it). `None`
+    /// when the strategy keeps no binding.
     pub fn settle_session(
         &self,
         store: &dyn Store,
         id: u64,
         served: &str,
-        presence: Presence,
-        retried: bool,
+        may_move: bool,
         now_ms: u64,
     ) -> Result<Option<SettleOutcome>, StoreError> {
         let Some(Strategy::SessionId {
@@ -143,15 +145,6 @@ impl Engine {
         };
         let geo = SessionGeometry::for_capacity(*max_sessions);
         let key = super::snapshot::endpoint_key(served);
-        sessions::settle(
-            store,
-            &geo,
-            id,
-            key,
-            now_ms,
-            *ttl_ms,
-            presence.may_move() || retried,
-        )
-        .map(Some)
+        sessions::settle(store, &geo, id, key, now_ms, *ttl_ms, may_move).map(Some)
     }
 }

@@ -77,8 +77,7 @@ impl Fleet {
                 &self.s,
                 *id,
                 r.primary_address(),
-                r.decision.session,
-                false,
+                r.decision.session.may_move(),
                 now,
             )
             .unwrap()
@@ -234,8 +233,7 @@ fn an_absent_endpoint_lets_the_binding_move() {
     let Some(SessionRef::Id(id)) = sess.clone() else {
         unreachable!()
     };
-    f.e.settle_session(&f.s, id, cold, Presence::None, false, 1)
-        .unwrap();
+    f.e.settle_session(&f.s, id, cold, false, 1).unwrap();
     let r = f.route(&warm, sess.clone(), 2);
     assert_eq!(r.session, SessionLookup::Hit);
     assert_eq!(r.decision.session, Presence::Absent);

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 /// A candidate's rendezvous key: its `ip:port` hashed, so that every gateway
 /// replica gives an endpoint the same key whatever slot it has there.
-pub(super) fn endpoint_key(address: &str) -> u64 {
+pub fn endpoint_key(address: &str) -> u64 {
     xxhash_rust::xxh64::xxh64(address.as_bytes(), 0)
 }
 

@@ -82,6 +82,8 @@ impl MeshLink {
                 new_blocks: d.new_blocks,
                 prompt_bytes: d.prompt_bytes,
                 hashes: d.hashes,
+                session: d.session.map(|s| s.hash),
+                session_moved: d.session.is_some_and(|s| s.moved),
             });
             let mut over = 0;
             while q.len() > MAX_POST_DECISIONS
@@ -153,6 +155,8 @@ impl MeshLink {
             Ok(a) => {
                 counts.inc(host, Counter::MeshExchanges);
                 counts.add(host, Counter::MeshDecisionsReceived, u64::from(a.decisions));
+                counts.add(host, Counter::SessionPeerBound, u64::from(a.sessions_bound));
+                counts.add(host, Counter::SessionPeerMoved, u64::from(a.sessions_moved));
                 if a.resync {
                     counts.inc(host, Counter::MeshResyncs);
                 }

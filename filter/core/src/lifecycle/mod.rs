@@ -266,10 +266,16 @@ pub enum Counter {
     /// Session affinity (`session_id`): live bindings that gave up their
     /// slot to a new session (the table was full).
     SessionEvicted,
+    /// Session affinity (`session_id`) across a mesh: bindings made or
+    /// refreshed here by other proxies' accepted decisions (collector).
+    SessionPeerBound,
+    /// Session affinity (`session_id`) across a mesh: bindings moved here
+    /// because another proxy moved its own (collector).
+    SessionPeerMoved,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 53] = [
+    pub const ALL: [Counter; 55] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -323,6 +329,8 @@ impl Counter {
         Counter::SessionBound,
         Counter::SessionMoved,
         Counter::SessionEvicted,
+        Counter::SessionPeerBound,
+        Counter::SessionPeerMoved,
     ];
 
     pub fn name(self) -> &'static str {
@@ -382,6 +390,8 @@ impl Counter {
             Counter::SessionBound => "kvroute_session_bound",
             Counter::SessionMoved => "kvroute_session_moved",
             Counter::SessionEvicted => "kvroute_session_evicted",
+            Counter::SessionPeerBound => "kvroute_session_peer_bound",
+            Counter::SessionPeerMoved => "kvroute_session_peer_moved",
         }
     }
 

@@ -177,3 +177,57 @@ fn a_retry_elsewhere_moves_the_binding() {
     assert_eq!(to, other, "stays moved");
     serve(&host, &mut s, "200");
 }
+
+/// With the mesh exchange on, a settled binding goes to the outbox with
+/// its accepted decision (the session's hash, never its id), a retried
+/// request's move goes alone, and a rejection tells nothing.
+#[test]
+fn settled_bindings_go_to_the_mesh_outbox() {
+    let d = doc(r#"{"strategy":"session_id"}"#, "10").replace(
+        r#""routing":{"seed":7}"#,
+        r#""routing":{"seed":7},"kvEvents":{"enabled":true}"#,
+    );
+    let (host, a, _b) = two_workers(&d);
+    assert!(a.engine.config.mesh.enabled);
+    let sess: &[(&str, &[u8])] = &[("x-session-id", b"s-mesh")];
+    let slot_of = |addr: &str| {
+        let t = a.engine.endpoint_table(&host.store).unwrap();
+        let e = t.endpoints.iter().find(|e| e.address == addr).unwrap();
+        (e.slot, e.generation)
+    };
+    let taken = || a.engine.mesh_outgoing(&host.store).unwrap().decisions;
+    let (mut s, _) = send(&host, &a, sess, own_prompt(0));
+    serve(&host, &mut s, "503");
+    assert!(taken().is_empty(), "a rejection tells nothing");
+    let (mut s, home) = send(&host, &a, sess, own_prompt(1));
+    serve(&host, &mut s, "200");
+    let out = taken();
+    assert_eq!(out.len(), 1);
+    let hash = out[0].session.expect("the binding is told").hash;
+    assert!(!out[0].session.unwrap().moved);
+    assert!(!out[0].hashes.is_empty(), "with its decision");
+    assert_eq!((out[0].slot, out[0].generation), slot_of(&home));
+    // A retry elsewhere: the decision is taken back, the move told alone.
+    let other = if home == "127.0.0.1:1" {
+        "127.0.0.1:2"
+    } else {
+        "127.0.0.1:1"
+    };
+    let (mut s, to) = send(&host, &a, sess, own_prompt(2));
+    assert_eq!(to, home);
+    *host.upstream.borrow_mut() = Some(other.to_string());
+    serve(&host, &mut s, "200");
+    let out = taken();
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(
+        out[0].session,
+        Some(kvroute_shared_state::mesh::SessionNote { hash, moved: true })
+    );
+    assert_eq!((out[0].slot, out[0].generation), slot_of(other));
+    assert!(out[0].hashes.is_empty() && out[0].new_blocks == 0);
+    // A request without a session tells no session.
+    let (mut s, _) = send(&host, &a, &[], own_prompt(3));
+    *host.upstream.borrow_mut() = None;
+    serve(&host, &mut s, "200");
+    assert!(taken().iter().all(|d| d.session.is_none()));
+}

@@ -29,6 +29,7 @@ use crate::engine::{
 use crate::request::{ApiKind, ParseError};
 use crate::scheduling::session::{self, Presence, Strategy};
 use kvroute_shared_state::load::Ticket;
+use kvroute_shared_state::mesh::SessionNote;
 use std::rc::Rc;
 
 /// The objective and fairness headers' values, as sent.
@@ -531,6 +532,18 @@ impl Stream {
                 w.send_job(host, &job);
             }
         }
+        // Only a definite 2xx moves a session (a retried request has no
+        // provisional record left, so `accepted` is not read for it).
+        let sessions =
+            (self.worker.as_ref()).is_some_and(|w| w.engine.config.scheduler.session.is_some());
+        let mut session_note = None;
+        if sessions
+            && self.served.is_some()
+            && matches!(host.response_header(":status"),
+                Ok(Some(v)) if v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit))
+        {
+            session_note = self.settle_session(host);
+        }
         if self.provisional.is_some() {
             self.accepted = match host.response_header(":status") {
                 Ok(Some(v)) => v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit),
@@ -543,24 +556,22 @@ impl Stream {
                     true
                 }
             };
-            // Accepted work is told to the other proxies (mesh exchange).
+            // Accepted work is told to the other proxies (mesh exchange),
+            // with the session binding it settled.
             if let (true, Some(w), Some(p)) = (self.accepted, &self.worker, &self.provisional) {
-                match w.engine.note_accepted(host.store(), p) {
+                match w.engine.note_accepted(host.store(), p, session_note.take()) {
                     Ok(retries) => w.counts.add(host, Counter::CasRetries, u64::from(retries)),
                     Err(e) => w.host_error(host, "telling the mesh of an accepted request", e),
                 }
             }
         }
-        // Only a definite 2xx moves a session (a retried request has no
-        // provisional record left, so `accepted` is not read for it).
-        let sessions =
-            (self.worker.as_ref()).is_some_and(|w| w.engine.config.scheduler.session.is_some());
-        if sessions
-            && self.served.is_some()
-            && matches!(host.response_header(":status"),
-                Ok(Some(v)) if v.len() == 3 && v[0] == b'2' && v.iter().all(u8::is_ascii_digit))
-        {
-            self.settle_session(host);
+        // A settled binding with no decision to go with (a retried
+        // request's was taken back) is told alone.
+        if let (Some(note), Some(w), Some(served)) = (session_note, &self.worker, &self.served) {
+            match w.engine.note_session(host.store(), served, note) {
+                Ok(retries) => w.counts.add(host, Counter::CasRetries, u64::from(retries)),
+                Err(e) => w.host_error(host, "telling the mesh of a session binding", e),
+            }
         }
         if let Some(x) = self.explanation.take() {
             if let Err(e) = host.set_response_header(DECISION_HEADER, &x) {
@@ -583,13 +594,12 @@ impl Stream {
     /// Nothing is written for a request kvroute did not route (fail-open:
     /// Envoy's load balancer chose, and a token would pin the client to an
     /// endpoint kvroute never judged) or one a server did not accept.
-    fn settle_session(&mut self, host: &dyn Host) {
+    /// Returns the binding bound, refreshed or moved, for the mesh.
+    fn settle_session(&mut self, host: &dyn Host) -> Option<SessionNote> {
         let (Some(w), Some(served)) = (self.worker.clone(), self.served.as_deref()) else {
-            return;
+            return None;
         };
-        let Some(cfg) = &w.engine.config.scheduler.session else {
-            return;
-        };
+        let cfg = w.engine.config.scheduler.session.as_ref()?;
         match (&cfg.strategy, &self.session) {
             (Strategy::EncodedEndpointHeader { header }, _) => {
                 if let Err(e) = host.set_response_header(header, &session::encode_token(served)) {
@@ -598,14 +608,11 @@ impl Stream {
             }
             (Strategy::SessionId { .. }, Some(SessionRef::Id(id))) => {
                 let now = w.now_ms(host);
-                match w.engine.settle_session(
-                    host.store(),
-                    *id,
-                    served,
-                    self.presence,
-                    self.retried,
-                    now,
-                ) {
+                let may_move = self.presence.may_move() || self.retried;
+                match w
+                    .engine
+                    .settle_session(host.store(), *id, served, may_move, now)
+                {
                     Ok(Some(out)) => {
                         use kvroute_shared_state::sessions::Settled;
                         match out.settled {
@@ -620,6 +627,10 @@ impl Stream {
                         }
                         w.counts
                             .add(host, Counter::CasRetries, u64::from(out.cas_retries));
+                        return (out.settled != Settled::Kept).then_some(SessionNote {
+                            hash: *id,
+                            moved: out.settled == Settled::Moved,
+                        });
                     }
                     Ok(None) => {}
                     Err(e) => w.host_error(host, "writing the session binding", e),
@@ -627,6 +638,7 @@ impl Stream {
             }
             _ => {}
         }
+        None
     }
 
     pub fn on_response_body(

@@ -1729,7 +1729,7 @@ mod kv_events {
             Outcome::Routed(r) => r,
             other => panic!("{other:?}"),
         };
-        e.note_accepted(&host.store, r.provisional.as_ref().unwrap())
+        e.note_accepted(&host.store, r.provisional.as_ref().unwrap(), None)
             .unwrap();
         let to = r.primary_address().to_owned();
         c.on_tick(&host);

@@ -36,10 +36,21 @@ pub struct WireDecision {
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prompt_bytes: u32,
     pub hashes: Vec<u64>,
+    /// The hash of the request's session id, when the decision settled a
+    /// `session_id` binding (omitted otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
+    /// The decision moved that binding (omitted when false).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub session_moved: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// The post's body.
@@ -88,11 +99,14 @@ mod tests {
                 new_blocks: 3,
                 prompt_bytes: 0,
                 hashes: vec![u64::MAX, 1],
+                ..Default::default()
             },
             WireDecision {
                 new_blocks: 0,
                 prompt_bytes: 4000,
                 hashes: vec![],
+                session: Some(u64::MAX - 1),
+                session_moved: true,
             },
         ];
         let r = ExchangeRequest {
@@ -111,7 +125,7 @@ mod tests {
         };
         assert_eq!(
             serde_json::to_string(&r).unwrap(),
-            r#"{"proxy":"p1","epoch":7,"limit":16,"load":{"prompt":10,"output":2,"requests":1},"ttlMs":1500,"decisions":[{"newBlocks":3,"hashes":[18446744073709551615,1]},{"newBlocks":0,"promptBytes":4000,"hashes":[]}]}"#
+            r#"{"proxy":"p1","epoch":7,"limit":16,"load":{"prompt":10,"output":2,"requests":1},"ttlMs":1500,"decisions":[{"newBlocks":3,"hashes":[18446744073709551615,1]},{"newBlocks":0,"promptBytes":4000,"hashes":[],"session":18446744073709551614,"sessionMoved":true}]}"#
         );
     }
 
@@ -121,7 +135,8 @@ mod tests {
             br#"{"epoch":5,"seq":9,"last":9,"resync":false,"more":true,
                  "load":{"prompt":100,"output":7,"requests":2,"proxies":3},
                  "decisions":[{"newBlocks":2,"hashes":[18446744073709551615,0]},
-                              {"newBlocks":0,"promptBytes":812,"hashes":[]}]}"#,
+                              {"newBlocks":0,"promptBytes":812,"hashes":[],"session":7},
+                              {"newBlocks":0,"hashes":[],"session":9,"sessionMoved":true}]}"#,
         )
         .unwrap();
         assert_eq!((a.epoch, a.seq, a.more, a.load.proxies), (5, 9, true, 3));
@@ -130,6 +145,13 @@ mod tests {
             (a.decisions[0].prompt_bytes, a.decisions[1].prompt_bytes),
             (0, 812)
         );
+        // Sessions: absent (an older proxy's decision), bound, moved.
+        let sessions: Vec<_> = a
+            .decisions
+            .iter()
+            .map(|d| (d.session, d.session_moved))
+            .collect();
+        assert_eq!(sessions, [(None, false), (Some(7), false), (Some(9), true)]);
         for bad in [
             &b""[..],
             b"{",

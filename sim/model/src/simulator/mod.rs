@@ -1016,7 +1016,7 @@ impl Sim {
                 {
                     let px = &proxies[routed.proxy];
                     px.router
-                        .note_accepted(&px.store, prov)
+                        .note_accepted(&px.store, prov, None)
                         .map_err(|e| format!("outbox: {e}"))?;
                 }
                 let idx = self.requests.len();
@@ -1313,10 +1313,11 @@ impl Sim {
                     new_blocks: d.new_blocks,
                     prompt_bytes: d.prompt_bytes,
                     hashes: &d.hashes,
+                    session: d.session,
                 })
                 .collect();
             px.router
-                .apply_peer(&px.store, slot, generation, Some(peer), &decisions)
+                .apply_peer(&px.store, slot, generation, Some(peer), &decisions, now_ms)
                 .map_err(|e| format!("mesh apply: {e}"))?;
             x.cursor[p][e] = x.log[e].len();
         }
