@@ -141,3 +141,56 @@ def test_turns_through_alternating_gateways_stay_on_their_server(real_fleet, env
         if precise:
             assert stat(g, "wasmcustom.kvroute_precise_matched") > 0
         g.assert_alive()
+
+
+def test_a_session_stays_on_its_server_through_alternating_gateways(real_fleet, envoy):
+    """Issue 46, sessions across proxies, on real vLLM: with
+    `session-affinity-filter` (`session_id`, header `x-session-id`) after the
+    shipped profile's gate, each session's turns alternate between two
+    gateways and every turn has a prompt of its own (no shared prefix, so
+    neither the index nor the KV events can keep them together): only the
+    binding the other gateway made, told through the relays' exchange, can
+    send a turn to its session's server. Every turn is served there, and each
+    gateway counts the other's bindings (`kvroute_session_peer_bound`)."""
+    assert len(real_fleet.relays) == 2, "kvroute-relay is not built (cargo build --bin kvroute-relay)"
+    addrs = real_fleet.addresses
+    cfg = mesh_config(real_fleet, precise=False)
+    cfg["plugins"].append({"type": "session-affinity-filter", "parameters": {
+        "strategy": "session_id", "sessionIdConfig": {"sources": [{"header": "x-session-id"}]}}})
+    profile = cfg["schedulingProfiles"][0]["plugins"]
+    gate = next(i for i, p in enumerate(profile) if p["pluginRef"] == "prefix-cache-affinity-filter")
+    profile.insert(gate + 1, {"pluginRef": "session-affinity-filter"})
+    gws = [envoy(cfg, endpoints=addrs) for _ in range(2)]
+    for g in gws:
+        e2e.wait_until(lambda: all((x.get("metrics") or {}).get("fresh") and x["kvEvents"].get("fresh")
+                                   for x in g.state()["endpoints"]),
+                       timeout=30, what="fresh metrics and relay polls for every endpoint")
+
+    def peer_bound(g):
+        return stat(g, "wasmcustom.kvroute_session_peer_bound") + stat(g, "wasmcustom.kvroute_session_peer_moved")
+
+    told = [peer_bound(g) for g in gws]
+    placed = {}
+    for k in range(TURNS):
+        for s in range(CONVERSATIONS):
+            i = (s + k) % 2
+            r = e2e.post(gws[i].port, "/v1/completions",
+                         {"model": MODEL, "prompt": words(f"session-{s}-turn-{k}", 300), "max_tokens": 2,
+                          "temperature": 0},
+                         headers={"x-session-id": f"real-mesh-session-{s}"}, timeout=180)
+            assert r.status == 200, r
+            d = r.decision
+            assert d and d.get("endpoint") in addrs, r
+            if k == 0:
+                placed[s] = d["endpoint"]
+            else:
+                assert d["endpoint"] == placed[s], (s, k, i, d)
+            # The other gateway is told the binding (bound or refreshed).
+            j = 1 - i
+            told[j] += 1
+            e2e.wait_until(lambda: peer_bound(gws[j]) >= told[j], timeout=15,
+                           what=f"gateway {j} told {told[j]} bindings")
+    for g in gws:
+        assert stat(g, "wasmcustom.kvroute_mesh_exchange_failures") == 0
+        assert g.wasm_failures() == {}
+        g.assert_alive()
