@@ -791,3 +791,56 @@ async fn lora_modules_are_served_listed_and_reported() {
         vllm_metrics::parse(&c.get(&format!("{}/metrics", plain[0])).await.unwrap().body).unwrap();
     assert_eq!(m.lora, None);
 }
+
+/// `vllm:lora_requests_info` follows the adapters in flight as vLLM 0.32
+/// reports them: every adapter with a request waiting or running is listed
+/// in both labels, oldest request first; each label set keeps its own
+/// series, and the current one has the latest value (what kvroute reads).
+#[tokio::test]
+async fn lora_requests_info_lists_the_adapters_in_flight() {
+    use kvroute_core::reports::vllm_metrics;
+    let mut c_cfg = cfg(20.0);
+    c_cfg.lora_modules = vec!["sql".into(), "chat".into()];
+    c_cfg.max_loras = 2;
+    c_cfg.engine.max_num_seqs = 1;
+    let (_f, urls) = fleet(&c_cfg, 1).await;
+    let c = HttpClient::new();
+    let url = format!("{}/v1/completions", urls[0]);
+    let lora = |body: &[u8]| vllm_metrics::parse(body).unwrap().lora.unwrap();
+    let idle = c.get(&format!("{}/metrics", urls[0])).await.unwrap();
+    assert!(lora(&idle.body).running.is_empty());
+    // Each decodes 400 tokens at >= 25 ms model = 1.25 ms wall: >= 0.5 s;
+    // one runs at a time (max_num_seqs 1), the others wait.
+    let mut tasks = Vec::new();
+    for (i, model) in ["sql", "tiny", "chat"].into_iter().enumerate() {
+        let c = c.clone();
+        let url = url.clone();
+        let body = json!({"model": model, "prompt": format!("lora prompt {i}"), "max_tokens": 400})
+            .to_string();
+        tasks.push(tokio::spawn(async move { c.post(&url, body, &[]).await }));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let busy = c.get(&format!("{}/metrics", urls[0])).await.unwrap();
+    let l = lora(&busy.body);
+    assert_eq!(
+        l.running,
+        vec!["sql".to_string(), "chat".to_string()],
+        "{}",
+        busy.text()
+    );
+    assert_eq!(l.waiting, l.running);
+    assert_eq!(l.max_lora, 2);
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap().status, 200);
+    }
+    let done = c.get(&format!("{}/metrics", urls[0])).await.unwrap();
+    assert!(lora(&done.body).running.is_empty(), "{}", done.text());
+    // The earlier label sets are still there, older.
+    let series = done
+        .text()
+        .lines()
+        .filter(|l| l.starts_with("vllm:lora_requests_info{"))
+        .count();
+    assert_eq!(series, 2, "{}", done.text());
+}

@@ -6,10 +6,11 @@ In both modes Envoy and every VM stay up, and later requests route normally.
 """
 
 import json
+import time
 
 import pytest
 
-from conftest import MODEL, completion, plugin_config, post, request, text, wait_until
+from conftest import MODEL, completion, in_background, plugin_config, post, request, text, wait_until
 
 BIG = 5 * 1024 * 1024  # over routing.maxBodyBytes (4 MiB), under Envoy's 8 MiB buffer
 HUGE = 9 * 1024 * 1024  # over Envoy's per-connection buffer limit too
@@ -169,3 +170,39 @@ def test_each_model_reaches_only_its_servers_and_an_unknown_one_is_404(fleet, en
     assert n and n[0] >= 2, stats
     e.assert_alive()
     assert e.wasm_failures() == {}, e.wasm_failures()
+
+
+def test_lora_affinity_prefers_the_server_running_the_adapter_and_a_free_slot_for_another(fleet, envoy):
+    """llm-d's lora-affinity-scorer on what the servers report: two servers
+    serve the adapters "sql" and "chat" with one adapter slot each
+    (--max-loras 1). While a long "sql" request runs on one of them (its
+    /metrics lists "sql" in vllm:lora_requests_info, as vLLM does), more
+    "sql" requests go there (1.0 against a free slot's 0.8), and "chat"
+    requests go to the other server (a free slot, 0.8, against a full one,
+    0). Without the servers' reports every endpoint would tie."""
+    f = fleet(2, "--lora-modules", "sql,chat", "--max-loras", "1")
+    cfg = plugin_config(collector={"metricsPollIntervalMs": 200})
+    cfg["plugins"].append({"type": "lora-affinity-scorer"})
+    cfg["schedulingProfiles"][0]["plugins"] = [{"pluginRef": "lora-affinity-scorer"},
+                                               {"pluginRef": "max-score-picker"}]
+    e = envoy(cfg, endpoints=f.addresses)
+    wait_until(lambda: all((x.get("metrics") or {}).get("fresh") for x in e.state()["endpoints"]),
+               timeout=10, what="fresh metrics")
+    # About 300 tokens x 25 ms: the "sql" request runs for ~7 s.
+    t, res = in_background(completion, e.port, text("lora-long", 400), max_tokens=300, model="sql", timeout=60)
+    wait_until(lambda: any(s["inflightRequests"] > 0 for s in e.state()["endpoints"]), timeout=5,
+               what="the long request charged")
+    running = next(a for a, s in e.state_by_address().items() if s["inflightRequests"] > 0)
+    other = next(a for a in f.addresses if a != running)
+    # Two metrics polls: the filter has read that "sql" runs there.
+    time.sleep(0.6)
+    try:
+        for i in range(4):
+            r = completion(e.port, text(f"lora-sql-{i}", 400), max_tokens=1, model="sql")
+            assert r.status == 200 and r.served_by == running, (i, r)
+            r = completion(e.port, text(f"lora-chat-{i}", 400), max_tokens=1, model="chat")
+            assert r.status == 200 and r.served_by == other, (i, r)
+    finally:
+        t.join()
+    assert res and res[0].status == 200, res
+    assert e.wasm_failures() == {}

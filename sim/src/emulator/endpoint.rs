@@ -12,6 +12,7 @@ use super::EmulatorConfig;
 use crate::kv_events::KvEvent;
 use crate::vllm_hash::VllmBlockHasher;
 use kvroute_sim_model::vllm_model::{AdmitError, Engine, EngineRequest, RequestId};
+use kvroute_sim_model::vllm_server::metrics_text;
 pub use kvroute_sim_model::vllm_server::metrics_text::Snapshot;
 pub use kvroute_sim_model::vllm_server::unix_now_s;
 use std::collections::HashMap;
@@ -71,7 +72,13 @@ struct Waiter {
     reported: u32,
     /// Report every this many tokens (first and last always).
     interval: u32,
+    /// The LoRA adapter the request names (`None`: the base model).
+    adapter: Option<String>,
 }
+
+/// Most `vllm:lora_requests_info` series kept (vLLM keeps every label set
+/// it ever set; the emulator drops the stalest past this).
+const MAX_LORA_SERIES: usize = 64;
 
 /// Wall-clock ↔ model-time mapping.
 #[derive(Clone, Copy, Debug)]
@@ -118,6 +125,9 @@ pub struct Endpoint {
     pub fault_responses: AtomicU64,
     /// `GET /metrics` requests answered, whatever the metrics mode.
     pub metrics_scrapes: AtomicU64,
+    /// `vllm:lora_requests_info`'s series: (adapter names label, unix time
+    /// last set), oldest label set first.
+    lora_series: Mutex<Vec<(String, f64)>>,
     /// Model microseconds skipped because the host fell behind the time
     /// scale; non-zero means latencies are inflated (lower --time-scale).
     pub host_lag_model_us: AtomicU64,
@@ -149,6 +159,7 @@ impl Endpoint {
             kv_tx,
             fault_responses: AtomicU64::new(0),
             metrics_scrapes: AtomicU64::new(0),
+            lora_series: Mutex::new(Vec::new()),
             host_lag_model_us: AtomicU64::new(0),
         })
     }
@@ -157,12 +168,14 @@ impl Endpoint {
         self.kv_tx.is_some()
     }
 
-    /// Queues a request; progress arrives on the returned receiver.
-    /// `stream_interval` of 0 reports only the first and the last token.
+    /// Queues a request (for LoRA adapter `adapter`, if any); progress
+    /// arrives on the returned receiver. `stream_interval` of 0 reports
+    /// only the first and the last token.
     pub fn submit(
         &self,
         req: EngineRequest,
         stream_interval: u32,
+        adapter: Option<String>,
     ) -> Result<(RequestId, mpsc::UnboundedReceiver<Progress>), AdmitError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
@@ -179,6 +192,7 @@ impl Endpoint {
                     } else {
                         stream_interval
                     },
+                    adapter,
                 },
             );
             id
@@ -212,6 +226,51 @@ impl Endpoint {
 
     pub fn set_metrics_mode(&self, m: MetricsMode) {
         *lock(&self.metrics_mode) = m;
+    }
+
+    /// `vllm:lora_requests_info` now, as vLLM 0.32 reports it: every
+    /// adapter with a request in flight (waiting or running) is listed in
+    /// both `running_lora_adapters` and `waiting_lora_adapters` (vLLM sets
+    /// a key per adapter with any request, its count possibly 0), in the
+    /// order of their oldest request in flight; the current label set's
+    /// value is now, and the series of earlier label sets stay with the
+    /// time they were last current (vLLM's gauge keeps every label set).
+    /// vLLM sets it at each engine step; the emulator at each scrape.
+    pub fn lora_info_text(&self, now_unix_s: f64) -> String {
+        let names = {
+            let waiters = lock(&self.waiters);
+            let mut by_age: Vec<(RequestId, &str)> = waiters
+                .iter()
+                .filter_map(|(id, w)| w.adapter.as_deref().map(|a| (*id, a)))
+                .collect();
+            by_age.sort_unstable();
+            let mut names: Vec<&str> = Vec::new();
+            for (_, a) in by_age {
+                if !names.contains(&a) {
+                    names.push(a);
+                }
+            }
+            names.join(",")
+        };
+        let mut series = lock(&self.lora_series);
+        match series.iter_mut().find(|(l, _)| *l == names) {
+            Some(s) => s.1 = now_unix_s,
+            None => {
+                if series.len() >= MAX_LORA_SERIES {
+                    if let Some(k) =
+                        (0..series.len()).min_by(|&a, &b| series[a].1.total_cmp(&series[b].1))
+                    {
+                        series.remove(k);
+                    }
+                }
+                series.push((names, now_unix_s));
+            }
+        }
+        series
+            .iter()
+            .map(|(l, t)| metrics_text::lora_requests_info(self.cfg.max_loras, l, *t))
+            .collect::<Vec<_>>()
+            .concat()
     }
 
     pub fn snapshot(&self) -> Snapshot {

@@ -228,10 +228,8 @@ async fn metrics(ep: &Arc<Endpoint>) -> Result<Response<Body>, DropConnection> {
                 &ep.snapshot(),
             );
             if !ep.cfg.lora_modules.is_empty() {
-                text.push_str(&metrics_text::lora_requests_info(
-                    ep.cfg.max_loras,
-                    kvroute_sim_model::vllm_server::unix_now_s(),
-                ));
+                text.push_str(metrics_text::LORA_REQUESTS_INFO_HEAD);
+                text.push_str(&ep.lora_info_text(kvroute_sim_model::vllm_server::unix_now_s()));
             }
             respond(
                 ep,
@@ -385,7 +383,9 @@ async fn completion(
     } else {
         0
     };
-    let (id, rx) = match ep.submit(ereq, interval) {
+    let adapter = (parsed.model != ep.cfg.model && ep.cfg.lora_modules.contains(&parsed.model))
+        .then(|| parsed.model.clone());
+    let (id, rx) = match ep.submit(ereq, interval, adapter) {
         Ok(x) => x,
         Err(AdmitError::TooLong {
             requested,

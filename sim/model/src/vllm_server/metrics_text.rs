@@ -45,15 +45,18 @@ impl Snapshot {
     }
 }
 
-/// vLLM 0.32's `vllm:lora_requests_info` (a server with LoRA enabled): one
-/// series, labels in vLLM's declared order, the value the time of the last
-/// update. The emulator's engine does not tell adapters apart, so none is
-/// reported running or waiting.
-pub fn lora_requests_info(max_loras: u32, now_unix_s: f64) -> String {
+/// The `# HELP` and `# TYPE` lines of vLLM 0.32's `vllm:lora_requests_info`.
+pub const LORA_REQUESTS_INFO_HEAD: &str =
+    "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+     # TYPE vllm:lora_requests_info gauge\n";
+
+/// One series of vLLM 0.32's `vllm:lora_requests_info` (a server with LoRA
+/// enabled), labels in vLLM's declared order, the value the unix time the
+/// label set was last current; `adapters` is the comma-separated names
+/// vLLM puts in both adapter labels (an adapter with any request in flight).
+pub fn lora_requests_info(max_loras: u32, adapters: &str, unix_s: f64) -> String {
     format!(
-        "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
-         # TYPE vllm:lora_requests_info gauge\n\
-         vllm:lora_requests_info{{max_lora=\"{max_loras}\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"}} {now_unix_s:e}\n"
+        "vllm:lora_requests_info{{max_lora=\"{max_loras}\",waiting_lora_adapters=\"{adapters}\",running_lora_adapters=\"{adapters}\"}} {unix_s:e}\n"
     )
 }
 
