@@ -77,6 +77,8 @@ pub struct PeerApplied {
     /// endpoint (`session_id` sessions only).
     pub sessions_bound: u32,
     pub sessions_moved: u32,
+    /// Live bindings of other sessions that gave up their slot to them.
+    pub sessions_evicted: u32,
 }
 
 /// What the collector posts at one exchange.
@@ -220,13 +222,15 @@ impl Engine {
         };
         let mut applied = PeerApplied::default();
         for s in decisions.iter().filter_map(|d| d.session) {
-            match self.settle_session(store, s.hash, &address, s.moved, now_ms)? {
-                Some(o) if matches!(o.settled, Settled::Bound | Settled::Refreshed) => {
-                    applied.sessions_bound += 1
-                }
-                Some(o) if o.settled == Settled::Moved => applied.sessions_moved += 1,
-                _ => {}
+            let Some(o) = self.settle_session(store, s.hash, &address, s.moved, now_ms)? else {
+                continue;
+            };
+            match o.settled {
+                Settled::Bound | Settled::Refreshed => applied.sessions_bound += 1,
+                Settled::Moved => applied.sessions_moved += 1,
+                Settled::Kept => {}
             }
+            applied.sessions_evicted += u32::from(o.evicted);
         }
         applied.index = self.apply_peer_index(
             store,
@@ -343,9 +347,11 @@ pub struct MeshApplied {
     /// sum covers.
     pub decisions: u32,
     pub proxies: u32,
-    /// Session bindings their decisions bound or refreshed, and moved.
+    /// Session bindings their decisions bound or refreshed, and moved,
+    /// and other sessions' bindings evicted for them.
     pub sessions_bound: u32,
     pub sessions_moved: u32,
+    pub sessions_evicted: u32,
 }
 
 impl Engine {
@@ -391,6 +397,7 @@ impl Engine {
             proxies: a.load.proxies,
             sessions_bound: applied.sessions_bound,
             sessions_moved: applied.sessions_moved,
+            sessions_evicted: applied.sessions_evicted,
         })
     }
 }

@@ -157,6 +157,7 @@ impl MeshLink {
                 counts.add(host, Counter::MeshDecisionsReceived, u64::from(a.decisions));
                 counts.add(host, Counter::SessionPeerBound, u64::from(a.sessions_bound));
                 counts.add(host, Counter::SessionPeerMoved, u64::from(a.sessions_moved));
+                counts.add(host, Counter::SessionEvicted, u64::from(a.sessions_evicted));
                 if a.resync {
                     counts.inc(host, Counter::MeshResyncs);
                 }
