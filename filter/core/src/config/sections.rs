@@ -26,7 +26,8 @@ pub enum EndpointSource {
 pub enum FailureMode {
     /// No destination header; Envoy's fallback load balancer decides.
     Open,
-    /// OpenAI-style JSON error: 400 for bad bodies, 503 for no endpoints.
+    /// A JSON error in the request's API shape (OpenAI's; Anthropic's on
+    /// the Messages API): 400 for bad bodies, 503 for no endpoints.
     Closed,
 }
 

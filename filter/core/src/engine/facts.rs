@@ -48,6 +48,10 @@ pub struct RequestFacts {
     /// The request's session, read from its headers by the lifecycle
     /// ([`Engine::session_ref`]); `None` without one.
     pub session: Option<super::SessionRef>,
+    /// The API the body was read as (`None`: built from blocks, or a
+    /// passthrough request): the shape of a local error reply
+    /// ([`Engine::fail_for`]).
+    pub api: Option<ApiKind>,
 }
 
 /// A prompt's rendered text, for the off-path lookup.
@@ -81,6 +85,7 @@ impl RequestFacts {
             precise_unknown_blocks: 0,
             model: String::new(),
             session: None,
+            api: None,
         }
     }
 }
@@ -160,6 +165,7 @@ impl Engine {
             precise_unknown_blocks: 0,
             model: req.model,
             session: None,
+            api: Some(kind),
         })
     }
 }

@@ -42,7 +42,7 @@ fn route(
 ) -> Outcome {
     match e.facts(kind, body) {
         Ok(facts) => e.route(s, facts, now_ms, rng),
-        Err(why) => e.fail_for(why),
+        Err(why) => e.fail_for(why, Some(kind)),
     }
 }
 
@@ -268,6 +268,31 @@ fn failure_modes() {
         ),
         Outcome::Reject { status: 503, .. }
     ));
+    // The rejection comes from `route` already in the shape of the body's
+    // API: Anthropic's for a Messages request (flow control's dispatch
+    // routes from the facts alone), OpenAI's when the API is not known.
+    let messages = br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"u"}]}"#;
+    let facts = e.facts(ApiKind::Messages, messages).unwrap();
+    assert_eq!(facts.api, Some(ApiKind::Messages));
+    match e.route(&s, facts, 0, &mut Rng::new(1)) {
+        Outcome::Reject {
+            status: 503, body, ..
+        } => {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["type"], "error", "{v}");
+            assert_eq!(v["error"]["type"], "overloaded_error", "{v}");
+        }
+        o => panic!("{o:?}"),
+    }
+    match e.route(&s, e.load_only_facts(10), 0, &mut Rng::new(1)) {
+        Outcome::Reject {
+            status: 503, body, ..
+        } => {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+        }
+        o => panic!("{o:?}"),
+    }
 }
 
 #[test]

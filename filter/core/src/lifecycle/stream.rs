@@ -23,9 +23,7 @@
 
 use super::flow::{send_shed, Admit, Arrival};
 use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
-use crate::engine::{
-    anthropic_error, openai_error, Outcome, Provisional, SessionLookup, SessionRef, Unrouted,
-};
+use crate::engine::{openai_error, Outcome, Provisional, SessionLookup, SessionRef, Unrouted};
 use crate::request::{ApiKind, ParseError};
 use crate::scheduling::session::{self, Presence, Strategy};
 use kvroute_shared_state::load::Ticket;
@@ -310,7 +308,7 @@ impl Stream {
         if end_of_stream {
             // A POST without a body cannot be routed.
             let why = Unrouted::BadBody(ParseError::Empty);
-            return match w.engine.fail_for(why.clone()).for_api(Some(kind)) {
+            return match w.engine.fail_for(why.clone(), Some(kind)) {
                 Outcome::Reject { status, body, .. } => {
                     w.counts.inc(host, Counter::Rejected);
                     Self::reply(&w, host, status, &body)
@@ -341,14 +339,10 @@ impl Stream {
                 actual: body_size,
             });
             self.kind = None;
-            return match w.engine.fail_for(why.clone()).for_api(Some(kind)) {
-                Outcome::Reject { body, .. } => {
+            return match w.engine.fail_for(why.clone(), Some(kind)) {
+                Outcome::Reject { status, body, .. } => {
                     w.counts.inc(host, Counter::Rejected);
-                    let body = match kind {
-                        ApiKind::Messages => anthropic_error(&why.message(), 413),
-                        _ => body,
-                    };
-                    Self::reply(&w, host, 413, &body)
+                    Self::reply(&w, host, status, &body)
                 }
                 _ => {
                     self.passthrough = true;
@@ -485,9 +479,8 @@ impl Stream {
             let mut rng = w.rng.borrow_mut();
             match facts {
                 Ok(facts) => w.engine.route(host.store(), facts, now, &mut rng),
-                Err(why) => w.engine.fail_for(why),
+                Err(why) => w.engine.fail_for(why, self.kind),
             }
-            .for_api(self.kind)
         };
         w.samples
             .on_decision(host, now_ns.filter(|_| timed), &outcome);
