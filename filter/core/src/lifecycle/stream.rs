@@ -189,9 +189,9 @@ impl Stream {
     }
 
     /// Flow control refused the request: 429 (with `Retry-After`) or 503,
-    /// an OpenAI-style error and llm-d's dropped-reason header.
-    fn shed(w: &Worker, host: &dyn Host, why: crate::flow::Shed) -> Action {
-        if let Err(e) = send_shed(host, why) {
+    /// an error in the shape of its API and llm-d's dropped-reason header.
+    fn shed(&self, w: &Worker, host: &dyn Host, why: crate::flow::Shed) -> Action {
+        if let Err(e) = send_shed(host, why, self.kind) {
             w.host_error(host, "sending a local response", e);
             return Action::Continue;
         }
@@ -470,7 +470,7 @@ impl Stream {
                         self.queued = true;
                         return Action::Pause;
                     }
-                    Admit::Shed(why) => return Self::shed(w, host, why),
+                    Admit::Shed(why) => return self.shed(w, host, why),
                 }
             }
             (other, _) => other,

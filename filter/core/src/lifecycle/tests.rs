@@ -2251,6 +2251,73 @@ mod flow_control {
         assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
     }
 
+    /// A Messages request (`/v1/messages`) and its whole body; returns the
+    /// stream and the body callback's action.
+    fn send_messages(host: &FakeHost, w: &Rc<Worker>, id: u32, user: &str) -> (Stream, Action) {
+        host.set_request("POST", "/v1/messages", &[]);
+        host.effective.set(None);
+        let mut s = Stream::new(Some(w.clone())).with_id(id);
+        assert_eq!(s.on_request_headers(host, false), Action::Pause);
+        let body = serde_json::json!({"model":"m","max_tokens":16,
+            "messages":[{"role":"user","content":user}]})
+        .to_string()
+        .into_bytes();
+        let n = body.len();
+        *host.body.borrow_mut() = body;
+        let a = s.on_request_body(host, n, true);
+        (s, a)
+    }
+
+    /// The last reply made on a stream's context: (context, status, JSON).
+    fn last_ctx_reply(host: &FakeHost) -> (Option<u32>, u32, serde_json::Value) {
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        (r.0, r.1, serde_json::from_str(&r.2).unwrap())
+    }
+
+    #[test]
+    fn a_shed_messages_request_gets_anthropics_rate_limit_error() {
+        let host = FakeHost::default();
+        let w = flow_filter(
+            &host,
+            7,
+            1,
+            r#","defaultRequestTTL":"1s","priorityBands":[{"priority":0,"maxRequests":"1"}]"#,
+            "",
+        );
+        let (_a, _) = send_messages(&host, &w, 1, "a");
+        let (_b, _) = send_messages(&host, &w, 2, "b");
+        let (_c, act) = send_messages(&host, &w, 3, "c");
+        assert_eq!(act, Action::Pause, "saturated: c waits");
+        // The band holds one: d is shed at admission, in Anthropic's shape.
+        let (_d, act) = send_messages(&host, &w, 4, "d");
+        assert_eq!(act, Action::Pause, "answered locally");
+        let (ctx, status, v) = last_ctx_reply(&host);
+        assert_eq!((ctx, status), (None, 429));
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+        assert_eq!(
+            v["error"]["message"],
+            crate::flow::Shed::Capacity.message(),
+            "{v}"
+        );
+        let headers = host.ctx_replies.borrow().last().cloned().unwrap().3;
+        assert!(headers.contains(&("retry-after".to_string(), "1".to_string())));
+        // c waits past its TTL: shed on its own context, in the same shape.
+        tick(&host, &w, 1_000);
+        let (ctx, status, v) = last_ctx_reply(&host);
+        assert_eq!((ctx, status), (Some(3), 429));
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+        // A chat request shed at admission keeps OpenAI's shape.
+        let (_e, _) = send_messages(&host, &w, 5, "e");
+        let (_f, act) = send(&host, &w, 6, "f", &[]);
+        assert_eq!(act, Action::Pause);
+        let (_, status, v) = last_ctx_reply(&host);
+        assert_eq!(status, 429);
+        assert_eq!(v["error"]["type"], "rate_limit_exceeded", "{v}");
+        assert!(v.get("type").is_none(), "{v}");
+    }
+
     #[test]
     fn workers_agree_on_band_and_arrival_order_through_the_board() {
         // Two workers of one Envoy (one store), each with its own queue.
@@ -2432,6 +2499,33 @@ mod flow_control_edges {
         assert_eq!(host.gauge("kvroute_flow_shed_no_endpoints.band.0"), Some(1));
         s.on_end(&host);
         assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
+    }
+
+    #[test]
+    fn with_no_endpoint_a_messages_request_gets_anthropics_overloaded_error() {
+        let host = FakeHost::default();
+        let w = worker(&host, r#"{"fromCluster":{"cluster":"vllm"}}"#, "closed");
+        host.set_request("POST", "/v1/messages", &[]);
+        host.effective.set(None);
+        let mut s = Stream::new(Some(w.clone())).with_id(1);
+        assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+        let body = br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"x"}]}"#;
+        *host.body.borrow_mut() = body.to_vec();
+        assert_eq!(s.on_request_body(&host, body.len(), true), Action::Pause);
+        host.now_ns.set(host.now_ns.get() + 1_100_000_000);
+        host.effective.set(None);
+        w.on_tick(&host);
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        assert_eq!((r.0, r.1), (Some(1), 503));
+        let v: serde_json::Value = serde_json::from_str(&r.2).unwrap();
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "overloaded_error", "{v}");
+        assert_eq!(v["error"]["message"], "no endpoints available", "{v}");
+        assert!(r.3.contains(&(
+            crate::flow::DROPPED_REASON_HEADER.to_string(),
+            "rejected-no-endpoints".to_string()
+        )));
+        s.on_end(&host);
     }
 }
 
