@@ -1675,5 +1675,29 @@ fn the_istio_precise_example_gives_the_tokenizer_by_reference() {
     }
 }
 
+#[test]
+fn the_model_header_is_off_by_default_and_must_be_a_lowercase_name() {
+    let c = Config::from_json(with_endpoints("{}").as_bytes()).unwrap();
+    assert_eq!(c.routing.model_header, None);
+    let c = Config::from_json(
+        with_endpoints(r#"{"routing":{"modelHeader":"x-kvroute-model"}}"#).as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(c.routing.model_header.as_deref(), Some("x-kvroute-model"));
+    for bad in [
+        r#""X-Model""#,
+        r#""""#,
+        r#"":path""#,
+        r#""x model""#,
+        r#""x-gateway-destination-endpoint""#,
+        "true",
+    ] {
+        let e = reject(&with_endpoints(&format!(
+            r#"{{"routing":{{"modelHeader":{bad}}}}}"#
+        )));
+        assert_eq!(e.path, "routing.modelHeader", "{bad}: {e}");
+    }
+}
+
 #[path = "session_tests.rs"]
 mod session_tests;

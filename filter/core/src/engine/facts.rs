@@ -63,6 +63,26 @@ pub struct OffPathText {
     pub salt: Option<String>,
 }
 
+/// Longest body `model` that `routing.modelHeader` carries.
+pub const MODEL_HEADER_MAX_BYTES: usize = 256;
+
+/// The value of the model header (`routing.modelHeader`) for a body's
+/// `model`: the model itself when it is a header value Envoy's routes can
+/// match exactly (1 to [`MODEL_HEADER_MAX_BYTES`] bytes of visible ASCII,
+/// spaces inside it allowed); `None` otherwise (no model, or one that is
+/// not a plain header value: the header is then left absent, since the
+/// client's copy was removed at the request's headers).
+pub fn model_header_value(model: &str) -> Option<&str> {
+    let b = model.as_bytes();
+    let plain = |c: &u8| c.is_ascii_graphic() || *c == b' ';
+    let ok = !b.is_empty()
+        && b.len() <= MODEL_HEADER_MAX_BYTES
+        && b.iter().all(plain)
+        && b.first() != Some(&b' ')
+        && b.last() != Some(&b' ');
+    ok.then_some(model)
+}
+
 impl RequestFacts {
     /// A prompt already cut into blocks (the simulator, the benches): one
     /// prompt, one output sequence, no text bytes, no precise hashes, not

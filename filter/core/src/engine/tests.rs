@@ -1462,3 +1462,32 @@ fn an_offpath_next_turn_goes_where_its_earlier_turns_are_held() {
         })
     );
 }
+
+#[test]
+fn the_model_header_carries_only_plain_model_names() {
+    use super::{model_header_value, MODEL_HEADER_MAX_BYTES};
+    for ok in [
+        "m",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "org/model v2",
+        "a:b@c",
+    ] {
+        assert_eq!(model_header_value(ok), Some(ok));
+    }
+    let long = "m".repeat(MODEL_HEADER_MAX_BYTES);
+    assert_eq!(model_header_value(&long), Some(long.as_str()));
+    let too_long = "m".repeat(MODEL_HEADER_MAX_BYTES + 1);
+    for bad in [
+        "",
+        " m",
+        "m ",
+        "a\nb",
+        "a\rb",
+        "a\tb",
+        "a\u{0}b",
+        "modèle",
+        too_long.as_str(),
+    ] {
+        assert_eq!(model_header_value(bad), None, "{bad:?}");
+    }
+}

@@ -265,6 +265,24 @@ impl Stream {
                 );
             }
         }
+        // Body-based routing (`routing.modelHeader`): the model header is
+        // kvroute's to set from the body, never the client's, on every
+        // request (routed, passed on, or refused).
+        if let Some(name) = routing.model_header.as_deref() {
+            if unread || header(name).is_some() {
+                if let Err(e) = host.remove_request_header(name) {
+                    // Cannot strip it: refuse rather than let the client
+                    // pick the route.
+                    w.host_error(host, "removing the client's model header", e);
+                    return Self::reply(
+                        &w,
+                        host,
+                        500,
+                        &openai_error("internal error", "internal_error", 500),
+                    );
+                }
+            }
+        }
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
         let kind = match classify(method, path, routing) {
@@ -431,7 +449,34 @@ impl Stream {
         let now_ns = w.clock_ns(host);
         let facts = w.engine.facts(kind, &body);
         drop(body);
+        Self::set_model_header(host, w, &facts);
         self.route_facts(host, w, facts, body_size as u64, (timed, now_ns))
+    }
+
+    /// Body-based routing (`routing.modelHeader`): sets the model header to
+    /// the body's `model` (when it is a plain header value), before flow
+    /// control and routing, so that the route Envoy matches once the request
+    /// goes on sees it (Envoy clears its route cache when a filter changes
+    /// request headers). A body that did not parse sets nothing: the
+    /// client's copy is already gone.
+    fn set_model_header(
+        host: &dyn Host,
+        w: &Worker,
+        facts: &Result<crate::engine::RequestFacts, Unrouted>,
+    ) {
+        let Some(name) = w.engine.config.routing.model_header.as_deref() else {
+            return;
+        };
+        let Some(value) = facts
+            .as_ref()
+            .ok()
+            .and_then(|f| crate::engine::model_header_value(&f.model))
+        else {
+            return;
+        };
+        if let Err(e) = host.set_request_header(name, value) {
+            w.host_error(host, "setting the model header", e);
+        }
     }
 
     /// Admits (flow control), routes and acts on the outcome: a body's

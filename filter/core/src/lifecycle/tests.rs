@@ -2666,6 +2666,151 @@ fn passthrough_routes_unparsed_paths_on_load_alone() {
     assert_eq!(host.header("x-gateway-destination-endpoint"), None);
     assert_eq!(inflight(&host, &w), (0, 0));
 }
+/// Body-based routing (`routing.modelHeader`).
+mod model_header {
+    use super::*;
+
+    const H: &str = "x-kvroute-model";
+
+    /// Headers (with `extra`) and the whole `body` on `path`; returns the
+    /// stream and the body callback's action (`None`: not paused at headers).
+    fn send(
+        host: &FakeHost,
+        w: &Rc<Worker>,
+        path: &str,
+        body: &[u8],
+        extra: &[(&str, &[u8])],
+    ) -> (Stream, Option<Action>) {
+        host.set_request("POST", path, extra);
+        let mut s = Stream::new(Some(w.clone()));
+        if s.on_request_headers(host, false) != Action::Pause {
+            return (s, None);
+        }
+        *host.body.borrow_mut() = body.to_vec();
+        let a = s.on_request_body(host, body.len(), true);
+        (s, Some(a))
+    }
+
+    #[test]
+    fn the_body_s_model_replaces_a_client_s_header() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        let (mut s, a) = send(
+            &host,
+            &w,
+            "/v1/chat/completions",
+            &chat_body("q"),
+            &[(H, b"other")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H).as_deref(), Some("m"));
+        assert!(
+            host.header("x-gateway-destination-endpoint").is_some(),
+            "routed too"
+        );
+        serve(&host, &mut s, "200");
+        // Anthropic's Messages API: the same.
+        let body =
+            br#"{"model":"claude-like","max_tokens":8,"messages":[{"role":"user","content":"x"}]}"#;
+        let (_s, a) = send(&host, &w, "/v1/messages", body, &[(H, b"other")]);
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H).as_deref(), Some("claude-like"));
+    }
+
+    #[test]
+    fn a_client_s_header_is_removed_when_the_body_gives_no_model() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        // A body that does not parse (fail-open: passed on unrouted).
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/v1/completions",
+            b"{not json",
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H), None);
+        // vLLM's generate API without `model`.
+        let body = br#"{"token_ids":[1,2,3],"sampling_params":{"max_tokens":2}}"#;
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/inference/v1/generate",
+            body,
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H), None);
+        // A model that is not a plain header value is not copied.
+        let body = serde_json::json!({"model":"a\nb","prompt":"x"}).to_string();
+        let (_s, _) = send(
+            &host,
+            &w,
+            "/v1/completions",
+            body.as_bytes(),
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(host.header(H), None);
+        // A path kvroute does not parse: removed at the headers.
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/v1/messages/count_tokens",
+            b"{}",
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(a, None, "passed on at its headers");
+        assert_eq!(host.header(H), None);
+        host.set_request("GET", "/v1/models", &[(H, b"spoofed")]);
+        assert_eq!(
+            Stream::new(Some(w.clone())).on_request_headers(&host, true),
+            Action::Continue
+        );
+        assert_eq!(host.header(H), None);
+        assert!(host.replies.borrow().is_empty());
+    }
+
+    #[test]
+    fn a_client_s_header_that_cannot_be_removed_is_refused() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        host.failing
+            .borrow_mut()
+            .insert("proxy_remove_header_map_value");
+        host.set_request("POST", "/v1/chat/completions", &[(H, b"spoofed")]);
+        let mut s = Stream::new(Some(w.clone()));
+        assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+        assert_eq!(host.replies.borrow().last().unwrap().0, 500);
+        // Without the option nothing is removed or set.
+        let (host, w) = filter("");
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/v1/chat/completions",
+            &chat_body("q"),
+            &[(H, b"kept")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H).as_deref(), Some("kept"));
+    }
+
+    /// A header write that fails is the host's error, counted; the
+    /// request goes on without the header (its client copy is gone).
+    #[test]
+    fn a_failed_header_write_is_a_host_error() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        host.set_request("POST", "/v1/chat/completions", &[]);
+        let mut s = Stream::new(Some(w.clone()));
+        assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+        host.failing
+            .borrow_mut()
+            .insert("proxy_replace_header_map_value");
+        let body = chat_body("q");
+        *host.body.borrow_mut() = body.clone();
+        s.on_request_body(&host, body.len(), true);
+        assert_eq!(host.header(H), None);
+        assert!(count(&host, &w, Counter::HostErrors) >= 1);
+    }
+}
+
 #[path = "tests_anthropic.rs"]
 mod anthropic;
 #[path = "session_tests.rs"]
