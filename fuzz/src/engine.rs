@@ -160,7 +160,7 @@ impl World {
             Ok(facts) => self
                 .engine
                 .route(&self.store, facts, self.now_ms, &mut self.rng),
-            Err(why) => self.engine.fail_for(why),
+            Err(why) => self.engine.fail_for(why, Some(kind)),
         };
         match outcome {
             Outcome::Routed(r) => {

@@ -15,7 +15,7 @@ import re
 import threading
 import time
 
-from conftest import MODEL, REPO, plugin_config, text, wait_until
+from conftest import MODEL, REPO, plugin_config, post, text, wait_until
 
 HIGH, LOW = "premium-traffic", "best-effort-traffic"
 OBJECTIVE = "x-llm-d-inference-objective"
@@ -195,3 +195,66 @@ def test_two_proxies_do_not_over_dispatch_the_fleet(fleet, envoy):
     for e in gateways:
         wait_until(lambda e=e: inflight(e) == 0, timeout=10, what="in-flight back to 0")
         assert e.wasm_failures() == {}
+
+
+def test_a_shed_messages_request_gets_anthropics_error_shape(fleet, envoy):
+    """Flow control's 429 on Anthropic's Messages API is in Anthropic's error
+    shape (`rate_limit_error`); on an OpenAI path it stays OpenAI's. One
+    server, a concurrency-detector at one request, one band holding one
+    waiting request: a request holds the slot, a Messages request waits, and
+    the next ones find the band full."""
+    f = fleet(1, "--max-num-seqs", "1", "--decode-step-ms", "50")
+    cfg = plugin_config()
+    cfg["featureGates"] = ["flowControl"]
+    cfg["plugins"].append({"type": "concurrency-detector", "parameters": {"maxConcurrency": 1}})
+    cfg["flowControl"] = {
+        "defaultRequestTTL": "30s",
+        "saturationDetector": {"pluginRef": "concurrency-detector"},
+        "priorityBands": [{"priority": 0, "maxRequests": "1"}],
+    }
+    e = envoy(cfg, endpoints=f.addresses)
+
+    def messages(user, max_tokens=4):
+        return {"model": MODEL, "max_tokens": max_tokens, "messages": [{"role": "user", "content": user}]}
+
+    out = {}
+
+    def hold(key, path, body):
+        out[key] = post(e.port, path, body, timeout=60)
+
+    busy = threading.Thread(target=hold, args=("busy", "/v1/chat/completions",
+                                               {"model": MODEL, "max_tokens": 40,
+                                                "messages": [{"role": "user", "content": text("busy", 200)}]}))
+    busy.start()
+    wait_until(lambda: inflight(e) == 1, timeout=10, what="the only slot taken")
+    waiting = threading.Thread(target=hold, args=("waiting", "/v1/messages", messages(text("waiting", 200))))
+    waiting.start()
+
+    def queued():
+        for line in prom(e).splitlines():
+            if line.startswith("kvroute_flow_queued{") and 'band="0"' in line:
+                return float(line.rsplit(" ", 1)[1]) >= 1
+        return False
+    wait_until(queued, timeout=10, what="the Messages request waiting")
+
+    r = post(e.port, "/v1/messages", messages(text("shed", 200)))
+    assert r.status == 429, r
+    assert r.headers.get("retry-after") == "1", r.headers
+    assert r.headers.get("x-llm-d-request-dropped-reason") == "rejected-saturated", r.headers
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error", body
+    assert body["error"]["message"], body
+    r = post(e.port, "/v1/chat/completions",
+             {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text("shed-chat", 200)}]})
+    assert r.status == 429, r
+    body = r.json()
+    assert "type" not in body and body["error"]["type"] == "rate_limit_exceeded", body
+    assert body["error"]["code"] == 429, body
+
+    busy.join(60)
+    waiting.join(60)
+    assert out["busy"].status == 200, out["busy"]
+    assert out["waiting"].status == 200 and out["waiting"].json()["type"] == "message", out["waiting"]
+    wait_until(lambda: inflight(e) == 0, timeout=10, what="in-flight back to 0")
+    assert e.wasm_failures() == {}
+    e.assert_alive()

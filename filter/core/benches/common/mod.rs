@@ -232,7 +232,7 @@ impl Case {
     fn route(&self, body: &[u8], rng: &mut Rng) -> Outcome {
         match self.engine.facts(ApiKind::ChatCompletions, body) {
             Ok(facts) => self.engine.route(&self.store, facts, NOW_MS, rng),
-            Err(why) => self.engine.fail_for(why),
+            Err(why) => self.engine.fail_for(why, Some(ApiKind::ChatCompletions)),
         }
     }
 

@@ -26,7 +26,8 @@ pub enum EndpointSource {
 pub enum FailureMode {
     /// No destination header; Envoy's fallback load balancer decides.
     Open,
-    /// OpenAI-style JSON error: 400 for bad bodies, 503 for no endpoints.
+    /// A JSON error in the request's API shape (OpenAI's; Anthropic's on
+    /// the Messages API): 400 for bad bodies, 503 for no endpoints.
     Closed,
 }
 
@@ -50,6 +51,11 @@ pub struct RoutingConfig {
     /// routed at its headers on load alone, its body not read, instead of
     /// passing to Envoy's load balancer.
     pub passthrough: bool,
+    /// Body-based routing (`routing.modelHeader`, off when `None`): this
+    /// request header is set to the body's `model` once the body is read,
+    /// so Envoy's routes can match on it (the Gateway API Inference
+    /// Extension's body-based router); a client's copy is always removed.
+    pub model_header: Option<String>,
 }
 
 /// kvroute's `collector` section (the singleton).
@@ -190,6 +196,7 @@ pub(super) struct RawRouting {
     debug_header: Option<bool>,
     state_path: Option<String>,
     seed: Option<u64>,
+    model_header: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -477,20 +484,34 @@ pub(super) fn kv_events(k: RawKvEvents) -> Result<KvEventsConfig, ConfigError> {
     })
 }
 
-pub(super) fn routing(r: RawRouting) -> Result<RoutingConfig, ConfigError> {
-    let header = r
-        .destination_header
-        .unwrap_or_else(|| "x-gateway-destination-endpoint".into());
+/// A lowercase HTTP header name kvroute may set (not a pseudo-header).
+fn header_name(path: &str, header: &str) -> Result<(), ConfigError> {
     if header.is_empty()
-        || header.starts_with(':')
         || !header
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
     {
         return Err(err(
-            "routing.destinationHeader",
+            path,
             format!("\"{header}\" is not a lowercase HTTP header name"),
         ));
+    }
+    Ok(())
+}
+
+pub(super) fn routing(r: RawRouting) -> Result<RoutingConfig, ConfigError> {
+    let header = r
+        .destination_header
+        .unwrap_or_else(|| "x-gateway-destination-endpoint".into());
+    header_name("routing.destinationHeader", &header)?;
+    if let Some(m) = &r.model_header {
+        header_name("routing.modelHeader", m)?;
+        if *m == header {
+            return Err(err(
+                "routing.modelHeader",
+                format!("\"{m}\" is the destination header (routing.destinationHeader); use another name"),
+            ));
+        }
     }
     let failure_mode = match r.failure_mode.as_deref() {
         None | Some("open") => FailureMode::Open,
@@ -551,5 +572,6 @@ pub(super) fn routing(r: RawRouting) -> Result<RoutingConfig, ConfigError> {
         state_path: r.state_path,
         seed: r.seed,
         passthrough: false,
+        model_header: r.model_header,
     })
 }

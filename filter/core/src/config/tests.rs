@@ -414,6 +414,7 @@ fn guide_precise_prefix_cache_loads_with_the_uds_tokenizer_adapted() {
 
 const TINY_TOKENIZER: &str =
     include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
+#[cfg(feature = "tokenizer")]
 const TINY_CONFIG: &str =
     include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
 
@@ -438,6 +439,7 @@ fn precise_doc(tokenizer_params: Value, producer_params: Value) -> String {
     )
 }
 
+#[cfg(feature = "tokenizer")]
 #[test]
 fn precise_producer_with_an_inline_tokenizer_loads() {
     let tok: Value = serde_json::from_str(TINY_TOKENIZER).unwrap();
@@ -472,6 +474,21 @@ fn precise_producer_with_an_inline_tokenizer_loads() {
         p.hasher,
         crate::precise::vllm_hash::VllmBlockHasher::new(None)
     );
+}
+
+/// Without the `tokenizer` feature a config that names a tokenizer is
+/// refused, naming the field; token-ID precise mode still loads.
+#[cfg(not(feature = "tokenizer"))]
+#[test]
+fn without_the_tokenizer_feature_a_named_tokenizer_is_refused() {
+    let tok = serde_json::json!({"modelName": "m", "tokenizerJson": TINY_TOKENIZER});
+    let e = reject(&precise_doc(tok, serde_json::json!({})));
+    assert_eq!(e.path, "plugins[0].parameters.tokenizerJson");
+    assert!(e.message.contains("`tokenizer` feature"), "{e}");
+    let doc = precise_doc(serde_json::json!({"modelName": "m"}), serde_json::json!({}));
+    let p = Config::from_json(doc.as_bytes()).unwrap().precise.unwrap();
+    assert_eq!(p.block_size, 16);
+    assert!(p.tokenizers[0].tokenizer.is_none() && p.tokenizers[0].offpath.is_none());
 }
 
 #[test]
@@ -510,7 +527,13 @@ fn precise_config_errors_name_the_field() {
         serde_json::json!({"modelName": "m", "tokenizerJson": TINY_TOKENIZER, "chatTemplate": "{% for %}"}),
         serde_json::json!({}),
     ));
-    assert!(e.message.contains("chat template does not compile"), "{e}");
+    // (Without the `tokenizer` feature a good tokenizer is refused.)
+    let says = if cfg!(feature = "tokenizer") {
+        "chat template does not compile"
+    } else {
+        "`tokenizer` feature"
+    };
+    assert!(e.message.contains(says), "{e}");
     // One token-producer per model: a second one naming a model already
     // served (as its modelName or a served name) is refused.
     let mut v: Value = serde_json::from_str(&precise_doc(
@@ -1547,6 +1570,7 @@ fn kvroute_plugin_parameters_are_checked() {
     }
 }
 
+#[cfg(feature = "tokenizer")]
 #[test]
 fn tokenizer_by_reference_and_tokenize_in_errors_name_the_field() {
     let pin = "ab".repeat(32);
@@ -1629,7 +1653,9 @@ fn tokenizer_by_reference_and_tokenize_in_errors_name_the_field() {
 
 /// The Istio singleton shape's precise-mode example: the tokenizer by
 /// reference (an `outbound|…` cluster, a sha256 pin), loaded by the
-/// collector only; small enough for a Kubernetes object.
+/// collector only; small enough for a Kubernetes object. (Without the
+/// `tokenizer` feature a config naming a tokenizer is refused.)
+#[cfg(feature = "tokenizer")]
 #[test]
 fn the_istio_precise_example_gives_the_tokenizer_by_reference() {
     let bytes = &include_bytes!("../../../../istio/singleton/kvroute-plugin-precise.json")[..];
@@ -1646,6 +1672,30 @@ fn the_istio_precise_example_gives_the_tokenizer_by_reference() {
             assert!(cluster.starts_with("outbound|80||"))
         }
         other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_model_header_is_off_by_default_and_must_be_a_lowercase_name() {
+    let c = Config::from_json(with_endpoints("{}").as_bytes()).unwrap();
+    assert_eq!(c.routing.model_header, None);
+    let c = Config::from_json(
+        with_endpoints(r#"{"routing":{"modelHeader":"x-kvroute-model"}}"#).as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(c.routing.model_header.as_deref(), Some("x-kvroute-model"));
+    for bad in [
+        r#""X-Model""#,
+        r#""""#,
+        r#"":path""#,
+        r#""x model""#,
+        r#""x-gateway-destination-endpoint""#,
+        "true",
+    ] {
+        let e = reject(&with_endpoints(&format!(
+            r#"{{"routing":{{"modelHeader":{bad}}}}}"#
+        )));
+        assert_eq!(e.path, "routing.modelHeader", "{bad}: {e}");
     }
 }
 

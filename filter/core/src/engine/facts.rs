@@ -48,6 +48,10 @@ pub struct RequestFacts {
     /// The request's session, read from its headers by the lifecycle
     /// ([`Engine::session_ref`]); `None` without one.
     pub session: Option<super::SessionRef>,
+    /// The API the body was read as (`None`: built from blocks, or a
+    /// passthrough request): the shape of a local error reply
+    /// ([`Engine::fail_for`]).
+    pub api: Option<ApiKind>,
 }
 
 /// A prompt's rendered text, for the off-path lookup.
@@ -57,6 +61,26 @@ pub struct OffPathText {
     pub text: String,
     pub add_special: bool,
     pub salt: Option<String>,
+}
+
+/// Longest body `model` that `routing.modelHeader` carries.
+pub const MODEL_HEADER_MAX_BYTES: usize = 256;
+
+/// The value of the model header (`routing.modelHeader`) for a body's
+/// `model`: the model itself when it is a header value Envoy's routes can
+/// match exactly (1 to [`MODEL_HEADER_MAX_BYTES`] bytes of visible ASCII,
+/// spaces inside it allowed); `None` otherwise (no model, or one that is
+/// not a plain header value: the header is then left absent, since the
+/// client's copy was removed at the request's headers).
+pub fn model_header_value(model: &str) -> Option<&str> {
+    let b = model.as_bytes();
+    let plain = |c: &u8| c.is_ascii_graphic() || *c == b' ';
+    let ok = !b.is_empty()
+        && b.len() <= MODEL_HEADER_MAX_BYTES
+        && b.iter().all(plain)
+        && b.first() != Some(&b' ')
+        && b.last() != Some(&b' ');
+    ok.then_some(model)
 }
 
 impl RequestFacts {
@@ -81,6 +105,7 @@ impl RequestFacts {
             precise_unknown_blocks: 0,
             model: String::new(),
             session: None,
+            api: None,
         }
     }
 }
@@ -160,6 +185,7 @@ impl Engine {
             precise_unknown_blocks: 0,
             model: req.model,
             session: None,
+            api: Some(kind),
         })
     }
 }

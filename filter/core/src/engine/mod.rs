@@ -109,7 +109,7 @@ mod snapshot;
 mod state;
 
 pub use collect::{Applied, ApplyError};
-pub use facts::{OffPathText, RequestFacts};
+pub use facts::{model_header_value, OffPathText, RequestFacts, MODEL_HEADER_MAX_BYTES};
 pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerApplied, PeerDecision};
 pub use models::model_not_found;
 pub use session::{SessionLookup, SessionRef};
@@ -149,7 +149,8 @@ pub enum Outcome {
     /// Continue without a destination header (fail-open): Envoy's fallback
     /// load balancer decides.
     FailOpen(Unrouted),
-    /// Answer locally with this status and OpenAI-style JSON (fail-closed).
+    /// Answer locally with this status and JSON body (fail-closed), in the
+    /// shape of the request's API ([`Engine::fail_for`]).
     Reject {
         status: u32,
         body: String,
@@ -283,28 +284,12 @@ pub fn anthropic_error(message: &str, status: u32) -> String {
 
 /// A local error reply's body in the shape of the request's API: Anthropic's
 /// for the Messages API, else OpenAI's (`kind` is OpenAI's error type).
-pub fn error_body(api: ApiKind, message: &str, kind: &str, status: u32) -> String {
+/// `None`: a request whose API is not known (passthrough), answered in
+/// OpenAI's shape.
+pub fn error_body(api: Option<ApiKind>, message: &str, kind: &str, status: u32) -> String {
     match api {
-        ApiKind::Messages => anthropic_error(message, status),
+        Some(ApiKind::Messages) => anthropic_error(message, status),
         _ => openai_error(message, kind, status),
-    }
-}
-
-impl Outcome {
-    /// A rejection's body in the shape of the request's API (built from its
-    /// reason again; other outcomes are unchanged).
-    /// (`None`: a passthrough request, whose API is not known: unchanged.)
-    pub fn for_api(self, api: Option<ApiKind>) -> Outcome {
-        match self {
-            Outcome::Reject { status, why, .. } if api == Some(ApiKind::Messages) => {
-                Outcome::Reject {
-                    status,
-                    body: anthropic_error(&why.message(), status),
-                    why,
-                }
-            }
-            other => other,
-        }
     }
 }
 
@@ -403,30 +388,32 @@ impl Engine {
         Ok((healthy, metrics, models))
     }
 
-    /// What the failure mode says to do with a request kvroute cannot route.
-    pub fn fail_for(&self, why: Unrouted) -> Outcome {
-        match self.config.routing.failure_mode {
-            FailureMode::Open => Outcome::FailOpen(why),
-            FailureMode::Closed => {
-                let (status, body) = match &why {
-                    Unrouted::BadBody(e) => (
-                        400,
-                        openai_error(&e.to_string(), "invalid_request_error", 400),
-                    ),
-                    Unrouted::NoEndpoints => (
-                        503,
-                        openai_error(
-                            "no model server endpoints are available",
-                            "service_unavailable",
-                            503,
-                        ),
-                    ),
-                    Unrouted::UnknownModel(m) => (404, models::model_not_found(m)),
-                    Unrouted::Store(m) => (503, openai_error(m, "service_unavailable", 503)),
-                };
-                Outcome::Reject { status, body, why }
-            }
+    /// What the failure mode says to do with a request kvroute cannot route:
+    /// with `failureMode: closed`, a rejection whose body has the shape of
+    /// the request's API (`api`, see [`error_body`]): 400 for a bad body,
+    /// 413 for one over `maxBodyBytes`, 404 for an unknown model (vLLM's
+    /// body on the OpenAI APIs), 503 for no endpoint or a shared-data error.
+    pub fn fail_for(&self, why: Unrouted, api: Option<ApiKind>) -> Outcome {
+        if self.config.routing.failure_mode == FailureMode::Open {
+            return Outcome::FailOpen(why);
         }
+        let message = why.message();
+        let messages = api == Some(ApiKind::Messages);
+        let (status, body) = match &why {
+            // Over `maxBodyBytes`: 413 (the OpenAI body's `code` says 400).
+            Unrouted::BadBody(ParseError::TooLarge { .. }) if !messages => {
+                (413, openai_error(&message, "invalid_request_error", 400))
+            }
+            Unrouted::BadBody(ParseError::TooLarge { .. }) => (413, anthropic_error(&message, 413)),
+            Unrouted::BadBody(_) => (400, error_body(api, &message, "invalid_request_error", 400)),
+            // vLLM's own body on the OpenAI APIs.
+            Unrouted::UnknownModel(m) if !messages => (404, models::model_not_found(m)),
+            Unrouted::UnknownModel(_) => (404, anthropic_error(&message, 404)),
+            Unrouted::NoEndpoints | Unrouted::Store(_) => {
+                (503, error_body(api, &message, "service_unavailable", 503))
+            }
+        };
+        Outcome::Reject { status, body, why }
     }
 
     /// Capacity of an endpoint in index blocks.

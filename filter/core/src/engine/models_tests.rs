@@ -20,7 +20,7 @@ fn route(e: &Engine, s: &dyn Store, body: &[u8], now_ms: u64) -> Outcome {
     let mut rng = Rng::new(3);
     match e.facts(ApiKind::Completions, body) {
         Ok(f) => e.route(s, f, now_ms, &mut rng),
-        Err(why) => e.fail_for(why),
+        Err(why) => e.fail_for(why, Some(ApiKind::Completions)),
     }
 }
 

@@ -59,9 +59,11 @@ impl Engine {
                 }
                 Outcome::Routed(r)
             }
-            Ok(Placed::NoEndpoints) => self.fail_for(Unrouted::NoEndpoints),
-            Ok(Placed::UnknownModel) => self.fail_for(Unrouted::UnknownModel(facts.model)),
-            Err(e) => self.fail_for(Unrouted::Store(e.to_string())),
+            Ok(Placed::NoEndpoints) => self.fail_for(Unrouted::NoEndpoints, facts.api),
+            Ok(Placed::UnknownModel) => {
+                self.fail_for(Unrouted::UnknownModel(facts.model), facts.api)
+            }
+            Err(e) => self.fail_for(Unrouted::Store(e.to_string()), facts.api),
         }
     }
 

@@ -42,7 +42,7 @@ fn route(
 ) -> Outcome {
     match e.facts(kind, body) {
         Ok(facts) => e.route(s, facts, now_ms, rng),
-        Err(why) => e.fail_for(why),
+        Err(why) => e.fail_for(why, Some(kind)),
     }
 }
 
@@ -268,6 +268,31 @@ fn failure_modes() {
         ),
         Outcome::Reject { status: 503, .. }
     ));
+    // The rejection comes from `route` already in the shape of the body's
+    // API: Anthropic's for a Messages request (flow control's dispatch
+    // routes from the facts alone), OpenAI's when the API is not known.
+    let messages = br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"u"}]}"#;
+    let facts = e.facts(ApiKind::Messages, messages).unwrap();
+    assert_eq!(facts.api, Some(ApiKind::Messages));
+    match e.route(&s, facts, 0, &mut Rng::new(1)) {
+        Outcome::Reject {
+            status: 503, body, ..
+        } => {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["type"], "error", "{v}");
+            assert_eq!(v["error"]["type"], "overloaded_error", "{v}");
+        }
+        o => panic!("{o:?}"),
+    }
+    match e.route(&s, e.load_only_facts(10), 0, &mut Rng::new(1)) {
+        Outcome::Reject {
+            status: 503, body, ..
+        } => {
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["error"]["type"], "service_unavailable", "{v}");
+        }
+        o => panic!("{o:?}"),
+    }
 }
 
 #[test]
@@ -1436,4 +1461,33 @@ fn an_offpath_next_turn_goes_where_its_earlier_turns_are_held() {
             blocks: whole.len() as u32
         })
     );
+}
+
+#[test]
+fn the_model_header_carries_only_plain_model_names() {
+    use super::{model_header_value, MODEL_HEADER_MAX_BYTES};
+    for ok in [
+        "m",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "org/model v2",
+        "a:b@c",
+    ] {
+        assert_eq!(model_header_value(ok), Some(ok));
+    }
+    let long = "m".repeat(MODEL_HEADER_MAX_BYTES);
+    assert_eq!(model_header_value(&long), Some(long.as_str()));
+    let too_long = "m".repeat(MODEL_HEADER_MAX_BYTES + 1);
+    for bad in [
+        "",
+        " m",
+        "m ",
+        "a\nb",
+        "a\rb",
+        "a\tb",
+        "a\u{0}b",
+        "modèle",
+        too_long.as_str(),
+    ] {
+        assert_eq!(model_header_value(bad), None, "{bad:?}");
+    }
 }

@@ -7,7 +7,8 @@
 //! every [`FLOW_TICK_MS`] and dispatches, highest band first, while the
 //! pool has room; a dispatched request is routed then (so it still goes
 //! where its cache is), its header set and its stream resumed. A request
-//! is shed with 429 (`Retry-After`, an OpenAI-style error and llm-d's
+//! is shed with 429 (`Retry-After`, an error in the shape of its API,
+//! OpenAI's or on `/v1/messages` Anthropic's, and llm-d's
 //! `x-llm-d-request-dropped-reason`) when its band or the whole queue is
 //! full, or when it waited `defaultRequestTTL`; with no endpoint at all,
 //! 503 after `noEndpointRequestTTL`. A client that goes away while waiting

@@ -12,12 +12,13 @@
 use super::stream::{apply_outcome, Applied, Decided};
 use super::{Host, Level, Worker};
 use crate::config::FailureMode;
-use crate::engine::{openai_error, RequestFacts};
+use crate::engine::{error_body, RequestFacts};
 use crate::flow::board;
 use crate::flow::queue::{BandLoad, Entry, Queue};
 use crate::flow::{
     Class, FlowConfig, Pool, Shed, DROPPED_REASON_HEADER, MAX_DISPATCH_PER_TICK, RETRY_AFTER_S,
 };
+use crate::request::ApiKind;
 use std::cell::{Cell, RefCell};
 
 /// What admission says about a request.
@@ -114,10 +115,11 @@ fn shed_index(s: Shed) -> usize {
 }
 
 /// Answers the effective context's request for flow control: 429 (with
-/// `Retry-After`) or 503, an OpenAI-style error and llm-d's dropped-reason
-/// header.
-pub(super) fn send_shed(host: &dyn Host, why: Shed) -> super::HostResult<()> {
-    let body = openai_error(why.message(), "rate_limit_exceeded", why.status());
+/// `Retry-After`) or 503, an error in the shape of the request's API
+/// (`api`: Anthropic's `rate_limit_error` or `overloaded_error` on the
+/// Messages API, else OpenAI's) and llm-d's dropped-reason header.
+pub(super) fn send_shed(host: &dyn Host, why: Shed, api: Option<ApiKind>) -> super::HostResult<()> {
+    let body = error_body(api, why.message(), "rate_limit_exceeded", why.status());
     let retry = RETRY_AFTER_S.to_string();
     let mut headers: Vec<(&str, &str)> = vec![(DROPPED_REASON_HEADER, why.reason())];
     if why.status() == 429 {
@@ -328,7 +330,7 @@ impl FlowState {
             w.host_error(host, "switching to a waiting request", err);
             return;
         }
-        if let Err(err) = send_shed(host, why) {
+        if let Err(err) = send_shed(host, why, e.item.api) {
             w.host_error(host, "shedding a waiting request", err);
         }
     }

@@ -23,9 +23,7 @@
 
 use super::flow::{send_shed, Admit, Arrival};
 use super::{classify, Action, Counter, Host, Level, PathClass, Worker};
-use crate::engine::{
-    anthropic_error, openai_error, Outcome, Provisional, SessionLookup, SessionRef, Unrouted,
-};
+use crate::engine::{openai_error, Outcome, Provisional, SessionLookup, SessionRef, Unrouted};
 use crate::request::{ApiKind, ParseError};
 use crate::scheduling::session::{self, Presence, Strategy};
 use kvroute_shared_state::load::Ticket;
@@ -192,9 +190,9 @@ impl Stream {
     }
 
     /// Flow control refused the request: 429 (with `Retry-After`) or 503,
-    /// an OpenAI-style error and llm-d's dropped-reason header.
-    fn shed(w: &Worker, host: &dyn Host, why: crate::flow::Shed) -> Action {
-        if let Err(e) = send_shed(host, why) {
+    /// an error in the shape of its API and llm-d's dropped-reason header.
+    fn shed(&self, w: &Worker, host: &dyn Host, why: crate::flow::Shed) -> Action {
+        if let Err(e) = send_shed(host, why, self.kind) {
             w.host_error(host, "sending a local response", e);
             return Action::Continue;
         }
@@ -268,6 +266,24 @@ impl Stream {
                 );
             }
         }
+        // Body-based routing (`routing.modelHeader`): the model header is
+        // kvroute's to set from the body, never the client's, on every
+        // request (routed, passed on, or refused).
+        if let Some(name) = routing.model_header.as_deref() {
+            if unread || header(name).is_some() {
+                if let Err(e) = host.remove_request_header(name) {
+                    // Cannot strip it: refuse rather than let the client
+                    // pick the route.
+                    w.host_error(host, "removing the client's model header", e);
+                    return Self::reply(
+                        &w,
+                        host,
+                        500,
+                        &openai_error("internal error", "internal_error", 500),
+                    );
+                }
+            }
+        }
         let method = header(":method").unwrap_or_default();
         let path = header(":path").unwrap_or_default();
         let kind = match classify(method, path, routing) {
@@ -311,7 +327,7 @@ impl Stream {
         if end_of_stream {
             // A POST without a body cannot be routed.
             let why = Unrouted::BadBody(ParseError::Empty);
-            return match w.engine.fail_for(why.clone()).for_api(Some(kind)) {
+            return match w.engine.fail_for(why.clone(), Some(kind)) {
                 Outcome::Reject { status, body, .. } => {
                     w.counts.inc(host, Counter::Rejected);
                     Self::reply(&w, host, status, &body)
@@ -342,14 +358,10 @@ impl Stream {
                 actual: body_size,
             });
             self.kind = None;
-            return match w.engine.fail_for(why.clone()).for_api(Some(kind)) {
-                Outcome::Reject { body, .. } => {
+            return match w.engine.fail_for(why.clone(), Some(kind)) {
+                Outcome::Reject { status, body, .. } => {
                     w.counts.inc(host, Counter::Rejected);
-                    let body = match kind {
-                        ApiKind::Messages => anthropic_error(&why.message(), 413),
-                        _ => body,
-                    };
-                    Self::reply(&w, host, 413, &body)
+                    Self::reply(&w, host, status, &body)
                 }
                 _ => {
                     self.passthrough = true;
@@ -438,7 +450,34 @@ impl Stream {
         let now_ns = w.clock_ns(host);
         let facts = w.engine.facts(kind, &body);
         drop(body);
+        Self::set_model_header(host, w, &facts);
         self.route_facts(host, w, facts, body_size as u64, (timed, now_ns))
+    }
+
+    /// Body-based routing (`routing.modelHeader`): sets the model header to
+    /// the body's `model` (when it is a plain header value), before flow
+    /// control and routing, so that the route Envoy matches once the request
+    /// goes on sees it (Envoy clears its route cache when a filter changes
+    /// request headers). A body that did not parse sets nothing: the
+    /// client's copy is already gone.
+    fn set_model_header(
+        host: &dyn Host,
+        w: &Worker,
+        facts: &Result<crate::engine::RequestFacts, Unrouted>,
+    ) {
+        let Some(name) = w.engine.config.routing.model_header.as_deref() else {
+            return;
+        };
+        let Some(value) = facts
+            .as_ref()
+            .ok()
+            .and_then(|f| crate::engine::model_header_value(&f.model))
+        else {
+            return;
+        };
+        if let Err(e) = host.set_request_header(name, value) {
+            w.host_error(host, "setting the model header", e);
+        }
     }
 
     /// Admits (flow control), routes and acts on the outcome: a body's
@@ -477,7 +516,7 @@ impl Stream {
                         self.queued = true;
                         return Action::Pause;
                     }
-                    Admit::Shed(why) => return Self::shed(w, host, why),
+                    Admit::Shed(why) => return self.shed(w, host, why),
                 }
             }
             (other, _) => other,
@@ -486,9 +525,8 @@ impl Stream {
             let mut rng = w.rng.borrow_mut();
             match facts {
                 Ok(facts) => w.engine.route(host.store(), facts, now, &mut rng),
-                Err(why) => w.engine.fail_for(why),
+                Err(why) => w.engine.fail_for(why, self.kind),
             }
-            .for_api(self.kind)
         };
         w.samples
             .on_decision(host, now_ns.filter(|_| timed), &outcome);

@@ -2251,6 +2251,73 @@ mod flow_control {
         assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
     }
 
+    /// A Messages request (`/v1/messages`) and its whole body; returns the
+    /// stream and the body callback's action.
+    fn send_messages(host: &FakeHost, w: &Rc<Worker>, id: u32, user: &str) -> (Stream, Action) {
+        host.set_request("POST", "/v1/messages", &[]);
+        host.effective.set(None);
+        let mut s = Stream::new(Some(w.clone())).with_id(id);
+        assert_eq!(s.on_request_headers(host, false), Action::Pause);
+        let body = serde_json::json!({"model":"m","max_tokens":16,
+            "messages":[{"role":"user","content":user}]})
+        .to_string()
+        .into_bytes();
+        let n = body.len();
+        *host.body.borrow_mut() = body;
+        let a = s.on_request_body(host, n, true);
+        (s, a)
+    }
+
+    /// The last reply made on a stream's context: (context, status, JSON).
+    fn last_ctx_reply(host: &FakeHost) -> (Option<u32>, u32, serde_json::Value) {
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        (r.0, r.1, serde_json::from_str(&r.2).unwrap())
+    }
+
+    #[test]
+    fn a_shed_messages_request_gets_anthropics_rate_limit_error() {
+        let host = FakeHost::default();
+        let w = flow_filter(
+            &host,
+            7,
+            1,
+            r#","defaultRequestTTL":"1s","priorityBands":[{"priority":0,"maxRequests":"1"}]"#,
+            "",
+        );
+        let (_a, _) = send_messages(&host, &w, 1, "a");
+        let (_b, _) = send_messages(&host, &w, 2, "b");
+        let (_c, act) = send_messages(&host, &w, 3, "c");
+        assert_eq!(act, Action::Pause, "saturated: c waits");
+        // The band holds one: d is shed at admission, in Anthropic's shape.
+        let (_d, act) = send_messages(&host, &w, 4, "d");
+        assert_eq!(act, Action::Pause, "answered locally");
+        let (ctx, status, v) = last_ctx_reply(&host);
+        assert_eq!((ctx, status), (None, 429));
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+        assert_eq!(
+            v["error"]["message"],
+            crate::flow::Shed::Capacity.message(),
+            "{v}"
+        );
+        let headers = host.ctx_replies.borrow().last().cloned().unwrap().3;
+        assert!(headers.contains(&("retry-after".to_string(), "1".to_string())));
+        // c waits past its TTL: shed on its own context, in the same shape.
+        tick(&host, &w, 1_000);
+        let (ctx, status, v) = last_ctx_reply(&host);
+        assert_eq!((ctx, status), (Some(3), 429));
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+        // A chat request shed at admission keeps OpenAI's shape.
+        let (_e, _) = send_messages(&host, &w, 5, "e");
+        let (_f, act) = send(&host, &w, 6, "f", &[]);
+        assert_eq!(act, Action::Pause);
+        let (_, status, v) = last_ctx_reply(&host);
+        assert_eq!(status, 429);
+        assert_eq!(v["error"]["type"], "rate_limit_exceeded", "{v}");
+        assert!(v.get("type").is_none(), "{v}");
+    }
+
     #[test]
     fn workers_agree_on_band_and_arrival_order_through_the_board() {
         // Two workers of one Envoy (one store), each with its own queue.
@@ -2433,6 +2500,33 @@ mod flow_control_edges {
         s.on_end(&host);
         assert_eq!(w.flow.as_ref().unwrap().waiting(), 0);
     }
+
+    #[test]
+    fn with_no_endpoint_a_messages_request_gets_anthropics_overloaded_error() {
+        let host = FakeHost::default();
+        let w = worker(&host, r#"{"fromCluster":{"cluster":"vllm"}}"#, "closed");
+        host.set_request("POST", "/v1/messages", &[]);
+        host.effective.set(None);
+        let mut s = Stream::new(Some(w.clone())).with_id(1);
+        assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+        let body = br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"x"}]}"#;
+        *host.body.borrow_mut() = body.to_vec();
+        assert_eq!(s.on_request_body(&host, body.len(), true), Action::Pause);
+        host.now_ns.set(host.now_ns.get() + 1_100_000_000);
+        host.effective.set(None);
+        w.on_tick(&host);
+        let r = host.ctx_replies.borrow().last().cloned().unwrap();
+        assert_eq!((r.0, r.1), (Some(1), 503));
+        let v: serde_json::Value = serde_json::from_str(&r.2).unwrap();
+        assert_eq!(v["type"], "error", "{v}");
+        assert_eq!(v["error"]["type"], "overloaded_error", "{v}");
+        assert_eq!(v["error"]["message"], "no endpoints available", "{v}");
+        assert!(r.3.contains(&(
+            crate::flow::DROPPED_REASON_HEADER.to_string(),
+            "rejected-no-endpoints".to_string()
+        )));
+        s.on_end(&host);
+    }
 }
 
 #[test]
@@ -2572,6 +2666,151 @@ fn passthrough_routes_unparsed_paths_on_load_alone() {
     assert_eq!(host.header("x-gateway-destination-endpoint"), None);
     assert_eq!(inflight(&host, &w), (0, 0));
 }
+/// Body-based routing (`routing.modelHeader`).
+mod model_header {
+    use super::*;
+
+    const H: &str = "x-kvroute-model";
+
+    /// Headers (with `extra`) and the whole `body` on `path`; returns the
+    /// stream and the body callback's action (`None`: not paused at headers).
+    fn send(
+        host: &FakeHost,
+        w: &Rc<Worker>,
+        path: &str,
+        body: &[u8],
+        extra: &[(&str, &[u8])],
+    ) -> (Stream, Option<Action>) {
+        host.set_request("POST", path, extra);
+        let mut s = Stream::new(Some(w.clone()));
+        if s.on_request_headers(host, false) != Action::Pause {
+            return (s, None);
+        }
+        *host.body.borrow_mut() = body.to_vec();
+        let a = s.on_request_body(host, body.len(), true);
+        (s, Some(a))
+    }
+
+    #[test]
+    fn the_body_s_model_replaces_a_client_s_header() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        let (mut s, a) = send(
+            &host,
+            &w,
+            "/v1/chat/completions",
+            &chat_body("q"),
+            &[(H, b"other")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H).as_deref(), Some("m"));
+        assert!(
+            host.header("x-gateway-destination-endpoint").is_some(),
+            "routed too"
+        );
+        serve(&host, &mut s, "200");
+        // Anthropic's Messages API: the same.
+        let body =
+            br#"{"model":"claude-like","max_tokens":8,"messages":[{"role":"user","content":"x"}]}"#;
+        let (_s, a) = send(&host, &w, "/v1/messages", body, &[(H, b"other")]);
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H).as_deref(), Some("claude-like"));
+    }
+
+    #[test]
+    fn a_client_s_header_is_removed_when_the_body_gives_no_model() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        // A body that does not parse (fail-open: passed on unrouted).
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/v1/completions",
+            b"{not json",
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H), None);
+        // vLLM's generate API without `model`.
+        let body = br#"{"token_ids":[1,2,3],"sampling_params":{"max_tokens":2}}"#;
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/inference/v1/generate",
+            body,
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H), None);
+        // A model that is not a plain header value is not copied.
+        let body = serde_json::json!({"model":"a\nb","prompt":"x"}).to_string();
+        let (_s, _) = send(
+            &host,
+            &w,
+            "/v1/completions",
+            body.as_bytes(),
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(host.header(H), None);
+        // A path kvroute does not parse: removed at the headers.
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/v1/messages/count_tokens",
+            b"{}",
+            &[(H, b"spoofed")],
+        );
+        assert_eq!(a, None, "passed on at its headers");
+        assert_eq!(host.header(H), None);
+        host.set_request("GET", "/v1/models", &[(H, b"spoofed")]);
+        assert_eq!(
+            Stream::new(Some(w.clone())).on_request_headers(&host, true),
+            Action::Continue
+        );
+        assert_eq!(host.header(H), None);
+        assert!(host.replies.borrow().is_empty());
+    }
+
+    #[test]
+    fn a_client_s_header_that_cannot_be_removed_is_refused() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        host.failing
+            .borrow_mut()
+            .insert("proxy_remove_header_map_value");
+        host.set_request("POST", "/v1/chat/completions", &[(H, b"spoofed")]);
+        let mut s = Stream::new(Some(w.clone()));
+        assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+        assert_eq!(host.replies.borrow().last().unwrap().0, 500);
+        // Without the option nothing is removed or set.
+        let (host, w) = filter("");
+        let (_s, a) = send(
+            &host,
+            &w,
+            "/v1/chat/completions",
+            &chat_body("q"),
+            &[(H, b"kept")],
+        );
+        assert_eq!(a, Some(Action::Continue));
+        assert_eq!(host.header(H).as_deref(), Some("kept"));
+    }
+
+    /// A header write that fails is the host's error, counted; the
+    /// request goes on without the header (its client copy is gone).
+    #[test]
+    fn a_failed_header_write_is_a_host_error() {
+        let (host, w) = filter(&format!(r#","modelHeader":"{H}""#));
+        host.set_request("POST", "/v1/chat/completions", &[]);
+        let mut s = Stream::new(Some(w.clone()));
+        assert_eq!(s.on_request_headers(&host, false), Action::Pause);
+        host.failing
+            .borrow_mut()
+            .insert("proxy_replace_header_map_value");
+        let body = chat_body("q");
+        *host.body.borrow_mut() = body.clone();
+        s.on_request_body(&host, body.len(), true);
+        assert_eq!(host.header(H), None);
+        assert!(count(&host, &w, Counter::HostErrors) >= 1);
+    }
+}
+
 #[path = "tests_anthropic.rs"]
 mod anthropic;
 #[path = "session_tests.rs"]

@@ -878,6 +878,10 @@ impl Sim {
                 } = &mut proxies[p];
                 let w = pick_worker.below(workers.len() as u64) as usize;
                 let (router, rng) = &mut workers[w];
+                let api = match input {
+                    RouterInput::Body { kind, .. } => Some(*kind),
+                    RouterInput::Hashed { .. } => None,
+                };
                 let facts = match input {
                     RouterInput::Body { kind, body } => router.facts(*kind, body),
                     RouterInput::Hashed {
@@ -896,7 +900,7 @@ impl Sim {
                         facts.scorer_scores = self.decision_log.is_some();
                         router.route(store, facts, now_ms, rng)
                     }
-                    Err(why) => router.fail_for(why),
+                    Err(why) => router.fail_for(why, api),
                 };
                 let mut count = |c: Counter| *self.router_counts.entry(c.name()).or_insert(0) += 1;
                 match &outcome {

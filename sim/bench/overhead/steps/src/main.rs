@@ -159,7 +159,7 @@ fn main() {
         for b in &bodies {
             let outcome = match engine.facts(ApiKind::ChatCompletions, b) {
                 Ok(facts) => engine.route(store, facts, 1_000, rng),
-                Err(why) => engine.fail_for(why),
+                Err(why) => engine.fail_for(why, Some(ApiKind::ChatCompletions)),
             };
             match outcome {
                 Outcome::Routed(r) => {
