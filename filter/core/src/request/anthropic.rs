@@ -124,6 +124,7 @@ struct MessagesBody<'a> {
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
     #[serde(borrow, default)]
+    #[cfg_attr(not(feature = "tokenizer"), allow(dead_code))]
     tool_choice: Option<&'a RawValue>,
     #[serde(borrow, default)]
     metadata: Option<&'a RawValue>,
