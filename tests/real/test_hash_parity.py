@@ -14,7 +14,9 @@ Cases: a token-ID /v1/completions request; the same with a cache_salt; a
 salted vLLM /inference/v1/generate request (token IDs); a
 text /v1/completions request (tokenized by kvroute); a /v1/chat/completions
 request (the tier's chat template, rendered by kvroute, then tokenized); an
-Anthropic /v1/messages request (converted to a chat request as vLLM does). For
+Anthropic /v1/messages request (converted to a chat request as vLLM does),
+and one with `tools` (hashed precisely, not refused; the tiny template does
+not print tools, test_qwen3.py's does). For
 the tokenized cases the token IDs are compared too, so a mismatch says
 whether the template, the tokenizer or the hash differs.
 """
@@ -196,4 +198,31 @@ def test_anthropic_messages_hashes_equal_vllms(real_fleet, hasher):
                 {"type": "text", "text": words(seed + 3, 20)},
                 {"type": "text", "text": words(seed + 4, 20)}]},
         ]}
+    assert _check(real_fleet, hasher, "/v1/messages", "messages", body) >= 3
+
+
+def test_anthropic_messages_with_tools_hash_precisely(real_fleet, hasher):
+    """A /v1/messages body with `tools` (as Claude Code always sends) is
+    hashed precisely, not refused, and its hashes are vLLM's. The tier's
+    tiny template does not print `tools`, so this case shows only that:
+    the tools' rendering itself is checked under Qwen3's template, which
+    prints them (`test_qwen3.py::test_anthropic_messages_with_tools`).
+    `tool_choice: none`: these servers run without --enable-auto-tool-choice,
+    which vLLM needs for its default "auto"."""
+    from conftest import words
+
+    seed = secrets.randbelow(1 << 30)
+    body = {"model": MODEL, "max_tokens": 1, "tool_choice": {"type": "none"},
+            "tools": [{"name": "lookup", "description": "Looks a word up.",
+                       "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}},
+                      {"name": "count", "input_schema": {"properties": {"n": {"type": "integer"}}}}],
+            "system": f"{secrets.token_hex(6)} " + words(seed, 120),
+            "messages": [
+                {"role": "user", "content": words(seed + 1, 60)},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01", "name": "lookup",
+                                                   "input": {"q": words(seed + 5, 3)}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": words(seed + 6, 20)},
+                    {"type": "text", "text": words(seed + 3, 20)}]},
+            ]}
     assert _check(real_fleet, hasher, "/v1/messages", "messages", body) >= 3

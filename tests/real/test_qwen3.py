@@ -455,7 +455,6 @@ def test_anthropic_messages_with_tool_use(qwen3_fleet, hasher, decode):
     what vLLM stores for it under Qwen3's template, which prints the tool
     call's arguments. vLLM has no /tokenize for Messages: its count_tokens
     must give kvroute's token count, then the stored chain must match."""
-    server, sink = qwen3_fleet.servers[PARITY_SERVER], qwen3_fleet.sinks[PARITY_SERVER]
     seed = secrets.randbelow(1 << 30)
     body = {"model": MODEL, "max_tokens": 1, "system": [
         {"type": "text", "text": "x-anthropic-billing-header: cch=" + secrets.token_hex(4)},
@@ -470,17 +469,80 @@ def test_anthropic_messages_with_tool_use(qwen3_fleet, hasher, decode):
                 {"type": "tool_result", "tool_use_id": "toolu_1",
                  "content": [{"type": "text", "text": "sun, rain, sun"}]},
                 {"type": "text", "text": words(seed + 99, 30)}]}]}
+    _check_messages(qwen3_fleet, hasher, decode, body)
+
+
+def _check_messages(fleet, hasher, decode, body):
+    """A /v1/messages body: vLLM's count_tokens equals kvroute's token count,
+    and the chain vLLM stores for the body equals kvroute's IDs and hashes
+    block for block (on a difference, both texts around it are shown).
+    Returns the number of blocks."""
+    server, sink = fleet.servers[PARITY_SERVER], fleet.sinks[PARITY_SERVER]
     ours = hasher(body, "messages")
     ids, hashes = ours["token_ids"], ours["hashes"]
     r = e2e.post(server.port, "/v1/messages/count_tokens", body, timeout=120)
     assert r.status == 200, r
+    start = len(sink.snapshot())
+    r2 = e2e.post(server.port, "/v1/messages", dict(body, temperature=0), timeout=180)
+    assert r2.status == 200, r2
+    chain = _stored_chain(_quiet(sink, start), ids[:BLOCK_SIZE])
+    stored = [t for _, block in chain for t in block]
+    if stored[:len(ids) // BLOCK_SIZE * BLOCK_SIZE] != ids[:len(ids) // BLOCK_SIZE * BLOCK_SIZE]:
+        ours_text, their_text = decode(ids), decode(stored)
+        at = _first_difference(ours_text, their_text)
+        lo = max(0, at - 160)
+        pytest.fail(f"kvroute and vLLM render the Messages body differently at character {at}:\n"
+                    f"  kvroute: {ours_text[lo:at + 200]!r}\n  vLLM:    {their_text[lo:at + 200]!r}")
     assert r.json()["input_tokens"] == len(ids), (r.json(), len(ids), decode(ids)[-400:])
     assert len(hashes) == len(ids) // BLOCK_SIZE >= 3, (len(ids), len(hashes))
-    start = len(sink.snapshot())
-    r = e2e.post(server.port, "/v1/messages", dict(body, temperature=0), timeout=180)
-    assert r.status == 200, r
-    chain = _stored_chain(_quiet(sink, start), ids[:BLOCK_SIZE])
     assert len(chain) in (len(hashes), len(hashes) + 1), (len(chain), len(hashes))
     assert [t for _, t in chain[:len(hashes)]] == [ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
                                                    for i in range(len(hashes))], "token IDs differ"
     assert [h for h, _ in chain[:len(hashes)]] == hashes, "block hashes differ"
+    return len(hashes)
+
+
+def test_anthropic_messages_with_tools(qwen3_fleet, hasher, decode):
+    """A /v1/messages body with `tools` (Claude Code always sends them):
+    kvroute builds the template's `tools` as vLLM does (each tool's
+    ChatCompletionToolsParam dump: `type`, then `function` with `name`,
+    `description` null when absent, `parameters` with `type: object`
+    appended when missing; `cache_control` and a tool's `type` dropped).
+    Qwen3's template prints each tool with `tojson` in the system turn, so
+    any difference in key order, a missing null or a kept extra key changes
+    every block. The servers run without --enable-auto-tool-choice, so the
+    body says `tool_choice: none` (vLLM's default "auto" is refused there)."""
+    seed = secrets.randbelow(1 << 30)
+    body = {"model": MODEL, "max_tokens": 1, "tool_choice": {"type": "none"},
+            "tools": [
+                {"name": "get_weather", "description": "The weather forecast for a city.",
+                 "input_schema": {"type": "object", "properties": {
+                     "city": {"type": "string", "description": "City name"},
+                     "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                     "units": {"type": "object", "properties": {"t": {"enum": ["C", "F"]}}}},
+                     "required": ["city"]},
+                 "cache_control": {"type": "ephemeral"}},
+                {"type": "custom", "name": "read_file",
+                 "input_schema": {"properties": {"path": {"type": "string"},
+                                                 "range": {"type": "array", "items": {"type": "integer"}}},
+                                  "required": ["path"]}}],
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cch=" + secrets.token_hex(4)},
+                {"type": "text", "text": f"{secrets.token_hex(8)} you are a careful assistant. "
+                                         + words(seed, 120)}],
+            "messages": [
+                {"role": "user", "content": "What is the weather in Paris for the next three days?"},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                     "input": {"city": "Paris", "days": 3, "units": {"t": "C"}}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1",
+                     "content": [{"type": "text", "text": "sun, rain, sun"}]},
+                    {"type": "text", "text": words(seed + 99, 30)}]},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "toolu_2", "name": "read_file",
+                     "input": {"path": "notes.txt", "range": [1, 20]}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": words(seed + 7, 40)}]}]}
+    assert _check_messages(qwen3_fleet, hasher, decode, body) >= 5

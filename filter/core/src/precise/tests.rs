@@ -307,3 +307,65 @@ fn messages_are_normalised_as_vllm_does() {
     .unwrap();
     assert_eq!(tok.render_inputs(&chat.unwrap()).unwrap().0, want);
 }
+
+/// A config whose templates are a named list: the `default` one renders,
+/// but with `tools` transformers' `get_chat_template` picks `tool_use`
+/// when there is one (vLLM passes the tools), so that is refused, not
+/// rendered with the wrong template. An override template is vLLM's
+/// `--chat-template`: no choice is made then.
+#[test]
+fn a_named_tool_use_template_with_tools_is_unsupported() {
+    let config = |names: &[&str]| {
+        let list: Vec<serde_json::Value> = names
+            .iter()
+            .map(|n| serde_json::json!({"name": n, "template": format!("{n}:{{{{ messages[0].content }}}}")}))
+            .collect();
+        serde_json::json!({ "chat_template": list })
+    };
+    let with_tools = r#"{"model":"tiny","messages":[{"role":"user","content":"x"}],
+        "tools":[{"type":"function","function":{"name":"f"}}]}"#;
+    let empty_tools = r#"{"model":"tiny","messages":[{"role":"user","content":"x"}],"tools":[]}"#;
+    let no_tools = r#"{"model":"tiny","messages":[{"role":"user","content":"x"}],"tools":null}"#;
+    let both = ModelTokenizer::load(
+        TINY_TOKENIZER,
+        Some(&config(&["default", "tool_use"])),
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        both.render_chat(no_tools.as_bytes()).unwrap().0,
+        "default:x"
+    );
+    for body in [with_tools, empty_tools] {
+        assert!(matches!(
+            both.render_chat(body.as_bytes()),
+            Err(TokenizeError::Unsupported(_))
+        ));
+        let (_, inputs) = parse_request_for_template(
+            ApiKind::ChatCompletions,
+            body.as_bytes(),
+            &ParseLimits::default(),
+        )
+        .unwrap();
+        assert!(matches!(
+            both.render_inputs(&inputs.unwrap()),
+            Err(TokenizeError::Unsupported(_))
+        ));
+    }
+    let default_only =
+        ModelTokenizer::load(TINY_TOKENIZER, Some(&config(&["default"])), None).unwrap();
+    assert_eq!(
+        default_only.render_chat(with_tools.as_bytes()).unwrap().0,
+        "default:x"
+    );
+    let overridden = ModelTokenizer::load(
+        TINY_TOKENIZER,
+        Some(&config(&["default", "tool_use"])),
+        Some("o"),
+    )
+    .unwrap();
+    assert_eq!(
+        overridden.render_chat(with_tools.as_bytes()).unwrap().0,
+        "o"
+    );
+}

@@ -43,6 +43,10 @@ const TEMPLATE_FUEL: u64 = 20_000_000;
 pub struct ChatRenderer {
     env: Option<Environment<'static>>,
     special: BTreeMap<String, String>,
+    /// The config's templates are a named list with a `tool_use` one (and
+    /// no override): transformers' `get_chat_template` picks that one
+    /// whenever `tools` is given, not the `default` rendered here.
+    tool_use_template: bool,
 }
 
 impl std::fmt::Debug for ChatRenderer {
@@ -97,6 +101,7 @@ impl ChatRenderer {
     ) -> Result<ChatRenderer, String> {
         let mut special = BTreeMap::new();
         let mut template = chat_template.map(str::to_owned);
+        let mut tool_use_template = false;
         if let Some(cfg) = tokenizer_config {
             for k in ["bos_token", "eos_token", "unk_token", "pad_token"] {
                 if let Some(t) = cfg.get(k).and_then(special_token) {
@@ -106,11 +111,17 @@ impl ChatRenderer {
             if template.is_none() {
                 template = match cfg.get("chat_template") {
                     Some(serde_json::Value::String(s)) => Some(s.clone()),
-                    // A list of named templates: vLLM uses "default".
-                    Some(serde_json::Value::Array(list)) => list
-                        .iter()
-                        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                        .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
+                    // A list of named templates: vLLM uses "default"
+                    // (and "tool_use", if there is one, with tools).
+                    Some(serde_json::Value::Array(list)) => {
+                        let named = |name: &str| {
+                            list.iter()
+                                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name))
+                        };
+                        tool_use_template = named("tool_use").is_some();
+                        named("default")
+                            .and_then(|t| t.get("template")?.as_str().map(str::to_owned))
+                    }
                     _ => None,
                 };
             }
@@ -135,7 +146,11 @@ impl ChatRenderer {
                 Some(env)
             }
         };
-        Ok(ChatRenderer { env, special })
+        Ok(ChatRenderer {
+            env,
+            special,
+            tool_use_template,
+        })
     }
 
     /// The chat template's text for a `/v1/chat/completions` body, read
@@ -223,6 +238,11 @@ impl ChatRenderer {
         let (continue_final_message, add_generation_prompt, _) = flags;
         if continue_final_message == Some(true) {
             return Err(TokenizeError::Unsupported("continue_final_message"));
+        }
+        if self.tool_use_template && tools.as_ref().is_some_and(|t| !t.is_none()) {
+            return Err(TokenizeError::Unsupported(
+                "tools with a model whose named tool_use chat template is not rendered",
+            ));
         }
         let messages = messages
             .map(vllm_message)

@@ -7,14 +7,16 @@
 //! (the real-engine tier's; the wheel records no commit, the file's sha256
 //! starts `9a12939d6502e540`; read 2026-12-07). So routing reads the same
 //! fields as for chat, and precise mode hands the chat template the
-//! messages that conversion gives (as [`ChatTemplateInputs`]), so its
-//! hashes are the server's.
+//! messages and tools that conversion gives (as [`ChatTemplateInputs`]),
+//! so its hashes are the server's. The other vLLM files relied on (same
+//! wheel, read 2026-12-08) are named where used below.
 //!
 //! Read: `model`, `max_tokens`, `stream`, `system` (a string or blocks),
 //! `messages` (`role` and `content`: a string or blocks: `text`, `image`,
 //! `tool_use`, `tool_result`, `thinking`, `redacted_thinking`, others),
-//! `tools`, `metadata` (checked to be an object, not used), vLLM's
-//! `cache_salt` and `chat_template_kwargs`. A value of the wrong type where
+//! `tools`, `tool_choice` (precise mode only), `metadata` (checked to be
+//! an object, not used), vLLM's `cache_salt` and
+//! `chat_template_kwargs`. A value of the wrong type where
 //! vLLM's request model would refuse it too is a bad body; an unknown block
 //! type is not (vLLM may learn it): it renders as a placeholder.
 //!
@@ -46,13 +48,47 @@
 //!   `\n`) placed before the message it came from; an assistant's becomes
 //!   the text part `Tool result: TEXT`; `redacted_thinking` is dropped; a
 //!   user message left without content is dropped.
+//! - `tools` (`_convert_tools`): each tool (vLLM's `AnthropicTool`, in
+//!   `vllm/entrypoints/anthropic/protocol.py`, sha256 `b3db7f280d57c972`:
+//!   `name`, `description`, `input_schema`, `strict`, `defer_loading`, any
+//!   other key ignored; `input_schema` gets `"type": "object"` appended
+//!   when it has no `type` key) becomes a `ChatCompletionToolsParam`
+//!   (`vllm/entrypoints/openai/chat_completion/protocol.py`, sha256
+//!   `8744d5e2004b2d37`) over a `FunctionDefinition`
+//!   (`vllm/entrypoints/generate/base/protocol.py`, sha256
+//!   `0c07e689fdbbb599`), and the chat path hands the template
+//!   `[tool.model_dump() for tool in request.tools]`
+//!   (`vllm/renderers/online_renderer.py`, sha256 `a8f90b4d1d41b219`):
+//!   `{type: "function", function: {name, description, parameters,
+//!   [strict], [defer_loading]}}` in that order, `description` None when
+//!   absent (kept), `strict` and `defer_loading` dropped when None (their
+//!   serializers pop them). `[]` stays an empty list. Checked against the
+//!   wheel's own conversion of the bodies in the unit tests
+//!   (`tools_are_vllms_tool_dump`) and on the real engine
+//!   (`tests/real/test_qwen3.py::test_anthropic_messages_with_tools`).
+//! - `tool_choice` (`_convert_tool_choice`: `auto`, `any` as `required`,
+//!   `none`, `tool` as a named choice) does not change the template's
+//!   input for an HF tokenizer: the renderer gives it the tools whatever
+//!   the choice, except that a server started with
+//!   `--exclude-tools-when-tool-choice-none` drops them for `none`.
+//!   kvroute assumes vLLM's default (off), as its chat path does. (Without
+//!   `--enable-auto-tool-choice` vLLM refuses any choice but `none`,
+//!   including the `auto` it sets when `tool_choice` is absent; no prompt
+//!   to match then.)
 //!
 //! Refused in precise mode (`unsupported`: the request falls back to the
 //! approximate index, counted), because vLLM's result depends on what
 //! kvroute does not know or reproduce: a `system` message inside
 //! `messages` (vLLM merges it into the leading one or not depending on the
-//! chat template), `tools` (vLLM hands the template pydantic's dump of its
-//! own tool model), `thinking` and `output_config` (they set
+//! chat template), a tool vLLM refuses (no `input_schema`, as Anthropic's
+//! server tools such as `web_search` or `bash` have; a `name` that is not
+//! a string; a tool that is not an object) or whose values pydantic would
+//! coerce (`strict` or `defer_loading` not a JSON boolean, a
+//! `description` not a string), an integer in an `input_schema` beyond 64
+//! bits or `-0` (Python keeps it an int, serde_json a float), a `tool_choice` vLLM refuses, `tools` in
+//! `chat_template_kwargs` too (vLLM's request kwargs override its tools:
+//! `merge_kwargs` in `vllm/renderers/params.py`, sha256
+//! `5113461cd3082667`), `thinking` and `output_config` (they set
 //! `reasoning_effort`, which the template may read), `thinking` blocks
 //! (vLLM's `reasoning` field), images (multimodal keys), a `tool_use`
 //! without an `id` (vLLM invents one from the clock), an assistant's
@@ -87,6 +123,9 @@ struct MessagesBody<'a> {
     messages: Option<Vec<Message<'a>>>,
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    #[cfg_attr(not(feature = "tokenizer"), allow(dead_code))]
+    tool_choice: Option<&'a RawValue>,
     #[serde(borrow, default)]
     metadata: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -381,8 +420,16 @@ fn convert(p: &Parsed<'_>, body: &[u8]) -> Result<Option<Inputs>, ParseError> {
             ("text", Value::from(t)),
         ])
     };
-    if p.body.tools.is_some_and(|t| t.get() != "null") {
-        unsupported("tools in a Messages request", &mut inputs);
+    if let Some(t) = p.body.tools.filter(|t| t.get() != "null") {
+        match tool_dicts(t) {
+            Ok(tools) => inputs.tools = Some(tools),
+            Err(why) => unsupported(why, &mut inputs),
+        }
+    }
+    if let Some(c) = p.body.tool_choice.filter(|c| c.get() != "null") {
+        if let Err(why) = tool_choice(c) {
+            unsupported(why, &mut inputs);
+        }
     }
     if p.body.thinking.is_some_and(|t| t.get() != "null") {
         unsupported("thinking in a Messages request", &mut inputs);
@@ -391,8 +438,15 @@ fn convert(p: &Parsed<'_>, body: &[u8]) -> Result<Option<Inputs>, ParseError> {
         unsupported("output_config in a Messages request", &mut inputs);
     }
     if let Some(kw) = p.body.chat_template_kwargs.filter(|t| t.get() != "null") {
-        match serde_json::from_str(kw.get()) {
-            Ok(kw) => inputs.chat_template_kwargs = Some(kw),
+        match serde_json::from_str::<std::collections::BTreeMap<String, Value>>(kw.get()) {
+            Ok(kw) => {
+                // vLLM's request kwargs override its `tools` (unless null or
+                // "auto"); the renderer here puts `tools` last.
+                if inputs.tools.is_some() && kw.contains_key("tools") {
+                    unsupported("tools in both tools and chat_template_kwargs", &mut inputs);
+                }
+                inputs.chat_template_kwargs = Some(kw)
+            }
             Err(e) => inputs.error = Some(e.to_string()),
         }
     }
@@ -574,6 +628,155 @@ fn convert(p: &Parsed<'_>, body: &[u8]) -> Result<Option<Inputs>, ParseError> {
         });
     }
     Ok(Some(inputs))
+}
+
+/// One entry of a Messages body's `tools`: vLLM's `AnthropicTool` (its
+/// other keys, `type` and `cache_control` among them, are ignored there).
+#[cfg(feature = "tokenizer")]
+#[derive(Deserialize)]
+struct Tool<'a> {
+    #[serde(borrow, default)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    description: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input_schema: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    strict: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    defer_loading: Option<&'a RawValue>,
+}
+
+/// The chat template's `tools` for a Messages body's `tools` (an array),
+/// as vLLM 0.32 builds them: each tool becomes its
+/// `ChatCompletionToolsParam` and the template gets `model_dump()` of it,
+/// `{type: "function", function: {name, description, parameters,
+/// [strict], [defer_loading]}}` in that order, `description` null when
+/// absent, `strict` and `defer_loading` left out when null, `parameters`
+/// the `input_schema` with `type: "object"` appended when it has no `type`
+/// key. Err: why it is not reproduced (a tool vLLM refuses, or one whose
+/// values pydantic would coerce).
+#[cfg(feature = "tokenizer")]
+fn tool_dicts(tools: &RawValue) -> Result<minijinja::Value, &'static str> {
+    use minijinja::Value;
+    const BAD: &str = "a tool vLLM 0.32 refuses or coerces";
+    let list: Vec<&RawValue> = serde_json::from_str(tools.get()).map_err(|_| BAD)?;
+    fn some(v: Option<&RawValue>) -> Option<&RawValue> {
+        v.filter(|v| v.get() != "null")
+    }
+    let string = |v: &RawValue| serde_json::from_str::<String>(v.get()).map_err(|_| BAD);
+    let flag = |v: &RawValue| serde_json::from_str::<bool>(v.get()).map_err(|_| BAD);
+    let mut out = Vec::with_capacity(list.len());
+    for raw in list {
+        if !raw.get().starts_with('{') {
+            return Err(BAD);
+        }
+        let t: Tool = serde_json::from_str(raw.get()).map_err(|_| BAD)?;
+        // Pydantic's `str` takes only a string; `bool | None` also takes
+        // "yes", 1 and such, which are refused here.
+        let name = string(t.name.ok_or(BAD)?)?;
+        let description = match some(t.description) {
+            Some(d) => Value::from(string(d)?),
+            None => Value::from(()),
+        };
+        let schema = t
+            .input_schema
+            .filter(|s| s.get().starts_with('{'))
+            .ok_or(BAD)?;
+        if int_read_otherwise(schema.get()) {
+            // Python keeps it an int; serde_json makes it a float.
+            return Err("an integer beyond 64 bits, or -0, in a tool's input_schema");
+        }
+        let schema: Value = serde_json::from_str(schema.get()).map_err(|_| BAD)?;
+        let mut params: Vec<(Value, Value)> = Vec::new();
+        let mut typed = false;
+        for key in schema.try_iter().map_err(|_| BAD)? {
+            typed |= key.as_str() == Some("type");
+            let value = schema.get_item(&key).map_err(|_| BAD)?;
+            params.push((key, value));
+        }
+        if !typed {
+            params.push((Value::from("type"), Value::from("object")));
+        }
+        let mut function = vec![
+            (Value::from("name"), Value::from(name)),
+            (Value::from("description"), description),
+            (Value::from("parameters"), Value::from_iter(params)),
+        ];
+        for (key, v) in [("strict", t.strict), ("defer_loading", t.defer_loading)] {
+            if let Some(v) = some(v) {
+                function.push((Value::from(key), Value::from(flag(v)?)));
+            }
+        }
+        out.push(Value::from_iter([
+            (Value::from("type"), Value::from("function")),
+            (Value::from("function"), Value::from_iter(function)),
+        ]));
+    }
+    Ok(Value::from(out))
+}
+
+/// Whether JSON text has an integer literal (no fraction, no exponent)
+/// that Python reads as an int and serde_json as a float: one that fits
+/// neither i64 nor u64, or `-0` (Python's 0, serde_json's -0.0).
+#[cfg(feature = "tokenizer")]
+fn int_read_otherwise(json: &str) -> bool {
+    let b = json.as_bytes();
+    let (mut i, mut in_string, mut escaped) = (0, false, false);
+    while i < b.len() {
+        let c = b[i];
+        i += 1;
+        if in_string {
+            match c {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else if c == b'"' {
+            in_string = true;
+        } else if c == b'-' || c.is_ascii_digit() {
+            let start = i - 1;
+            while i < b.len() && matches!(b[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
+                i += 1;
+            }
+            let n = &json[start..i];
+            if n == "-0"
+                || !n.contains(['.', 'e', 'E'])
+                    && n.parse::<i64>().is_err()
+                    && n.parse::<u64>().is_err()
+            {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// Checks a Messages body's `tool_choice` (not null) as vLLM's
+/// `AnthropicToolChoice` does. It does not change what the template sees
+/// (vLLM's chat path hands it the tools whatever the choice), except that
+/// a server started with `--exclude-tools-when-tool-choice-none` drops
+/// them for `none`; kvroute assumes vLLM's default (off), as for chat.
+#[cfg(feature = "tokenizer")]
+fn tool_choice(raw: &RawValue) -> Result<(), &'static str> {
+    const BAD: &str = "a tool_choice vLLM 0.32 refuses";
+    #[derive(Deserialize)]
+    struct Choice<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: Cow<'a, str>,
+        #[serde(borrow, default)]
+        name: Option<Cow<'a, str>>,
+    }
+    if !raw.get().starts_with('{') {
+        return Err(BAD);
+    }
+    let c: Choice = serde_json::from_str(raw.get()).map_err(|_| BAD)?;
+    match c.kind.as_ref() {
+        "auto" | "any" | "none" => Ok(()),
+        "tool" if c.name.is_some_and(|n| !n.is_empty()) => Ok(()),
+        _ => Err(BAD),
+    }
 }
 
 #[cfg(test)]
@@ -816,7 +1019,18 @@ mod tests {
     fn what_vllm_renders_differently_is_unsupported() {
         let user = r#"{"role":"user","content":"x"}"#;
         for (extra, msgs) in [
-            (r#""tools":[{"name":"f","input_schema":{}}],"#, user.to_string()),
+            // Tools vLLM refuses (a server tool has no input_schema) or
+            // whose values pydantic coerces.
+            (r#""tools":[{"type":"web_search_20250305","name":"web_search","max_uses":5}],"#, user.to_string()),
+            (r#""tools":[{"name":"f","input_schema":{},"strict":"yes"}],"#, user.into()),
+            (r#""tools":[{"name":7,"input_schema":{}}],"#, user.into()),
+            (r#""tools":[{"name":"f","input_schema":null}],"#, user.into()),
+            (r#""tools":[{"name":"f","input_schema":{"maximum":18446744073709551616}}],"#, user.into()),
+            (r#""tools":[{"name":"f","input_schema":{"minimum":-0}}],"#, user.into()),
+            (r#""tools":["f"],"#, user.into()),
+            (r#""tools":[{"name":"f","input_schema":{}}],"tool_choice":{"type":"tool"},"#, user.into()),
+            (r#""tools":[{"name":"f","input_schema":{}}],"tool_choice":"auto","#, user.into()),
+            (r#""tools":[{"name":"f","input_schema":{}}],"chat_template_kwargs":{"tools":[]},"#, user.into()),
             (r#""thinking":{"type":"enabled","budget_tokens":2048},"#, user.into()),
             (r#""output_config":{"effort":"low"},"#, user.into()),
             ("", format!(r#"{user},{{"role":"system","content":"late"}}"#)),
@@ -836,6 +1050,125 @@ mod tests {
             // Approximate mode routes it all the same.
             assert!(msgs_ok(&body));
         }
+    }
+
+    /// What `tools|tojson` prints for a Messages body's tools.
+    #[cfg(feature = "tokenizer")]
+    fn tools_json(body: &str) -> String {
+        let i = inputs(ApiKind::Messages, body);
+        assert_eq!((i.unsupported, &i.error), (None, &None), "{body}");
+        tiny(Some("{{ tools|tojson }}"))
+            .render_inputs(&i)
+            .unwrap()
+            .0
+    }
+
+    #[cfg(feature = "tokenizer")]
+    #[test]
+    fn tools_are_vllms_tool_dump() {
+        // Golden: vLLM 0.32's own conversion of this body,
+        // `[t.model_dump() for t in AnthropicServingMessages
+        // .to_chat_completion_request(req).tools]`, printed by json.dumps.
+        let body = r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"x"}],
+          "tools":[{"name":"a","input_schema":{"properties":{"q":{"type":"string"}},"required":["q"]},
+                    "type":"custom","cache_control":{"type":"ephemeral"}},
+                   {"description":"d","strict":true,"name":"b","defer_loading":false,
+                    "input_schema":{"type":"object","z":1.0,"a":1e2}}]}"#;
+        let vllm = r#"[{"type": "function", "function": {"name": "a", "description": null, "parameters": {"properties": {"q": {"type": "string"}}, "required": ["q"], "type": "object"}}}, {"type": "function", "function": {"name": "b", "description": "d", "parameters": {"type": "object", "z": 1.0, "a": 100.0}, "strict": true, "defer_loading": false}}]"#;
+        assert_eq!(tools_json(body), vllm);
+        // Null description, strict and defer_loading are absent ones; a
+        // `type` anywhere in the schema but its top level does not count.
+        let t = tools_json(
+            r#"{"model":"m","tools":[{"name":"f","description":null,"strict":null,"defer_loading":null,
+                "input_schema":{"properties":{"type":{"type":"string"}}}}],
+                "messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert_eq!(
+            t,
+            r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"properties": {"type": {"type": "string"}}, "type": "object"}}}]"#
+        );
+        // 64-bit integers stay integers (Python's ints); a bigger one, or
+        // -0, is refused (serde_json would make it a float).
+        let t = tools_json(
+            r#"{"model":"m","tools":[{"name":"f","input_schema":{"type":"object",
+                "maximum":18446744073709551615,"minimum":-9223372036854775808,"x":[0,10,"123456789012345678901",-0.0]}}],
+                "messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert_eq!(
+            t,
+            r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object", "maximum": 18446744073709551615, "minimum": -9223372036854775808, "x": [0, 10, "123456789012345678901", -0.0]}}}]"#
+        );
+        // An empty list is a list (vLLM: `tools=[]`); null is no tools.
+        assert_eq!(
+            tools_json(r#"{"model":"m","tools":[],"messages":[{"role":"user","content":"x"}]}"#),
+            "[]"
+        );
+        let none = inputs(
+            ApiKind::Messages,
+            r#"{"model":"m","tools":null,"messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert!(none.tools.is_none() && none.unsupported.is_none());
+    }
+
+    #[cfg(feature = "tokenizer")]
+    #[test]
+    fn tool_choice_does_not_change_the_tools() {
+        let with = |choice: &str| {
+            tools_json(&format!(
+                r#"{{"model":"m",{choice}"tools":[{{"name":"f","description":"F","input_schema":{{"type":"object"}}}}],
+                   "messages":[{{"role":"user","content":"x"}}]}}"#
+            ))
+        };
+        let want = with("");
+        assert_eq!(
+            want,
+            r#"[{"type": "function", "function": {"name": "f", "description": "F", "parameters": {"type": "object"}}}]"#
+        );
+        for choice in [
+            r#""tool_choice":null,"#,
+            r#""tool_choice":{"type":"auto"},"#,
+            r#""tool_choice":{"type":"any","disable_parallel_tool_use":true},"#,
+            r#""tool_choice":{"type":"none"},"#,
+            r#""tool_choice":{"type":"tool","name":"f"},"#,
+        ] {
+            assert_eq!(with(choice), want, "{choice}");
+        }
+    }
+
+    /// A Messages body with tools gives the template what the chat body
+    /// vLLM converts it into does (its tools written as vLLM dumps them).
+    #[cfg(feature = "tokenizer")]
+    #[test]
+    fn tools_equal_the_converted_chat_requests() {
+        let a = inputs(
+            ApiKind::Messages,
+            r#"{"model":"m","max_tokens":8,"tool_choice":{"type":"none"},
+              "tools":[{"name":"get_weather","description":"Weather.","input_schema":{"type":"object",
+                 "properties":{"city":{"type":"string"},"days":{"type":"integer","minimum":1}},"required":["city"]}},
+                 {"name":"noop","input_schema":{"properties":{}}}],
+              "messages":[{"role":"user","content":"Weather?"},
+                {"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"get_weather","input":{"city":"Paris"}}]},
+                {"role":"user","content":[{"type":"tool_result","tool_use_id":"t1","content":"sun"}]}]}"#,
+        );
+        let o = inputs(
+            ApiKind::ChatCompletions,
+            r#"{"model":"m","max_tokens":8,"tool_choice":"none",
+              "tools":[{"type":"function","function":{"name":"get_weather","description":"Weather.",
+                 "parameters":{"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer","minimum":1}},"required":["city"]}}},
+                 {"type":"function","function":{"name":"noop","description":null,"parameters":{"properties":{},"type":"object"}}}],
+              "messages":[{"role":"user","content":"Weather?"},
+                {"role":"assistant","tool_calls":[{"id":"t1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},
+                {"role":"tool","tool_call_id":"t1","content":"sun"}]}"#,
+        );
+        assert_eq!(a.unsupported, None);
+        assert_eq!(a.tools, o.tools);
+        let tok = tiny(Some(
+            "{{ tools|tojson }}\n{% for m in messages %}{{ m.role }}|{{ m.content }}|{{ m.tool_calls|tojson }}\n{% endfor %}",
+        ));
+        assert_eq!(
+            tok.render_inputs(&a).unwrap(),
+            tok.render_inputs(&o).unwrap()
+        );
     }
 
     /// Precise mode end to end: a Messages body's vLLM block hashes are
