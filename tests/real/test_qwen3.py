@@ -310,6 +310,23 @@ def test_tools(qwen3_fleet, hasher, decode):
     assert _check(qwen3_fleet, hasher, decode, _body(messages, tools=tools, tool_choice="none")) >= 5
 
 
+def test_tools_as_vllm_dumps_them(qwen3_fleet, hasher, decode):
+    """vLLM hands the template its own dump of each tool
+    (`ChatCompletionToolsParam.model_dump()`): a missing `description` and
+    `parameters` print as null, keys it does not model (`cache_control`,
+    a function's `extra`) are dropped, a tool-level `defer_loading` is
+    copied into the function. kvroute builds the same (`request/tool_dump.rs`);
+    passing the body's tools as sent printed something else."""
+    seed = secrets.randbelow(1 << 30)
+    tools = [
+        {"type": "function", "function": {"name": "list_files", "extra": 1}, "cache_control": {"type": "ephemeral"}},
+        {"function": {"parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                      "name": "search", "description": "Search <the> docs"}, "defer_loading": False},
+    ]
+    messages = [_system(seed), {"role": "user", "content": words(seed + 7, 40)}]
+    assert _check(qwen3_fleet, hasher, decode, _body(messages, tools=tools, tool_choice="none")) >= 5
+
+
 def test_tool_call_arguments_in_another_json_form(qwen3_fleet, hasher, decode):
     seed = secrets.randbelow(1 << 30)
     messages = ([_system(seed)] + _tool_exchange('{"city":"Paris","days":3}')

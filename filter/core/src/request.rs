@@ -37,9 +37,15 @@ mod json;
 mod render;
 #[cfg(feature = "tokenizer")]
 mod template;
+#[cfg(feature = "tokenizer")]
+mod tool_dump;
 
 #[cfg(feature = "tokenizer")]
+pub(crate) use template::tools_too_deep;
+#[cfg(feature = "tokenizer")]
 pub use template::{ChatTemplateInputs, TemplateMessage};
+#[cfg(feature = "tokenizer")]
+pub use tool_dump::chat_tools;
 
 /// What a chat template reads from a body: none in a build without the
 /// `tokenizer` feature (no value).

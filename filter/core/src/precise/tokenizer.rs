@@ -161,7 +161,7 @@ impl ChatRenderer {
         struct Chat {
             messages: Vec<Value>,
             #[serde(default)]
-            tools: Option<Value>,
+            tools: Option<Box<serde_json::value::RawValue>>,
             #[serde(default)]
             add_generation_prompt: Option<bool>,
             #[serde(default)]
@@ -174,6 +174,18 @@ impl ChatRenderer {
         let env = self.template_env()?;
         let chat: Chat = serde_json::from_slice(body)
             .map_err(|e| TokenizeError::Template(format!("messages: {e}")))?;
+        // vLLM hands the template its own dump of the tools.
+        let tools = match chat.tools.as_deref().filter(|t| t.get() != "null") {
+            Some(t) if crate::request::tools_too_deep(t.get()) => {
+                return Err(TokenizeError::Template(
+                    "messages: recursion limit exceeded".into(),
+                ))
+            }
+            Some(t) => {
+                Some(crate::request::chat_tools(t.get()).map_err(TokenizeError::Unsupported)?)
+            }
+            None => None,
+        };
         let flags = (
             chat.continue_final_message,
             chat.add_generation_prompt,
@@ -182,7 +194,7 @@ impl ChatRenderer {
         let text = self.render(
             env,
             chat.messages.iter(),
-            chat.tools,
+            tools,
             flags,
             chat.chat_template_kwargs,
         )?;

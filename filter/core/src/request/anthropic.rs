@@ -105,6 +105,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 #[cfg(feature = "tokenizer")]
 use super::template::{ChatTemplateInputs, TemplateMessage};
+#[cfg(feature = "tokenizer")]
+use super::tool_dump;
 
 /// The fields of a Messages body routing reads; the rest is skipped.
 #[derive(Deserialize)]
@@ -683,7 +685,7 @@ fn tool_dicts(tools: &RawValue) -> Result<minijinja::Value, &'static str> {
             .input_schema
             .filter(|s| s.get().starts_with('{'))
             .ok_or(BAD)?;
-        if int_read_otherwise(schema.get()) {
+        if tool_dump::int_read_otherwise(schema.get()) {
             // Python keeps it an int; serde_json makes it a float.
             return Err("an integer beyond 64 bits, or -0, in a tool's input_schema");
         }
@@ -698,59 +700,23 @@ fn tool_dicts(tools: &RawValue) -> Result<minijinja::Value, &'static str> {
         if !typed {
             params.push((Value::from("type"), Value::from("object")));
         }
-        let mut function = vec![
-            (Value::from("name"), Value::from(name)),
-            (Value::from("description"), description),
-            (Value::from("parameters"), Value::from_iter(params)),
-        ];
-        for (key, v) in [("strict", t.strict), ("defer_loading", t.defer_loading)] {
-            if let Some(v) = some(v) {
-                function.push((Value::from(key), Value::from(flag(v)?)));
-            }
-        }
+        let strict = some(t.strict).map(flag).transpose()?;
+        let defer_loading = some(t.defer_loading).map(flag).transpose()?;
         out.push(Value::from_iter([
             (Value::from("type"), Value::from("function")),
-            (Value::from("function"), Value::from_iter(function)),
+            (
+                Value::from("function"),
+                tool_dump::function(
+                    name,
+                    description,
+                    Value::from_iter(params),
+                    strict,
+                    defer_loading,
+                ),
+            ),
         ]));
     }
     Ok(Value::from(out))
-}
-
-/// Whether JSON text has an integer literal (no fraction, no exponent)
-/// that Python reads as an int and serde_json as a float: one that fits
-/// neither i64 nor u64, or `-0` (Python's 0, serde_json's -0.0).
-#[cfg(feature = "tokenizer")]
-fn int_read_otherwise(json: &str) -> bool {
-    let b = json.as_bytes();
-    let (mut i, mut in_string, mut escaped) = (0, false, false);
-    while i < b.len() {
-        let c = b[i];
-        i += 1;
-        if in_string {
-            match c {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-        } else if c == b'"' {
-            in_string = true;
-        } else if c == b'-' || c.is_ascii_digit() {
-            let start = i - 1;
-            while i < b.len() && matches!(b[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9') {
-                i += 1;
-            }
-            let n = &json[start..i];
-            if n == "-0"
-                || !n.contains(['.', 'e', 'E'])
-                    && n.parse::<i64>().is_err()
-                    && n.parse::<u64>().is_err()
-            {
-                return true;
-            }
-        }
-    }
-    false
 }
 
 /// Checks a Messages body's `tool_choice` (not null) as vLLM's

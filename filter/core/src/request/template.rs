@@ -138,6 +138,12 @@ impl Capturing {
     }
 }
 
+/// Whether a body's `tools` value nests deeper than serde_json allows
+/// (what reading the body again with serde_json would refuse).
+pub(crate) fn tools_too_deep(raw: &str) -> bool {
+    too_deep(raw.as_bytes(), 1)
+}
+
 /// Whether `raw` nests deeper than serde_json allows inside `outer`
 /// containers (a value nested `k` deep is at least `2k` bytes long, so
 /// short values are not scanned).
@@ -216,8 +222,23 @@ impl Capture for Capturing {
         }
     }
 
+    /// vLLM hands the template its own dump of the tools
+    /// (`tool_dump.rs`); what it does not reproduce falls back.
     fn tools(&mut self, raw: Option<&str>) {
-        self.inputs.tools = raw.map(|r| self.value(r.as_bytes(), 1));
+        let Some(raw) = raw else {
+            self.inputs.tools = None;
+            return;
+        };
+        if tools_too_deep(raw) {
+            self.fail("recursion limit exceeded".into());
+            return;
+        }
+        match super::tool_dump::chat_tools(raw) {
+            Ok(v) => self.inputs.tools = Some(v),
+            Err(why) => {
+                self.inputs.unsupported.get_or_insert(why);
+            }
+        }
     }
 
     fn message_start(&mut self, at: usize) {
