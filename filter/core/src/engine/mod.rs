@@ -109,7 +109,7 @@ mod snapshot;
 mod state;
 
 pub use collect::{Applied, ApplyError};
-pub use facts::{OffPathText, RequestFacts};
+pub use facts::{OffPathText, PreciseIds, RequestFacts};
 pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerApplied, PeerDecision};
 pub use models::model_not_found;
 pub use session::{SessionLookup, SessionRef};
