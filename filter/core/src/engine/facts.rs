@@ -46,7 +46,9 @@ pub struct RequestFacts {
     /// Precise mode with the prompt's token IDs at hand (not `tokenizeIn:
     /// collector`): those IDs and the `cache_salt`, for [`Engine::route`]
     /// to hash again with a LoRA adapter's key when the models table says
-    /// the `model` is one (`engine/models.rs`). Dropped with the facts.
+    /// the `model` is one (`engine/models.rs`). Dropped with the facts: kept
+    /// while flow control queues the request (4 bytes a token, besides its
+    /// body).
     pub precise_ids: Option<PreciseIds>,
     /// The body's `model` (flow control's objective by model).
     pub model: String,
