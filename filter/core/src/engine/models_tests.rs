@@ -300,3 +300,72 @@ fn lora_affinity_prefers_the_endpoint_running_the_adapter_then_a_free_slot() {
     ));
     assert_eq!(r.destination.split(',').next(), Some("127.0.0.1:3"));
 }
+
+/// `tokenizeIn: collector`: the stored prefixes are the base model's
+/// hashes. An adapter's text prompt finds the base model's stored prefix
+/// (the lookup is by text) but falls back (`lora_adapter`), and sends the
+/// collector no text.
+#[cfg(feature = "tokenizer")]
+#[test]
+fn an_adapters_text_prompt_falls_back_with_the_tokenizer_in_the_collector() {
+    use crate::precise::offpath::{process, Job, Tokenizing};
+    use crate::precise::OffPathModel;
+    const TINY_JSON: &str =
+        include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer.json");
+    const TINY_CONFIG: &str =
+        include_str!("../../../../testdata/tokenizer/tiny-bpe-4096/tokenizer_config.json");
+    let doc = PRECISE_DOC.replace(
+        r#""udsTokenizerConfig":{"socketFile":"/x"}"#,
+        &format!(
+            r#""servedModelNames":["sql"],"tokenizeIn":"collector","tokenizerJson":{},"tokenizerConfig":{TINY_CONFIG}"#,
+            serde_json::to_string(TINY_JSON).unwrap()
+        ),
+    );
+    let e = Engine::new(Config::from_json(doc.as_bytes()).unwrap());
+    let s = MemoryStore::new();
+    e.collector_init(&s).unwrap();
+    report_models(&e, &s, [Some("/a/sql"), Some("/a/sql")]);
+    held(&e, &s, [&[], &[]], 1000);
+    let p = e.config.precise.clone().unwrap();
+    let m = p.tokenizers[0].offpath.clone().unwrap();
+    let tok = m.load(TINY_JSON.as_bytes()).unwrap();
+    kvroute_shared_state::hashed::put_meta(&s, m.fingerprint, &OffPathModel::meta(&tok)).unwrap();
+    let budget = std::cell::RefCell::new(kvroute_shared_state::hashed::Budget::new(
+        e.config.shared_state.hashed_prefix_slots,
+        e.config.shared_state.hashed_prefix_bytes,
+    ));
+    let t = Tokenizing {
+        tok: &tok,
+        fingerprint: m.fingerprint,
+        block_size: 4,
+        hasher: &p.hasher,
+        max_blocks: p.max_blocks,
+        budget: &budget,
+    };
+    let text = "you route requests to the server that holds their cache, most likely";
+    let body = |model: &str| serde_json::json!({"model": model, "prompt": text}).to_string();
+    // The base model's request: its job stores the prompt's hashes.
+    let r = routed(route(&e, &s, body("base").as_bytes(), 1500));
+    assert!(!r.lora_adapter);
+    let job = Job::decode(&r.tokenize.as_ref().unwrap().job).unwrap();
+    process(&job, &t, &s).unwrap();
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    let r = routed(route(&e, &s, body("base").as_bytes(), 1500));
+    let Some(PreciseUse::Matched { blocks }) = r.precise else {
+        panic!("{:?}", r.precise)
+    };
+    assert!(blocks >= 3);
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+    // The adapter's: the same text, found, but not the adapter's hashes.
+    let r = routed(route(&e, &s, body("sql").as_bytes(), 1500));
+    assert!(r.lora_adapter);
+    assert_eq!(
+        r.precise,
+        Some(PreciseUse::Fallback {
+            why: Fallback::LoraAdapter,
+            blocks
+        })
+    );
+    assert!(r.tokenize.is_none());
+    e.release_rest(&s, &r.ticket.unwrap(), false).unwrap();
+}
