@@ -19,17 +19,17 @@
 
 use kvroute_core::config::{Config, SharedStateConfig};
 use kvroute_core::engine::Engine;
-use kvroute_core::precise::vllm_hash::LoraKey;
-use kvroute_shared_state::models::AdapterPath;
 use kvroute_core::precise::offpath::{
     key_seed, lookup, process, JobFor, Lookup, TokenizerSource, Tokenizing,
 };
 use kvroute_core::precise::tokenizer::{completion_add_special, ModelTokenizer};
+use kvroute_core::precise::vllm_hash::LoraKey;
 use kvroute_core::precise::{OffPathModel, PreciseConfig};
 use kvroute_core::request::{
     parse_request_for_template, ApiKind, ChatTemplateInputs, InferenceRequest, ParseLimits, Prompt,
 };
 use kvroute_shared_state::memory::MemoryStore;
+use kvroute_shared_state::models::AdapterPath;
 use std::sync::Arc;
 
 fn offpath_load(m: &OffPathModel) -> Arc<ModelTokenizer> {
@@ -162,10 +162,7 @@ fn main() {
             // and chat prompts go through the off-path pipeline (which
             // does not hash adapters: they fall back there).
             let tokenized = chat.is_some() || matches!(req.prompt, Prompt::Text(_));
-            if let Some((i, tok)) = offpath
-                .as_ref()
-                .filter(|_| tokenized && lora.is_none())
-            {
+            if let Some((i, tok)) = offpath.as_ref().filter(|_| tokenized && lora.is_none()) {
                 let (off, tokens) = offpath_hashes(
                     &precise,
                     *i,
