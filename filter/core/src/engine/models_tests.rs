@@ -145,6 +145,20 @@ fn an_adapters_request_is_hashed_with_its_name_and_path_and_matched() {
     // Both serve "sql" from one path. Endpoint 1 holds the prompt as the
     // base model's blocks, endpoint 2 as the adapter's.
     report_models(&e, &s, [Some("/a/sql"), Some("/a/sql")]);
+    // The same listing again writes nothing (no epoch bump for workers).
+    let cas = s
+        .get(kvroute_shared_state::models::MODELS_KEY)
+        .unwrap()
+        .unwrap()
+        .1;
+    report_models(&e, &s, [Some("/a/sql"), Some("/a/sql")]);
+    assert_eq!(
+        s.get(kvroute_shared_state::models::MODELS_KEY)
+            .unwrap()
+            .unwrap()
+            .1,
+        cas
+    );
     held(&e, &s, [&base_hashes, &sql_hashes], 1000);
     let v: serde_json::Value = serde_json::from_str(&e.state_json(&s, 0).unwrap()).unwrap();
     assert_eq!(v["endpoints"][1]["models"]["adapters"][0]["path"], "/a/sql");
