@@ -16,6 +16,13 @@ events: a token-ID completion for NAME; the same with a `cache_salt` (the
 salt after the LoRA key on block 0); and the base model's request for the
 same prompt, whose hashes (no LoRA key) equal its own chain and differ from
 the adapter's in every block.
+
+Through Envoy + kvroute in precise mode (`tokenizeIn: worker`, a
+kvroute-relay on the server's events): the collector learns the adapter's
+path from `/v1/models`; an adapter request sent a second time is matched on
+the blocks the server holds (affinity 1 in the decision header, counted in
+`kvroute_precise_matched`, no LoRA fallback), and the base model's request
+for the same prompt matches none of them.
 """
 
 import json
@@ -29,7 +36,8 @@ import pytest
 
 import make_lora
 import vllm_tier
-from conftest import _LIVE, BLOCK_SIZE, MODEL, NUM_BLOCKS, REPO, EventSink, e2e, precise_plugins
+from conftest import (_LIVE, BLOCK_SIZE, MODEL, NUM_BLOCKS, REPO, EventSink, RelayProcess, e2e, precise_plugins,
+                      real_plugin_config)
 from test_hash_parity import _quiet, _stored_chain
 
 ADAPTER = "sql-lora"
@@ -48,7 +56,9 @@ def lora_server(tmp_path_factory):
     endpoint = f"ipc://{ipc_dir}/vllm0.sock"
     sink = EventSink(connect=endpoint)
     _LIVE.append(sink)
-    port = vllm_tier.free_ports(1)[0]
+    port, relay_port = vllm_tier.free_ports(2)
+    relay = RelayProcess(endpoint, "kv@real0", relay_port, log_dir / "relay0.log")
+    _LIVE.append(relay)
     f = vllm_tier.Fleet(1, log_dir=log_dir, blocks=NUM_BLOCKS, ports=[port], event_ports=[endpoint],
                         extra_args=["--enable-lora", "--lora-modules", f"{ADAPTER}={adapter}",
                                     "--max-loras", "1", "--max-lora-rank", str(make_lora.RANK)])
@@ -56,14 +66,15 @@ def lora_server(tmp_path_factory):
     t0 = time.monotonic()
     f.start(timeout=900)
     print(f"\n[real] LoRA vLLM server healthy in {time.monotonic() - t0:.0f} s: {f.addresses}; logs in {log_dir}")
-    f.sink, f.adapter, f.log_dir = sink, adapter, log_dir
+    f.sink, f.relay, f.adapter, f.log_dir = sink, relay, adapter, log_dir
     try:
         yield f
     finally:
         f.stop()
         sink.stop()
+        relay.stop()
         shutil.rmtree(ipc_dir, ignore_errors=True)
-        for obj in (f, sink):
+        for obj in (f, sink, relay):
             if obj in _LIVE:
                 _LIVE.remove(obj)
 
@@ -144,3 +155,64 @@ def test_lora_adapter_hashes_equal_vllms(lora_server, lora_hasher, salt):
     assert base["lora"] is None, base
     assert all(a != b for a, b in zip(base["hashes"], hashes)), (base["hashes"], hashes)
     _equal_chain(_served_chain(lora_server, base_body), ids, base["hashes"])
+
+
+def _stat(g, name):
+    import re
+
+    body = g.admin(f"/stats?filter={name}").body.decode()
+    return sum(int(v) for v in re.findall(rf"{re.escape(name)}: (\d+)", body))
+
+
+def _affinity(r):
+    d = r.headers.get(e2e.DECISION, "")
+    return float(dict(kv.split("=", 1) for kv in d.split(";") if "=" in kv)["affinity"])
+
+
+def test_lora_requests_through_envoy_match_the_servers_held_blocks(lora_server, envoy):
+    assert lora_server.relay.proc is not None, "kvroute-relay is not built (cargo build --bin kvroute-relay)"
+    server = lora_server.servers[0]
+    cfg = real_plugin_config()
+    cfg["collector"]["modelsPollIntervalMs"] = 1000
+    cfg["kvEvents"] = {"enabled": True, "pollMs": 200, "timeoutMs": 3000, "staleMs": 10000,
+                       "maxHeldBlocks": NUM_BLOCKS, "relays": {server.address: lora_server.relay.address}}
+    cfg["plugins"] = precise_plugins(lora_server, tokenize_in="worker") + [
+        p for p in cfg["plugins"] if p["type"] != "approx-prefix-cache-producer"]
+    g = envoy(cfg, endpoints=[server.address])
+
+    def models():
+        m = (g.state_by_address().get(server.address) or {}).get("models") or {}
+        return m.get("adapters")
+
+    adapters = e2e.wait_until(lambda: models(), timeout=30, what="the collector learnt the adapters")
+    assert [(a["name"], a["path"]) for a in adapters] == [(ADAPTER, str(lora_server.adapter))], adapters
+    e2e.wait_until(lambda: (g.state_by_address()[server.address].get("kvEvents") or {}).get("fresh"),
+                   timeout=30, what="a fresh held view")
+    ids = _fresh_ids(5 * BLOCK_SIZE + 7)
+
+    def send(model):
+        polls = _stat(g, "wasmcustom.kvroute_kv_events_polls")
+        r = e2e.post(g.port, "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0},
+                     timeout=180)
+        assert r.status == 200, r
+        # The server's events reach the held view within two relay polls.
+        e2e.wait_until(lambda: _stat(g, "wasmcustom.kvroute_kv_events_polls") >= polls + 3, timeout=15,
+                       what="relay polls after the request")
+        return r
+
+    first = send(ADAPTER)
+    assert _affinity(first) == 0.0, first
+    again = send(ADAPTER)
+    base = send(MODEL)
+    fallbacks = {k: _stat(g, f"wasmcustom.kvroute_precise_fallback_{k}")
+                 for k in ("lora_adapter", "lora_path_unknown", "lora_paths_differ", "no_held_view")}
+    matched = _stat(g, "wasmcustom.kvroute_precise_matched")
+    print(f"[lora] affinity first {_affinity(first)}, again {_affinity(again)}, base {_affinity(base)}; "
+          f"matched {matched}; fallbacks {fallbacks}")
+    # The adapter's second request: all 5 of its blocks held.
+    assert _affinity(again) == 1.0, again
+    # The base model's request for the same prompt holds none of them.
+    assert _affinity(base) == 0.0, base
+    assert matched == 3, matched
+    assert fallbacks == dict.fromkeys(fallbacks, 0), fallbacks
+    assert g.wasm_failures() == {}
