@@ -23,15 +23,20 @@
 //! `/v1/models` answer (`Engine::record_model_list`): it is an error
 //! exactly when `vllm_models::parse` refuses it, and `kvroute/models`
 //! decodes, re-encodes to the same bytes and stays within its bounds
-//! (`models::MAX_NAMES` names of at most `MAX_NAME_BYTES` bytes per slot),
-//! whatever the `/metrics` and `/v1/models` bodies named.
+//! (`models::MAX_NAMES` names of at most `MAX_NAME_BYTES` bytes per slot;
+//! adapter paths only on listed adapters, each at most `MAX_PATH_BYTES`
+//! and `MAX_PATH_BYTES_PER_ENDPOINT` per slot together), whatever the
+//! `/metrics` and `/v1/models` bodies named.
 
 use crate::engine::{route_chat, World};
 use kvroute_core::config::Config;
 use kvroute_core::learners::{bytes_per_token, output_tokens};
 use kvroute_core::reports::{vllm_metrics, vllm_models};
 use kvroute_shared_state::metrics::{MetricsSnapshot, MetricsTable, RatioLearner};
-use kvroute_shared_state::models::{ModelsTable, MAX_NAMES, MAX_NAME_BYTES, MODELS_KEY};
+use kvroute_shared_state::models::{
+    flags, ModelsTable, MAX_NAMES, MAX_NAME_BYTES, MAX_PATH_BYTES, MAX_PATH_BYTES_PER_ENDPOINT,
+    MODELS_KEY,
+};
 use kvroute_shared_state::{Store, METRICS_KEY};
 
 /// Most polls per input.
@@ -203,6 +208,15 @@ pub fn run(data: &[u8]) {
                     .names
                     .iter()
                     .all(|n| n.name.len() <= MAX_NAME_BYTES && n.flags != 0));
+                let mut path_bytes = 0;
+                for n in &m.names {
+                    if let Some(p) = &n.path {
+                        assert!(n.flags & flags::LISTED_ADAPTER != 0, "{n:?}");
+                        assert!(!p.is_empty() && p.len() <= MAX_PATH_BYTES, "{n:?}");
+                        path_bytes += p.len();
+                    }
+                }
+                assert!(path_bytes <= MAX_PATH_BYTES_PER_ENDPOINT, "{m:?}");
             }
         }
         w.check_accounting();

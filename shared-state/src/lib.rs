@@ -11,7 +11,7 @@
 //! | `kvroute/endpoints` | collector | [`endpoints::EndpointTable`]: address, slot, generation, health |
 //! | `kvroute/load` | workers (and the collector: reaper, state epoch) | [`load::LoadTable`]: per-slot in-flight tokens/requests in time buckets, insert counter, the other proxies' load (mesh); the state epoch |
 //! | `kvroute/metrics` | collector | [`metrics::MetricsTable`]: last polled vLLM metrics per slot, with age, and the online prefill-rate estimate |
-//! | `kvroute/models` | collector | [`models::ModelsTable`]: the models and LoRA adapters each slot serves (its `/metrics` and `/v1/models`), at most 16 names of 128 bytes per slot |
+//! | `kvroute/models` | collector | [`models::ModelsTable`]: the models and LoRA adapters each slot serves (its `/metrics` and `/v1/models`), at most 16 names of 128 bytes per slot, and each listed adapter's path (at most 512 bytes, 1024 per slot) |
 //! | `kvroute/ix/<n>` | workers | [`index::PrefixIndex`] shards: fixed-size tables of block entries |
 //! | `kvroute/held`, `kvroute/held/<slot>/<n>` | collector (`kvEvents`) | [`held`]: the vLLM block hashes each endpoint holds, from its KV events, with relay epoch/seq and freshness |
 //! | `kvroute/mesh/outbox` | workers (append), collector (take) | [`mesh::Outbox`]: accepted decisions the other proxies of a mesh have not been told of, bounded |

@@ -8,7 +8,9 @@
 //!   running and waiting, and `max_lora`, the adapter slots);
 //! - its `/v1/models` ([`Source::Listing`]): the base models (cards without
 //!   a `parent`) and every loaded adapter (cards with one), idle ones
-//!   included.
+//!   included, with each adapter's path (its card's `root`, the server's
+//!   `--lora-modules name=path`): vLLM hashes an adapter's blocks with it,
+//!   so precise mode needs it ([`EndpointModels::adapter_path`]).
 //!
 //! An endpoint with no list ([`EndpointModels::known`] false: never
 //! reported, or a new generation of its slot) is taken to serve any model.
@@ -18,10 +20,14 @@
 //! At most [`MAX_NAMES`] names per endpoint, each at most [`MAX_NAME_BYTES`]
 //! bytes. A report with more, or a longer name, sets
 //! [`EndpointModels::overflow`] and keeps what fits: such an endpoint is
-//! taken to serve any model it does not list (kvroute cannot tell). With
-//! [`crate::MAX_ENDPOINTS`] slots the value is at most about 2.1 MB
-//! (1024 × 16 × 130 bytes); a fleet of 8 endpoints with two names each
-//! takes under 1 KB.
+//! taken to serve any model it does not list (kvroute cannot tell).
+//! Adapter paths: each at most [`MAX_PATH_BYTES`], and at most
+//! [`MAX_PATH_BYTES_PER_ENDPOINT`] for all of an endpoint's paths
+//! together, in the listing's order; a path that does not fit is not kept
+//! (the adapter's path is unknown there, and precise mode falls back for
+//! it). With [`crate::MAX_ENDPOINTS`] slots the value is at most about
+//! 3.3 MB (1024 × (16 × 133 + 1024 + 6) bytes); a fleet of 8 endpoints with
+//! two names and a 40-byte path each takes about 1.5 KB.
 
 use crate::codec::{Reader, Writer};
 use crate::MAX_ENDPOINTS;
@@ -32,9 +38,13 @@ pub const MODELS_KEY: &str = "kvroute/models";
 pub const MAX_NAMES: usize = 16;
 /// Longest name kept, bytes.
 pub const MAX_NAME_BYTES: usize = 128;
+/// Longest adapter path kept, bytes.
+pub const MAX_PATH_BYTES: usize = 512;
+/// Most adapter path bytes kept per endpoint, all its paths together.
+pub const MAX_PATH_BYTES_PER_ENDPOINT: usize = 1024;
 
 /// Bumped when the layout changes, so a table of another layout reads as empty.
-const MAGIC: u8 = 0x51;
+const MAGIC: u8 = 0x52;
 
 /// What one endpoint reports about a name (bits).
 pub mod flags {
@@ -79,6 +89,9 @@ impl Source {
 pub struct ModelName {
     pub name: String,
     pub flags: u8,
+    /// A listed adapter's path (its `/v1/models` card's `root`); `None`:
+    /// not listed with one, or over the bounds.
+    pub path: Option<String>,
 }
 
 /// One endpoint's models and adapters.
@@ -93,6 +106,18 @@ pub struct EndpointModels {
     /// `vllm:lora_requests_info{max_lora}`: adapter slots (0 = not reported).
     pub max_lora: u16,
     pub names: Vec<ModelName>,
+}
+
+/// What an endpoint knows of an adapter's path (precise mode's LoRA key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdapterPath<'a> {
+    /// The endpoint does not list the name as an adapter.
+    NotAdapter,
+    /// It lists it as an adapter, but its path is not known (not in
+    /// `/v1/models`, only in `/metrics`, or over the bounds).
+    Unknown,
+    /// It lists it as an adapter loaded from this path.
+    Path(&'a str),
 }
 
 /// How an endpoint stands towards a requested model name.
@@ -135,6 +160,39 @@ impl EndpointModels {
         }
     }
 
+    /// The path `model` is loaded from here, if it is an adapter.
+    pub fn adapter_path(&self, model: &str) -> AdapterPath<'_> {
+        match self.names.iter().find(|n| n.name == model) {
+            Some(n) if n.flags & flags::BASE == 0 => match &n.path {
+                Some(p) => AdapterPath::Path(p),
+                None => AdapterPath::Unknown,
+            },
+            _ => AdapterPath::NotAdapter,
+        }
+    }
+
+    /// Replaces the adapters' paths with a listing's (`(name, path)`, in
+    /// its order), within the bounds: a name not kept, not an adapter
+    /// here, or whose path does not fit keeps no path. Returns true if
+    /// anything changed. Call it after the listing's [`apply`](Self::apply),
+    /// which drops a listed-only adapter's path with its entry.
+    pub fn set_adapter_paths(&mut self, paths: &[(&str, &str)]) -> bool {
+        let before: Vec<Option<String>> = self.names.iter_mut().map(|n| n.path.take()).collect();
+        let mut budget = MAX_PATH_BYTES_PER_ENDPOINT;
+        for &(name, path) in paths {
+            if path.is_empty() || path.len() > MAX_PATH_BYTES || path.len() > budget {
+                continue;
+            }
+            if let Some(n) = self.names.iter_mut().find(|n| {
+                n.name == name && n.flags & flags::LISTED_ADAPTER != 0 && n.path.is_none()
+            }) {
+                n.path = Some(path.to_string());
+                budget -= path.len();
+            }
+        }
+        self.names.iter().map(|n| &n.path).ne(before.iter())
+    }
+
     /// Distinct adapters running or waiting (llm-d's count of active
     /// adapters, against `max_lora`).
     pub fn active_adapters(&self) -> usize {
@@ -171,6 +229,7 @@ impl EndpointModels {
                 self.names.push(ModelName {
                     name: name.to_string(),
                     flags: bits,
+                    path: None,
                 });
             } else {
                 self.overflow = true;
@@ -203,6 +262,10 @@ impl ModelsTable {
             for n in m.names.iter().take(MAX_NAMES) {
                 w.u8(n.flags);
                 w.bytes(&n.name.as_bytes()[..n.name.len().min(MAX_NAME_BYTES)]);
+                // Empty: no path (vLLM refuses an empty one). A path over
+                // the bound is not kept by `set_adapter_paths`.
+                let p = n.path.as_deref().filter(|p| p.len() <= MAX_PATH_BYTES);
+                w.bytes(p.unwrap_or("").as_bytes());
             }
         }
         w.buf
@@ -238,9 +301,18 @@ impl ModelsTable {
                 if name.len() > MAX_NAME_BYTES {
                     return None;
                 }
+                let path = r.bytes()?;
+                if path.len() > MAX_PATH_BYTES {
+                    return None;
+                }
                 names.push(ModelName {
                     name: String::from_utf8(name.to_vec()).ok()?,
                     flags,
+                    path: if path.is_empty() {
+                        None
+                    } else {
+                        Some(String::from_utf8(path.to_vec()).ok()?)
+                    },
                 });
             }
             slots.push(EndpointModels {
@@ -309,6 +381,18 @@ mod tests {
             None
         ));
         assert_eq!(m.max_lora, 4, "a listing keeps max_lora");
+        assert!(m.set_adapter_paths(&[
+            ("idle", "/adapters/idle"),
+            ("sql", "/adapters/sql"),
+            ("base", "/models/base"),
+            ("chat", "/adapters/chat")
+        ]));
+        assert!(!m.set_adapter_paths(&[("idle", "/adapters/idle"), ("sql", "/adapters/sql")]));
+        assert_eq!(m.adapter_path("sql"), AdapterPath::Path("/adapters/sql"));
+        // A base model and an adapter only /metrics reports have no path.
+        assert_eq!(m.adapter_path("base"), AdapterPath::NotAdapter);
+        assert_eq!(m.adapter_path("chat"), AdapterPath::Unknown);
+        assert_eq!(m.adapter_path("other"), AdapterPath::NotAdapter);
         assert_eq!(m.serves("base"), Serves::Base);
         assert_eq!(
             m.serves("sql"),
@@ -326,12 +410,17 @@ mod tests {
         );
         assert_eq!(m.serves("other"), Serves::No);
         assert_eq!(m.active_adapters(), 2);
-        // The same report again changes nothing.
-        assert!(!m.apply(
+        // The same report again changes nothing (a listing's names and
+        // paths are written together, and compared whole).
+        let before = m.clone();
+        m.apply(
             Source::Listing,
             &[("base", 2), ("idle", 4), ("sql", 4)],
-            None
-        ));
+            None,
+        );
+        m.set_adapter_paths(&[("idle", "/adapters/idle"), ("sql", "/adapters/sql")]);
+        assert_eq!(*m, before);
+        assert_eq!(m.adapter_path("idle"), AdapterPath::Path("/adapters/idle"));
         // The next /metrics: nothing running; "chat" was only there.
         assert!(m.apply(Source::Metrics, &[("base", flags::METRICS_BASE)], Some(4)));
         assert_eq!(m.serves("chat"), Serves::No);
@@ -362,12 +451,49 @@ mod tests {
             .map(|n| (n.as_str(), flags::LISTED_ADAPTER))
             .collect();
         names.push((&long, flags::LISTED_BASE));
+        // Paths: one over the per-path bound, then ones of 300 bytes until
+        // the per-endpoint budget is spent.
+        let too_long = format!("/{}", "p".repeat(MAX_PATH_BYTES));
+        let paths_owned: Vec<String> = (0..many.len())
+            .map(|i| {
+                if i == 0 {
+                    too_long.clone()
+                } else {
+                    format!("/{i:0>299}")
+                }
+            })
+            .collect();
+        let paths: Vec<(&str, &str)> = many
+            .iter()
+            .zip(&paths_owned)
+            .map(|(n, p)| (n.as_str(), p.as_str()))
+            .collect();
         for slot in 0..MAX_ENDPOINTS as u16 {
             let m = t.entry(slot, 1).unwrap();
             m.apply(Source::Listing, &names, None);
+            m.set_adapter_paths(&paths);
             assert_eq!(m.names.len(), MAX_NAMES);
             assert!(m.overflow);
+            let kept: usize = m
+                .names
+                .iter()
+                .filter_map(|n| n.path.as_ref())
+                .map(|p| p.len())
+                .sum();
+            assert!(kept <= MAX_PATH_BYTES_PER_ENDPOINT, "{kept}");
         }
+        let m = t.get(0, 1).unwrap();
+        // Too long for the bound: unknown; then three of 300 bytes fit.
+        assert_eq!(m.adapter_path("lora-0"), AdapterPath::Unknown);
+        assert_eq!(
+            m.adapter_path("lora-1"),
+            AdapterPath::Path(paths_owned[1].as_str())
+        );
+        assert_eq!(
+            m.adapter_path("lora-3"),
+            AdapterPath::Path(paths_owned[3].as_str())
+        );
+        assert_eq!(m.adapter_path("lora-4"), AdapterPath::Unknown);
         assert!(t.entry(MAX_ENDPOINTS as u16, 1).is_none());
         let m = t.get(0, 1).unwrap();
         assert_eq!(
@@ -381,10 +507,12 @@ mod tests {
         assert_eq!(m.serves(&long), Serves::Maybe);
         assert_eq!(m.serves(&many[MAX_NAMES]), Serves::Maybe);
         let enc = t.encode();
-        // The documented bound: 16 names of at most 128 bytes per slot.
-        let bound = 3 + MAX_ENDPOINTS * (6 + MAX_NAMES * (3 + MAX_NAME_BYTES));
+        // The documented bound: 16 names of at most 128 bytes per slot, and
+        // at most 1024 path bytes (each path's length 2 bytes).
+        let bound = 3 + MAX_ENDPOINTS
+            * (6 + MAX_NAMES * (3 + MAX_NAME_BYTES + 2) + MAX_PATH_BYTES_PER_ENDPOINT);
         assert!(enc.len() <= bound, "{} > {bound}", enc.len());
-        assert!(bound < 2_200_000);
+        assert!(bound < 3_300_000, "{bound}");
         assert_eq!(ModelsTable::decode(Some(&enc)), t);
         // A later report that fits clears the overflow.
         let m = t.entry(0, 1).unwrap();

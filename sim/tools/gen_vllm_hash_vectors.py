@@ -3,8 +3,10 @@
 It calls vLLM 0.32's functions directly, in the real-engine tier's venv:
 `vllm.utils.hashing.sha256_cbor`, `kv_cache_utils.init_none_hash` (the seed
 rule: PYTHONHASHSEED when set, else vLLM's fixed default for sha256 and
-sha256_cbor), `generate_block_hash_extra_keys` (the `cache_salt` key on
-block 0), `hash_block_tokens` and `maybe_convert_block_hash` (the 64-bit
+sha256_cbor), `generate_block_hash_extra_keys` (the LoRA key
+`("lora", name, path)` on every block of a request carrying a
+`vllm.lora.request.LoRARequest`, then the `cache_salt` key on block 0),
+`hash_block_tokens` and `maybe_convert_block_hash` (the 64-bit
 form KV events carry). Nothing here restates vLLM's definitions, so the
 vectors check kvroute_core::precise against vLLM itself.
 
@@ -16,13 +18,18 @@ import os
 import pathlib
 from types import SimpleNamespace
 
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256_cbor
 from vllm.v1.core import kv_cache_utils as k
 
 
-def block_hashes(tokens, block_size, salt):
-    # The request fields generate_block_hash_extra_keys reads.
-    req = SimpleNamespace(mm_features=[], lora_request=None, cache_salt=salt, prompt_embeds=None)
+def block_hashes(tokens, block_size, salt, lora):
+    # The request fields generate_block_hash_extra_keys reads; a LoRA
+    # request as vLLM's OpenAI server builds it for `--lora-modules name=path`.
+    lora_request = None
+    if lora is not None:
+        lora_request = LoRARequest(lora_name=lora[0], lora_int_id=1, lora_path=lora[1])
+    req = SimpleNamespace(mm_features=[], lora_request=lora_request, cache_salt=salt, prompt_embeds=None)
     parent = None
     out = []
     for i in range(len(tokens) // block_size):
@@ -33,19 +40,21 @@ def block_hashes(tokens, block_size, salt):
     return out
 
 
-def case(name, seed, tokens, block_size, salt=None):
+def case(name, seed, tokens, block_size, salt=None, lora=None):
     if seed is None:
         os.environ.pop("PYTHONHASHSEED", None)
     else:
         os.environ["PYTHONHASHSEED"] = seed
     k.init_none_hash(sha256_cbor)
-    hs = block_hashes(tokens, block_size, salt)
+    hs = block_hashes(tokens, block_size, salt, lora)
     return {
         "name": name,
         "python_hash_seed": seed,
         "resolved_seed": k.get_none_hash_seed(),
         "block_size": block_size,
         "cache_salt": salt,
+        "lora_name": lora and lora[0],
+        "lora_path": lora and lora[1],
         "token_ids": tokens,
         "none_hash_hex": k.NONE_HASH.hex(),
         "block_hashes_hex": [h.hex() for h in hs],
@@ -67,6 +76,12 @@ def main():
         case("seed0-bs16-wide-salted", "0", wide, 16, "tenant-a"),
         case("seed0-bs64-long", "0", [(i * 7919) % 151936 for i in range(300)], 64),
         case("seed0-bs32-partial-only", "0", list(range(31)), 32),
+        case("seed0-bs16-wide-lora", "0", wide, 16, lora=("sql", "/tmp/kvr-lora/sql")),
+        case("seed0-bs16-wide-lora-salted", "0", wide, 16, "tenant-a", ("sql", "/tmp/kvr-lora/sql")),
+        case("unset-seed-bs4-lora-other-path", None, small, 4, lora=("sql", "/srv/adapters/sql-v2")),
+        # Non-ASCII name, a path over 255 bytes (a 2-byte CBOR length head).
+        case("seed42-bs16-lora-long-path-salted", "42", wide, 16, "s" * 30,
+             ("ünïcode-lora", "/adapters/" + "p" * 300)),
     ]
     out = pathlib.Path(__file__).resolve().parents[2] / "testdata/vllm/block-hash-sha256-cbor-vectors.json"
     out.write_text(json.dumps(cases, indent=1) + "\n")

@@ -358,8 +358,12 @@ class Server:
     engine-core child); stopped by that group's id, which is its PID."""
 
     def __init__(self, index: int, port: int, event_port: int | None, log_path: Path,
-                 blocks: int, cpu: int | None, model: Path | None = None):
+                 blocks: int, cpu: int | None, model: Path | None = None,
+                 extra_args: list[str] | None = None):
         self.index = index
+        # More `vllm serve` flags, after the tier's (e.g. test_lora.py's
+        # --enable-lora --lora-modules NAME=PATH).
+        self.extra_args = list(extra_args or [])
         self.model = Path(model) if model else model_dir()
         self.port = port
         self.event_port = event_port
@@ -403,7 +407,7 @@ class Server:
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
                    "endpoint": endpoint, "topic": self.topic}
             cmd += ["--kv-events-config", json.dumps(cfg)]
-        return cmd
+        return cmd + self.extra_args
 
     def env(self) -> dict:
         env = dict(os.environ)
@@ -517,7 +521,7 @@ class Fleet:
     def __init__(self, n: int = 2, log_dir: Path | str | None = None, blocks: int = 256,
                  ports: list[int] | None = None, events: bool = True,
                  event_ports: list[int] | None = None, pidfile: Path | str | None = None,
-                 model: Path | str | None = None):
+                 model: Path | str | None = None, extra_args: list[str] | None = None):
         self.n = n
         self.blocks = blocks
         self.log_dir = Path(log_dir) if log_dir else cache_dir() / "logs"
@@ -532,7 +536,7 @@ class Fleet:
             event_ports = free_ports(n)
         ncpu = os.cpu_count() or 1
         self.servers = [Server(i, ports[i], event_ports[i], self.log_dir / f"vllm{i}.log", blocks,
-                               i % ncpu, model) for i in range(n)]
+                               i % ncpu, model, extra_args) for i in range(n)]
         self.pidfile = Path(pidfile) if pidfile else None
 
     @property

@@ -43,6 +43,13 @@ pub struct RequestFacts {
     /// Full blocks of the prompt past its known vLLM hashes (a stored
     /// prefix and new text after it: estimated).
     pub precise_unknown_blocks: u32,
+    /// Precise mode with the prompt's token IDs at hand (not `tokenizeIn:
+    /// collector`): those IDs and the `cache_salt`, for [`Engine::route`]
+    /// to hash again with a LoRA adapter's key when the models table says
+    /// the `model` is one (`engine/models.rs`). Dropped with the facts: kept
+    /// while flow control queues the request (4 bytes a token, besides its
+    /// body).
+    pub precise_ids: Option<PreciseIds>,
     /// The body's `model` (flow control's objective by model).
     pub model: String,
     /// The request's session, read from its headers by the lifecycle
@@ -52,6 +59,14 @@ pub struct RequestFacts {
     /// passthrough request): the shape of a local error reply
     /// ([`Engine::fail_for`]).
     pub api: Option<ApiKind>,
+}
+
+/// A prompt's vLLM token IDs and `cache_salt` (see
+/// [`RequestFacts::precise_ids`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreciseIds {
+    pub ids: Vec<u32>,
+    pub salt: Option<String>,
 }
 
 /// A prompt's rendered text, for the off-path lookup.
@@ -103,6 +118,7 @@ impl RequestFacts {
             scorer_scores: false,
             offpath: None,
             precise_unknown_blocks: 0,
+            precise_ids: None,
             model: String::new(),
             session: None,
             api: None,
@@ -142,6 +158,7 @@ impl Engine {
         // blocks the servers hold (`kvEvents`); or, when they cannot be had,
         // the reason the approximate index decides instead.
         let mut offpath = None;
+        let mut precise_ids = None;
         let precise = precise.map(|p| match p.offpath_for(&req.model) {
             Some((model, m)) => match offpath_text(m, &req, body, chat.as_ref()) {
                 Ok((text, add_special)) => {
@@ -156,7 +173,16 @@ impl Engine {
                 }
                 Err(why) => Err(why),
             },
-            None => p.request_hashes(&req, body, chat.as_ref()),
+            None => p.token_ids(&req, body, chat.as_ref()).map(|ids| {
+                let salt = req.cache_salt.as_deref();
+                let hashes = p.hashes_of(&ids, None, salt);
+                let tokens = ids.len() as u64;
+                precise_ids = Some(PreciseIds {
+                    ids: ids.into_owned(),
+                    salt: req.cache_salt.clone(),
+                });
+                (hashes, tokens)
+            }),
         });
         let blocks = prompt_blocks(&req, &self.config.prefix.blocks);
         let text_bytes = match &req.prompt {
@@ -183,6 +209,7 @@ impl Engine {
             scorer_scores: false,
             offpath,
             precise_unknown_blocks: 0,
+            precise_ids,
             model: req.model,
             session: None,
             api: Some(kind),

@@ -109,7 +109,9 @@ mod snapshot;
 mod state;
 
 pub use collect::{Applied, ApplyError};
-pub use facts::{model_header_value, OffPathText, RequestFacts, MODEL_HEADER_MAX_BYTES};
+pub use facts::{
+    model_header_value, OffPathText, PreciseIds, RequestFacts, MODEL_HEADER_MAX_BYTES,
+};
 pub use mesh::{MeshApplied, MeshOutgoing, OwnLoad, PeerApplied, PeerDecision};
 pub use models::model_not_found;
 pub use session::{SessionLookup, SessionRef};

@@ -39,20 +39,34 @@
 //! key `("lora", lora_name, lora_path)` (`_gen_lora_extra_hash_keys` in
 //! `v1/core/kv_cache_utils.py`), so an adapter's prompt shares no blocks
 //! with the base model's, and the same adapter loaded from another path on
-//! another server hashes differently there (the path is the adapter card's
-//! `root` in `/v1/models`). kvroute's precise hashes are the base model's: a
-//! request for a model some candidate serves as an adapter (and none as a
-//! base model) falls back to the approximate index
-//! (`Fallback::LoraAdapter`), counted.
+//! another server hashes differently there. The path is the adapter card's
+//! `root` in `/v1/models`, which the collector keeps (bounded) in the
+//! models table. A request for a model some candidate serves as an adapter
+//! (and none as a base model) is an adapter request ([`adapter_key`]):
+//!
+//! - every candidate that lists it reports the same path: precise mode
+//!   hashes the prompt with `(model, path)` and matches as usual
+//!   (`Engine::route`);
+//! - one of them has no known path: falls back, `Fallback::LoraPathUnknown`;
+//! - they report different paths: falls back, `Fallback::LoraPathsDiffer`
+//!   (one set of hashes cannot match them all);
+//! - `tokenizeIn: collector` for its model: falls back,
+//!   `Fallback::LoraAdapter` (the collector's stored prefixes are hashed
+//!   without the adapter).
+//!
+//! Each fallback is counted (`kvroute_precise_fallback_<reason>`).
+//! Candidates that do not know their models yet (no poll) may serve it but
+//! do not decide the path.
 
 use super::{openai_error, Engine};
+use crate::precise::Fallback;
 use crate::reports::vllm_metrics::VllmMetrics;
 use crate::reports::vllm_models;
 use crate::scheduling::lora_affinity::LoraSlots;
 use kvroute_shared_state::cas::update;
 use kvroute_shared_state::endpoints::EndpointEntry;
 use kvroute_shared_state::models::{
-    flags, EndpointModels, ModelsTable, Serves, Source, MODELS_KEY,
+    flags, AdapterPath, EndpointModels, ModelsTable, Serves, Source, MODELS_KEY,
 };
 use kvroute_shared_state::{Store, StoreError};
 use std::sync::Arc;
@@ -67,24 +81,46 @@ pub(super) enum Eligible {
     None,
 }
 
-/// Whether `model` is a LoRA adapter on the endpoints that may serve it:
-/// some list it as an adapter and none as a base model.
-pub(super) fn is_adapter(models: &ModelsTable, endpoints: &[EndpointEntry], model: &str) -> bool {
+/// Whether `model` is a LoRA adapter on the endpoints that may serve it
+/// (some list it as an adapter and none as a base model), and if so the
+/// path vLLM hashes its blocks with: `None` for a base model; `Some(Ok)`
+/// when every endpoint that lists it reports this one path; else why
+/// precise mode cannot hash it (`LoraPathsDiffer` before
+/// `LoraPathUnknown`).
+pub(super) fn adapter_key(
+    models: &ModelsTable,
+    endpoints: &[EndpointEntry],
+    model: &str,
+) -> Option<Result<String, Fallback>> {
     if model.is_empty() {
-        return false;
+        return None;
     }
-    let mut adapter = false;
+    let (mut adapter, mut unknown, mut differ) = (false, false, false);
+    let mut path: Option<&str> = None;
     for e in endpoints {
-        match models
-            .get(e.slot, e.generation)
-            .map_or(Serves::Unknown, |m| m.serves(model))
-        {
-            Serves::Base => return false,
+        let Some(m) = models.get(e.slot, e.generation) else {
+            continue;
+        };
+        match m.serves(model) {
+            // Served as a base model anywhere: not an adapter request.
+            Serves::Base => return None,
             Serves::Adapter { .. } => adapter = true,
-            _ => {}
+            _ => continue,
+        }
+        match (m.adapter_path(model), path) {
+            (AdapterPath::Path(p), Some(q)) => differ |= p != q,
+            (AdapterPath::Path(p), None) => path = Some(p),
+            _ => unknown = true,
         }
     }
-    adapter
+    if !adapter {
+        return None;
+    }
+    Some(match path {
+        _ if differ => Err(Fallback::LoraPathsDiffer),
+        Some(p) if !unknown => Ok(p.to_string()),
+        _ => Err(Fallback::LoraPathUnknown),
+    })
 }
 
 /// The model filter over `endpoints` (see the module doc).
@@ -145,6 +181,7 @@ pub(super) fn state_json(m: &EndpointModels) -> serde_json::Value {
         .map(|n| {
             serde_json::json!({
                 "name": n.name,
+                "path": n.path,
                 "running": n.flags & flags::RUNNING != 0,
                 "waiting": n.flags & flags::WAITING != 0,
             })
@@ -179,8 +216,10 @@ impl Engine {
         ))
     }
 
-    /// Writes `source`'s part of (`slot`, `generation`)'s models. Returns
-    /// true if the table changed (the caller bumps the state epoch).
+    /// Writes `source`'s part of (`slot`, `generation`)'s models (and a
+    /// listing's adapter paths). Returns true if the table changed (the
+    /// caller bumps the state epoch).
+    #[allow(clippy::too_many_arguments)]
     fn write_models(
         &self,
         store: &dyn Store,
@@ -189,6 +228,7 @@ impl Engine {
         source: Source,
         names: &[(&str, u8)],
         max_lora: Option<u16>,
+        adapter_paths: Option<&[(&str, &str)]>,
     ) -> Result<bool, StoreError> {
         let u = update(
             store,
@@ -197,7 +237,14 @@ impl Engine {
             ModelsTable::encode,
             |t: &mut ModelsTable| {
                 let m = t.entry(slot, generation)?;
-                m.apply(source, names, max_lora).then_some(())
+                // Compared whole: `apply` drops a listed-only adapter (and
+                // its path) before adding it again.
+                let before = m.clone();
+                m.apply(source, names, max_lora);
+                if let Some(p) = adapter_paths {
+                    m.set_adapter_paths(p);
+                }
+                (*m != before).then_some(())
             },
         )?;
         Ok(u.result.is_some())
@@ -222,7 +269,15 @@ impl Engine {
             names.extend(l.waiting.iter().map(|n| (n.as_str(), flags::WAITING)));
         }
         let max_lora = v.lora.as_ref().map(|l| l.max_lora);
-        self.write_models(store, slot, generation, Source::Metrics, &names, max_lora)
+        self.write_models(
+            store,
+            slot,
+            generation,
+            Source::Metrics,
+            &names,
+            max_lora,
+            None,
+        )
     }
 
     /// Records one `/v1/models` answer of (`slot`, `generation`). A body
@@ -247,8 +302,22 @@ impl Engine {
                 (c.id.as_str(), bit)
             })
             .collect();
+        // Each adapter's path (`root`): vLLM hashes its blocks with it.
+        let paths: Vec<(&str, &str)> = cards
+            .iter()
+            .filter(|c| c.is_adapter())
+            .filter_map(|c| Some((c.id.as_str(), c.root.as_deref()?)))
+            .collect();
         let changed = self
-            .write_models(store, slot, generation, Source::Listing, &names, None)
+            .write_models(
+                store,
+                slot,
+                generation,
+                Source::Listing,
+                &names,
+                None,
+                Some(&paths),
+            )
             .map_err(|e| e.to_string())?;
         if changed {
             self.bump_epoch(store).map_err(|e| e.to_string())?;

@@ -5,6 +5,7 @@
 
 use super::snapshot::ModelFit;
 use super::{Engine, Outcome, Provisional, RequestFacts, Routed, Snapshot, TokenizeJob, Unrouted};
+use crate::precise::vllm_hash::LoraKey;
 use crate::precise::{Fallback, PreciseUse};
 use crate::scheduling::{Decision, Rng};
 use kvroute_shared_state::cas::{update, update_bytes, update_seeded};
@@ -81,20 +82,43 @@ impl Engine {
         let Some(mut snap) = self.snapshot(store, facts, now_ms)? else {
             return Ok(Placed::NoEndpoints);
         };
-        let lora_adapter = match snap.model {
+        let lora = match std::mem::replace(&mut snap.model, ModelFit::Served) {
             ModelFit::Unknown => return Ok(Placed::UnknownModel),
-            ModelFit::Adapter => true,
-            ModelFit::Served => false,
+            ModelFit::Adapter(key) => Some(key),
+            ModelFit::Served => None,
         };
+        let lora_adapter = lora.is_some();
         let session = self.mark_session(store, facts.session.as_ref(), &mut snap, now_ms);
         let precise_hashes = facts
             .precise
             .as_ref()
             .and_then(|p| p.as_ref().ok())
             .map(|(h, tokens)| (h.as_slice(), *tokens));
-        // vLLM hashes an adapter's blocks with its name: the base model's
-        // hashes would match nothing, or the wrong blocks.
-        let precise = precise_hashes.filter(|_| !lora_adapter);
+        // vLLM hashes an adapter's blocks with its name and path: the base
+        // model's hashes would match nothing, or the wrong blocks. With the
+        // prompt's token IDs at hand (`facts.precise_ids`: not with
+        // `tokenizeIn: collector`) and one path, hash again with them.
+        let lora_hashes = match (&lora, &facts.precise_ids, &self.config.precise) {
+            (Some(Ok(path)), Some(t), Some(p)) if precise_hashes.is_some() => {
+                let key = LoraKey {
+                    name: &facts.model,
+                    path,
+                };
+                Some(p.hashes_of(&t.ids, Some(key), t.salt.as_deref()))
+            }
+            _ => None,
+        };
+        let lora_fallback = match &lora {
+            None => None,
+            Some(Err(why)) => Some(*why),
+            Some(Ok(_)) if lora_hashes.is_none() => Some(Fallback::LoraAdapter),
+            Some(Ok(_)) => None,
+        };
+        let precise_hashes = match (&lora_hashes, precise_hashes) {
+            (Some(h), Some((_, tokens))) => Some((h.as_slice(), tokens)),
+            (_, p) => p,
+        };
+        let precise = precise_hashes.filter(|_| lora_fallback.is_none());
         let held = match precise {
             Some((vllm_hashes, tokens)) => {
                 let unknown = facts.precise_unknown_blocks;
@@ -104,11 +128,8 @@ impl Engine {
         };
         let precise_use = precise_hashes.map(|(vllm_hashes, _)| {
             let blocks = vllm_hashes.len().min(u32::MAX as usize) as u32;
-            if lora_adapter {
-                PreciseUse::Fallback {
-                    why: Fallback::LoraAdapter,
-                    blocks,
-                }
+            if let Some(why) = lora_fallback {
+                PreciseUse::Fallback { why, blocks }
             } else if held.is_some() {
                 PreciseUse::Matched { blocks }
             } else {

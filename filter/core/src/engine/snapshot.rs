@@ -95,13 +95,14 @@ pub struct Snapshot {
 }
 
 /// How the pool stands towards a request's `model`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ModelFit {
     /// Served as a base model, or not known to be otherwise.
     Served,
-    /// A LoRA adapter on the endpoints that serve it (precise mode falls
-    /// back: kvroute's vLLM hashes are the base model's).
-    Adapter,
+    /// A LoRA adapter on the endpoints that serve it: the path they all
+    /// load it from (precise mode hashes with `(model, path)`), or why
+    /// there is no one path (`engine/models.rs`, "LoRA and precise mode").
+    Adapter(Result<String, crate::precise::Fallback>),
     /// No endpoint serves it.
     Unknown,
 }
@@ -147,10 +148,9 @@ impl Engine {
                 }))
             }
         };
-        let model = if models::is_adapter(&models_table, &endpoints, &facts.model) {
-            ModelFit::Adapter
-        } else {
-            ModelFit::Served
+        let model = match models::adapter_key(&models_table, &endpoints, &facts.model) {
+            Some(key) => ModelFit::Adapter(key),
+            None => ModelFit::Served,
         };
         let stale_after = self.config.collector.metrics_stale_after_ms;
         // Real tokens for a text prompt, once the servers taught us the

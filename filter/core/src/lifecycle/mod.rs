@@ -217,6 +217,8 @@ pub enum Counter {
     PreciseFallbackNotHashedYet,
     PreciseFallbackTokenizerLoading,
     PreciseFallbackLoraAdapter,
+    PreciseFallbackLoraPathUnknown,
+    PreciseFallbackLoraPathsDiffer,
     /// Requests for a model no endpoint serves (`engine/models.rs`):
     /// answered 404 (fail-closed) or passed on unrouted (fail-open).
     UnknownModel,
@@ -275,7 +277,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 55] = [
+    pub const ALL: [Counter; 57] = [
         Counter::Routed,
         Counter::FailOpen,
         Counter::Rejected,
@@ -308,6 +310,8 @@ impl Counter {
         Counter::PreciseFallbackNotHashedYet,
         Counter::PreciseFallbackTokenizerLoading,
         Counter::PreciseFallbackLoraAdapter,
+        Counter::PreciseFallbackLoraPathUnknown,
+        Counter::PreciseFallbackLoraPathsDiffer,
         Counter::UnknownModel,
         Counter::ModelsPollFailures,
         Counter::PrecisePrefixPartial,
@@ -369,6 +373,8 @@ impl Counter {
                 "kvroute_precise_fallback_tokenizer_loading"
             }
             Counter::PreciseFallbackLoraAdapter => "kvroute_precise_fallback_lora_adapter",
+            Counter::PreciseFallbackLoraPathUnknown => "kvroute_precise_fallback_lora_path_unknown",
+            Counter::PreciseFallbackLoraPathsDiffer => "kvroute_precise_fallback_lora_paths_differ",
             Counter::UnknownModel => "kvroute_unknown_model",
             Counter::ModelsPollFailures => "kvroute_models_poll_failures",
             Counter::PrecisePrefixPartial => "kvroute_precise_prefix_partial",
@@ -410,6 +416,8 @@ impl Counter {
                 Fallback::NotHashedYet => Counter::PreciseFallbackNotHashedYet,
                 Fallback::TokenizerLoading => Counter::PreciseFallbackTokenizerLoading,
                 Fallback::LoraAdapter => Counter::PreciseFallbackLoraAdapter,
+                Fallback::LoraPathUnknown => Counter::PreciseFallbackLoraPathUnknown,
+                Fallback::LoraPathsDiffer => Counter::PreciseFallbackLoraPathsDiffer,
             },
         }
     }

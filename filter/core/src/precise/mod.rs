@@ -179,14 +179,24 @@ pub enum Fallback {
     /// `tokenizeIn: collector`: the collector has not loaded the tokenizer
     /// yet (or could not).
     TokenizerLoading,
-    /// The body's `model` is a LoRA adapter: vLLM hashes every block of it
-    /// with the extra key `("lora", name, path)`, which kvroute's hashes do
-    /// not yet include.
+    /// The body's `model` is a LoRA adapter and the prompt is tokenized by
+    /// the collector (`tokenizeIn: collector`): its stored prefixes are the
+    /// base model's hashes, and vLLM hashes every block of an adapter's
+    /// request with the extra key `("lora", name, path)`. (With the
+    /// tokenizer in the worker, and for token-ID prompts, adapters are
+    /// hashed with that key: `engine/models.rs`.)
     LoraAdapter,
+    /// The body's `model` is a LoRA adapter, and some candidate endpoint
+    /// that lists it has no known path for it (`/metrics` reports it but
+    /// `/v1/models` has not, or its path is over the models table's bounds).
+    LoraPathUnknown,
+    /// The body's `model` is a LoRA adapter loaded from different paths on
+    /// the candidate endpoints: vLLM's hashes of it differ by server.
+    LoraPathsDiffer,
 }
 
 impl Fallback {
-    pub const ALL: [Fallback; 9] = [
+    pub const ALL: [Fallback; 11] = [
         Fallback::NoTokenizer,
         Fallback::UnknownModel,
         Fallback::Template,
@@ -196,6 +206,8 @@ impl Fallback {
         Fallback::NotHashedYet,
         Fallback::TokenizerLoading,
         Fallback::LoraAdapter,
+        Fallback::LoraPathUnknown,
+        Fallback::LoraPathsDiffer,
     ];
 
     /// A short stable label (the counter's suffix).
@@ -210,6 +222,8 @@ impl Fallback {
             Fallback::NotHashedYet => "not_hashed_yet",
             Fallback::TokenizerLoading => "tokenizer_loading",
             Fallback::LoraAdapter => "lora_adapter",
+            Fallback::LoraPathUnknown => "lora_path_unknown",
+            Fallback::LoraPathsDiffer => "lora_paths_differ",
         }
     }
 }
@@ -321,13 +335,20 @@ impl PreciseConfig {
         chat: Option<&ChatTemplateInputs>,
     ) -> Result<(Vec<u64>, u64), Fallback> {
         let ids = self.token_ids(req, body, chat)?;
-        let hashes = self.hasher.block_hashes_u64(
-            &ids,
-            self.block_size,
-            req.cache_salt.as_deref(),
-            self.max_blocks,
-        );
+        let hashes = self.hashes_of(&ids, None, req.cache_salt.as_deref());
         Ok((hashes, ids.len() as u64))
+    }
+
+    /// vLLM's 64-bit block hashes of `ids` at this block size and cap, for
+    /// a LoRA adapter's request when `lora` is set.
+    pub fn hashes_of(
+        &self,
+        ids: &[u32],
+        lora: Option<vllm_hash::LoraKey<'_>>,
+        cache_salt: Option<&str>,
+    ) -> Vec<u64> {
+        self.hasher
+            .block_hashes_u64_with(ids, self.block_size, lora, cache_salt, self.max_blocks)
     }
 }
 

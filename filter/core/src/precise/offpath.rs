@@ -644,7 +644,7 @@ pub fn process(job: &Job, t: &Tokenizing, store: &dyn Store) -> Result<Processed
                 if !capped {
                     let p = parent.unwrap_or_else(|| t.hasher.none_hash());
                     let block_salt = if hashes.is_empty() { salt } else { None };
-                    encode_block(&mut buf, &p, &pending, block_salt);
+                    encode_block(&mut buf, &p, &pending, None, block_salt);
                     let h: [u8; 32] = Sha256::digest(&buf).into();
                     hashes.push(low64(&h));
                     parent = Some(h);

@@ -127,7 +127,7 @@ fn fallback_reasons() {
         Err(Fallback::Template)
     );
     let labels: Vec<&str> = Fallback::ALL.iter().map(|f| f.label()).collect();
-    assert_eq!(labels.len(), 9);
+    assert_eq!(labels.len(), 11);
     let distinct: std::collections::HashSet<&&str> = labels.iter().collect();
     assert_eq!(distinct.len(), labels.len());
 }

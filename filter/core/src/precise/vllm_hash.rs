@@ -10,9 +10,13 @@
 //! h[i]      = sha256(cbor([h[i-1] or NONE_HASH as bytes,
 //!                          [token ids of full block i],
 //!                          extra_keys]))
-//! extra_keys = null, or [["cache_salt", salt]] on block 0 when the request
-//!              has a non-empty cache_salt (LoRA and multimodal keys are
-//!              not produced here: such requests are not hashed precisely)
+//! extra_keys = null when there are none, else the array of
+//!              ["lora", lora_name, lora_path] on every block of a LoRA
+//!              adapter's request, then ["cache_salt", salt] on block 0
+//!              when the request has a non-empty cache_salt
+//!              (generate_block_hash_extra_keys: lora, multimodal, salt,
+//!              prompt embeds; multimodal and prompt-embeds keys are not
+//!              produced here: such requests are not hashed precisely)
 //! event hash = low 64 bits of h[i] = its last 8 bytes, big-endian
 //!              (maybe_convert_block_hash; VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1,
 //!              the default)
@@ -22,7 +26,7 @@
 //!
 //! `cbor` is `cbor2.dumps(x, canonical=True)`: RFC 8949 core deterministic
 //! encoding. For this one fixed shape (an array of a byte string, an array
-//! of unsigned integers and null or an array of text-string pairs) that is
+//! of unsigned integers and null or an array of arrays of text strings) that is
 //! shortest-form heads and definite lengths only, so the encoder below is a
 //! dozen lines that write straight into one reused buffer. A general CBOR
 //! crate (`ciborium`) would build a `Value` per token first: about 100,000
@@ -71,8 +75,26 @@ fn text(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
-/// The canonical CBOR of one block's hash input: `[parent, [tokens], extra]`.
-pub fn encode_block(out: &mut Vec<u8>, parent: &VllmBlockHash, tokens: &[u32], salt: Option<&str>) {
+/// A LoRA adapter's extra key, vLLM's `("lora", lora_name, lora_path)`
+/// (`_gen_lora_extra_hash_keys`): the request's `model` and the adapter's
+/// path on the server (its `--lora-modules name=path`, the card's `root`
+/// in `/v1/models`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoraKey<'a> {
+    pub name: &'a str,
+    pub path: &'a str,
+}
+
+/// The canonical CBOR of one block's hash input: `[parent, [tokens], extra]`,
+/// with extra the LoRA key (every block of an adapter's request) then the
+/// salt (block 0 only: the caller passes it for that block), or null.
+pub fn encode_block(
+    out: &mut Vec<u8>,
+    parent: &VllmBlockHash,
+    tokens: &[u32],
+    lora: Option<LoraKey<'_>>,
+    salt: Option<&str>,
+) {
     out.clear();
     head(out, ARRAY, 3);
     head(out, BYTES, parent.len() as u64);
@@ -81,15 +103,24 @@ pub fn encode_block(out: &mut Vec<u8>, parent: &VllmBlockHash, tokens: &[u32], s
     for &t in tokens {
         head(out, UINT, u64::from(t));
     }
-    match salt {
-        // extra_keys = (("cache_salt", salt),)
-        Some(s) => {
-            head(out, ARRAY, 1);
-            head(out, ARRAY, 2);
-            text(out, "cache_salt");
-            text(out, s);
-        }
-        None => out.push(NULL),
+    let n = u64::from(lora.is_some()) + u64::from(salt.is_some());
+    if n == 0 {
+        out.push(NULL);
+        return;
+    }
+    // extra_keys = (("lora", name, path), ("cache_salt", salt)), either part
+    // absent.
+    head(out, ARRAY, n);
+    if let Some(l) = lora {
+        head(out, ARRAY, 3);
+        text(out, "lora");
+        text(out, l.name);
+        text(out, l.path);
+    }
+    if let Some(s) = salt {
+        head(out, ARRAY, 2);
+        text(out, "cache_salt");
+        text(out, s);
     }
 }
 
@@ -125,11 +156,13 @@ impl VllmBlockHasher {
 
     /// Calls `each` with the hash of every full block of `token_ids`, from
     /// block 0, stopping after `max_blocks`. An empty `cache_salt` is no salt
-    /// (vLLM tests its truthiness).
+    /// (vLLM tests its truthiness). `lora`: the request is for this LoRA
+    /// adapter (its key goes into every block).
     pub fn for_each_block(
         &self,
         token_ids: &[u32],
         block_size: u32,
+        lora: Option<LoraKey<'_>>,
         cache_salt: Option<&str>,
         max_blocks: usize,
         mut each: impl FnMut(&VllmBlockHash),
@@ -137,31 +170,52 @@ impl VllmBlockHasher {
         let bs = block_size.max(1) as usize;
         let salt = cache_salt.filter(|s| !s.is_empty());
         let mut parent = self.none_hash;
-        // 9 bytes per token at most, plus the parent and the salt.
-        let mut buf = Vec::with_capacity(bs * 5 + 48 + salt.map_or(0, |s| s.len() + 24));
+        // 9 bytes per token at most, plus the parent, the LoRA key and the salt.
+        let extra =
+            salt.map_or(0, |s| s.len() + 24) + lora.map_or(0, |l| l.name.len() + l.path.len() + 32);
+        let mut buf = Vec::with_capacity(bs * 5 + 48 + extra);
         for (i, block) in token_ids.chunks_exact(bs).take(max_blocks).enumerate() {
-            encode_block(&mut buf, &parent, block, if i == 0 { salt } else { None });
+            encode_block(
+                &mut buf,
+                &parent,
+                block,
+                lora,
+                if i == 0 { salt } else { None },
+            );
             parent = Sha256::digest(&buf).into();
             each(&parent);
         }
     }
 
-    /// Hashes of the full blocks of `token_ids`, from block 0.
+    /// Hashes of the full blocks of `token_ids`, from block 0 (a base
+    /// model's request).
     pub fn block_hashes(
         &self,
         token_ids: &[u32],
         block_size: u32,
         cache_salt: Option<&str>,
     ) -> Vec<VllmBlockHash> {
+        self.block_hashes_with(token_ids, block_size, None, cache_salt)
+    }
+
+    /// [`block_hashes`](Self::block_hashes) of a request for `lora` (when
+    /// `Some`).
+    pub fn block_hashes_with(
+        &self,
+        token_ids: &[u32],
+        block_size: u32,
+        lora: Option<LoraKey<'_>>,
+        cache_salt: Option<&str>,
+    ) -> Vec<VllmBlockHash> {
         let mut out = Vec::with_capacity(token_ids.len() / block_size.max(1) as usize);
-        self.for_each_block(token_ids, block_size, cache_salt, usize::MAX, |h| {
+        self.for_each_block(token_ids, block_size, lora, cache_salt, usize::MAX, |h| {
             out.push(*h)
         });
         out
     }
 
     /// `block_hashes` in the 64-bit form that KV events carry, at most
-    /// `max_blocks` of them.
+    /// `max_blocks` of them (a base model's request).
     pub fn block_hashes_u64(
         &self,
         token_ids: &[u32],
@@ -169,9 +223,22 @@ impl VllmBlockHasher {
         cache_salt: Option<&str>,
         max_blocks: usize,
     ) -> Vec<u64> {
+        self.block_hashes_u64_with(token_ids, block_size, None, cache_salt, max_blocks)
+    }
+
+    /// [`block_hashes_u64`](Self::block_hashes_u64) of a request for `lora`
+    /// (when `Some`).
+    pub fn block_hashes_u64_with(
+        &self,
+        token_ids: &[u32],
+        block_size: u32,
+        lora: Option<LoraKey<'_>>,
+        cache_salt: Option<&str>,
+        max_blocks: usize,
+    ) -> Vec<u64> {
         let bs = block_size.max(1) as usize;
         let mut out = Vec::with_capacity((token_ids.len() / bs).min(max_blocks));
-        self.for_each_block(token_ids, block_size, cache_salt, max_blocks, |h| {
+        self.for_each_block(token_ids, block_size, lora, cache_salt, max_blocks, |h| {
             out.push(low64(h))
         });
         out
@@ -189,6 +256,10 @@ mod tests {
         python_hash_seed: Option<String>,
         block_size: u32,
         cache_salt: Option<String>,
+        #[serde(default)]
+        lora_name: Option<String>,
+        #[serde(default)]
+        lora_path: Option<String>,
         token_ids: Vec<u32>,
         none_hash_hex: String,
         block_hashes_hex: Vec<String>,
@@ -207,21 +278,29 @@ mod tests {
     #[test]
     fn matches_vectors_made_by_vllm() {
         let vs = vectors();
-        assert!(vs.len() >= 8);
+        assert!(vs.len() >= 12);
+        let mut lora_cases = 0;
         for v in vs {
             let h = VllmBlockHasher::new(v.python_hash_seed.as_deref());
             assert_eq!(hex(&h.none_hash()), v.none_hash_hex, "{}", v.name);
-            let got = h.block_hashes(&v.token_ids, v.block_size, v.cache_salt.as_deref());
+            let lora = match (&v.lora_name, &v.lora_path) {
+                (Some(name), Some(path)) => Some(LoraKey { name, path }),
+                _ => None,
+            };
+            lora_cases += usize::from(lora.is_some());
+            let salt = v.cache_salt.as_deref();
+            let got = h.block_hashes_with(&v.token_ids, v.block_size, lora, salt);
             let got_hex: Vec<String> = got.iter().map(|x| hex(x)).collect();
             assert_eq!(got_hex, v.block_hashes_hex, "{}", v.name);
-            let got64 = h.block_hashes_u64(
-                &v.token_ids,
-                v.block_size,
-                v.cache_salt.as_deref(),
-                usize::MAX,
-            );
+            let got64 = h.block_hashes_u64_with(&v.token_ids, v.block_size, lora, salt, usize::MAX);
             assert_eq!(got64, v.block_hashes_u64, "{}", v.name);
+            if lora.is_some() {
+                // The LoRA key changes every block's hash.
+                let base = h.block_hashes_u64(&v.token_ids, v.block_size, salt, usize::MAX);
+                assert!(base.iter().zip(&got64).all(|(a, b)| a != b), "{}", v.name);
+            }
         }
+        assert!(lora_cases >= 4);
     }
 
     #[test]
@@ -266,14 +345,31 @@ mod tests {
     }
 
     /// The same value built as a ciborium `Value` and encoded by ciborium.
-    fn ciborium_bytes(parent: &VllmBlockHash, tokens: &[u32], salt: Option<&str>) -> Vec<u8> {
+    fn ciborium_bytes(
+        parent: &VllmBlockHash,
+        tokens: &[u32],
+        lora: Option<LoraKey<'_>>,
+        salt: Option<&str>,
+    ) -> Vec<u8> {
         use ciborium::value::Value;
-        let extra = match salt {
-            Some(s) => Value::Array(vec![Value::Array(vec![
+        let mut keys = Vec::new();
+        if let Some(l) = lora {
+            keys.push(Value::Array(vec![
+                Value::Text("lora".into()),
+                Value::Text(l.name.into()),
+                Value::Text(l.path.into()),
+            ]));
+        }
+        if let Some(s) = salt {
+            keys.push(Value::Array(vec![
                 Value::Text("cache_salt".into()),
                 Value::Text(s.into()),
-            ])]),
-            None => Value::Null,
+            ]));
+        }
+        let extra = if keys.is_empty() {
+            Value::Null
+        } else {
+            Value::Array(keys)
         };
         let v = Value::Array(vec![
             Value::Bytes(parent.to_vec()),
@@ -304,22 +400,34 @@ mod tests {
         ];
         let mut buf = Vec::new();
         for n in [0usize, 1, 3, 11] {
-            encode_block(&mut buf, &parent, &ids[..n], None);
-            assert_eq!(buf, ciborium_bytes(&parent, &ids[..n], None), "n={n}");
+            encode_block(&mut buf, &parent, &ids[..n], None, None);
+            assert_eq!(buf, ciborium_bytes(&parent, &ids[..n], None, None), "n={n}");
         }
         // Array lengths across the 1-, 2- and 3-byte heads (23/24, 255/256).
         for len in [23usize, 24, 255, 256, 1000] {
             let t: Vec<u32> = (0..len as u32).map(|i| i * 4099).collect();
-            encode_block(&mut buf, &parent, &t, None);
-            assert_eq!(buf, ciborium_bytes(&parent, &t, None), "len={len}");
+            encode_block(&mut buf, &parent, &t, None, None);
+            assert_eq!(buf, ciborium_bytes(&parent, &t, None, None), "len={len}");
         }
         let long_salt = "s".repeat(300);
         for salt in ["a", "tenant-a", long_salt.as_str(), "ünïcode"] {
-            encode_block(&mut buf, &parent, &ids, Some(salt));
-            assert_eq!(buf, ciborium_bytes(&parent, &ids, Some(salt)));
+            encode_block(&mut buf, &parent, &ids, None, Some(salt));
+            assert_eq!(buf, ciborium_bytes(&parent, &ids, None, Some(salt)));
+        }
+        let long_path = format!("/adapters/{}", "p".repeat(300));
+        for (name, path) in [("sql", "/tmp/kvr-lora/sql"), ("ünï", long_path.as_str())] {
+            let lora = Some(LoraKey { name, path });
+            for salt in [None, Some("tenant-a")] {
+                encode_block(&mut buf, &parent, &ids, lora, salt);
+                assert_eq!(
+                    buf,
+                    ciborium_bytes(&parent, &ids, lora, salt),
+                    "{name} {salt:?}"
+                );
+            }
         }
         // Spot check of the shape: array(3), bytes(32), …
-        encode_block(&mut buf, &parent, &[24], None);
+        encode_block(&mut buf, &parent, &[24], None, None);
         assert_eq!(&buf[..3], &[0x83, 0x58, 0x20]);
         assert_eq!(&buf[35..], &[0x81, 0x18, 24, 0xf6]);
     }

@@ -24,6 +24,9 @@ pub struct ModelCard {
     pub id: String,
     /// The base model it adapts (`parent`), for a LoRA adapter.
     pub parent: Option<String>,
+    /// `root`: a base model's path, or an adapter's (the `path` of its
+    /// `--lora-modules name=path`, which vLLM hashes its blocks with).
+    pub root: Option<String>,
 }
 
 impl ModelCard {
@@ -42,6 +45,8 @@ struct RawCard {
     id: String,
     #[serde(default)]
     parent: Option<String>,
+    #[serde(default)]
+    root: Option<String>,
 }
 
 /// The cards of a `/v1/models` answer, at most [`MAX_CARDS`].
@@ -56,6 +61,7 @@ pub fn parse(body: &[u8]) -> Result<Vec<ModelCard>, String> {
         .map(|c| ModelCard {
             id: c.id,
             parent: c.parent.filter(|p| !p.is_empty()),
+            root: c.root.filter(|r| !r.is_empty()),
         })
         .collect())
 }
@@ -76,11 +82,13 @@ mod tests {
             vec![
                 ModelCard {
                     id: "tiny".into(),
-                    parent: None
+                    parent: None,
+                    root: Some("/models/tiny".into()),
                 },
                 ModelCard {
                     id: "sql-lora".into(),
-                    parent: Some("tiny".into())
+                    parent: Some("tiny".into()),
+                    root: Some("/adapters/sql".into()),
                 }
             ]
         );
@@ -95,16 +103,16 @@ mod tests {
             "../../../../testdata/vllm/models-vllm-0.32-cpu-lora.json"
         ))
         .unwrap();
-        let got: Vec<(&str, Option<&str>)> = cards
+        let got: Vec<(&str, Option<&str>, Option<&str>)> = cards
             .iter()
-            .map(|c| (c.id.as_str(), c.parent.as_deref()))
+            .map(|c| (c.id.as_str(), c.parent.as_deref(), c.root.as_deref()))
             .collect();
         assert_eq!(
             got,
             vec![
-                ("tiny", None),
-                ("sql", Some("tiny")),
-                ("idle-lora", Some("tiny"))
+                ("tiny", None, Some("/root/.cache/kvroute/vllm-0.32/model")),
+                ("sql", Some("tiny"), Some("/tmp/kvr-lora/sql")),
+                ("idle-lora", Some("tiny"), Some("/tmp/kvr-lora/sql"))
             ]
         );
     }
@@ -135,5 +143,11 @@ mod tests {
         many.push_str("]}");
         assert_eq!(parse(many.as_bytes()).unwrap().len(), MAX_CARDS);
         assert_eq!(parse(b"{\"data\":[{\"id\":\"\"}]}").unwrap(), vec![]);
+        // No root, a null one, an empty one: no path.
+        let cards = parse(
+            br#"{"data":[{"id":"a","parent":"b"},{"id":"c","parent":"b","root":null},{"id":"d","parent":"b","root":""}]}"#,
+        )
+        .unwrap();
+        assert!(cards.iter().all(|c| c.root.is_none()));
     }
 }
