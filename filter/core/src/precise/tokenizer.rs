@@ -208,12 +208,14 @@ impl ChatRenderer {
         &self,
         chat: &ChatTemplateInputs,
     ) -> Result<(String, bool), TokenizeError> {
-        if let Some(why) = chat.unsupported {
-            return Err(TokenizeError::Unsupported(why));
-        }
+        // In `render_chat`'s order: the template, the body's fields, then
+        // what vLLM would build that kvroute does not reproduce.
         let env = self.template_env()?;
         if let Some(e) = &chat.error {
             return Err(TokenizeError::Template(format!("messages: {e}")));
+        }
+        if let Some(why) = chat.unsupported {
+            return Err(TokenizeError::Unsupported(why));
         }
         let flags = (
             chat.continue_final_message,
