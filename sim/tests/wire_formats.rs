@@ -179,6 +179,12 @@ fn emulator_token_id_requests_hash_like_vllm() {
         let Some(seed) = c["python_hash_seed"].as_str() else {
             continue;
         };
+        // The emulator serves adapters by name only (no path): it hashes
+        // their prompts as the base model's, so the LoRA vectors (vLLM's
+        // `("lora", name, path)` key) are kvroute's, not the emulator's.
+        if c["lora_name"].is_string() {
+            continue;
+        }
         let mut cfg = EmulatorConfig {
             python_hash_seed: seed.to_owned(),
             ..EmulatorConfig::default()
