@@ -255,15 +255,8 @@ impl Stream {
             if !unread {
                 w.counts.inc(host, Counter::ClientHeaderStripped);
             }
-            if let Err(e) = host.remove_request_header(&routing.destination_header) {
-                // Cannot strip it: refuse rather than let the client pick.
-                w.host_error(host, "removing the client's destination header", e);
-                return Self::reply(
-                    &w,
-                    host,
-                    500,
-                    &openai_error("internal error", "internal_error", 500),
-                );
+            if let Err(a) = Self::strip(&w, host, &routing.destination_header, "destination") {
+                return a;
             }
         }
         // Body-based routing (`routing.modelHeader`): the model header is
@@ -271,16 +264,8 @@ impl Stream {
         // request (routed, passed on, or refused).
         if let Some(name) = routing.model_header.as_deref() {
             if unread || header(name).is_some() {
-                if let Err(e) = host.remove_request_header(name) {
-                    // Cannot strip it: refuse rather than let the client
-                    // pick the route.
-                    w.host_error(host, "removing the client's model header", e);
-                    return Self::reply(
-                        &w,
-                        host,
-                        500,
-                        &openai_error("internal error", "internal_error", 500),
-                    );
+                if let Err(a) = Self::strip(&w, host, name, "model") {
+                    return a;
                 }
             }
         }
@@ -556,6 +541,21 @@ impl Stream {
             self.served = d.destination.split(',').next().map(str::to_string);
             self.destination = Some(d.destination);
         }
+    }
+
+    /// Removes a client's copy of a header kvroute owns (`what`: which);
+    /// `Err` is the 500 reply when it cannot: refuse rather than let the
+    /// client pick the endpoint or the route.
+    fn strip(w: &Rc<Worker>, host: &dyn Host, name: &str, what: &str) -> Result<(), Action> {
+        host.remove_request_header(name).map_err(|e| {
+            w.host_error(host, &format!("removing the client's {what} header"), e);
+            Self::reply(
+                w,
+                host,
+                500,
+                &openai_error("internal error", "internal_error", 500),
+            )
+        })
     }
 
     pub fn on_response_headers(&mut self, host: &dyn Host, end_of_stream: bool) -> Action {
